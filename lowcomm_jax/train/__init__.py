@@ -1,0 +1,1 @@
+"""lowcomm_jax.train."""
