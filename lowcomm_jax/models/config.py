@@ -1,0 +1,112 @@
+"""Model shapes: a frozen dataclass and the named sizes.
+
+`tiny` is for tests, `small` for CPU runs and benchmarks, and the `sdl_*`
+presets are the Streaming DiLoCo paper's C4 scaling models (PAPERS.md 1.4:
+layers 6/9/12/15/18/24/36, heads 8..48, d_model = 64·heads, hidden = 4·d_model,
+vocabulary 32k), sized for accelerators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape of a Llama-style decoder.
+
+  Attributes:
+    vocab_size: tokens in the vocabulary (256 for the byte tokenizer).
+    d_model: width of the residual stream.
+    num_layers: transformer blocks, stacked on a leading layer axis.
+    num_heads: attention heads; head_dim = d_model // num_heads.
+    d_ff: hidden width of the SwiGLU feed-forward.
+    max_seq_len: longest sequence the rotary table is built for.
+    rope_base: rotary frequency base.
+    norm_eps: RMSNorm epsilon.
+    dtype: compute dtype of activations ("float32" or "bfloat16"); parameters
+      are always float32.
+  """
+
+  vocab_size: int = 256
+  d_model: int = 128
+  num_layers: int = 6
+  num_heads: int = 4
+  d_ff: int = 384
+  max_seq_len: int = 256
+  rope_base: float = 10_000.0
+  norm_eps: float = 1e-5
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+    if self.d_model % self.num_heads:
+      raise ValueError(
+          f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
+    if (self.d_model // self.num_heads) % 2:
+      raise ValueError("model.d_model // model.num_heads must be even for rotary embeddings, got "
+                       f"{self.d_model // self.num_heads}")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+def _paper_preset(layers: int, heads: int) -> ModelConfig:
+  d_model = 64 * heads
+  return ModelConfig(vocab_size=32_000, d_model=d_model, num_layers=layers, num_heads=heads,
+                     d_ff=4 * d_model, max_seq_len=2048, dtype="bfloat16")
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_seq_len=128),
+    "small": ModelConfig(d_model=128, num_layers=6, num_heads=4, d_ff=384, max_seq_len=256),
+    # Streaming DiLoCo C4 scaling presets (PAPERS.md 1.4), for accelerators.
+    "sdl_35m": _paper_preset(6, 8),
+    "sdl_100m": _paper_preset(9, 12),
+    "sdl_200m": _paper_preset(12, 16),
+    "sdl_300m": _paper_preset(15, 20),
+    "sdl_500m": _paper_preset(18, 24),
+    "sdl_1b": _paper_preset(24, 32),
+    "sdl_4b": _paper_preset(36, 48),
+}
+
+
+def get_model_config(name: str, **overrides) -> ModelConfig:
+  """Returns the named preset with `overrides` applied."""
+  if name not in PRESETS:
+    raise ValueError(f"model.size must be one of {sorted(PRESETS)}, got {name!r}")
+  return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def param_count(cfg: ModelConfig, include_embedding: bool = True) -> int:
+  """Parameters of the decoder, counted from the shapes.
+
+  Per block: two RMSNorm scales (2d), q/k/v/o projections (4d²) and the SwiGLU
+  gate, up and down projections (3·d·d_ff). Outside the blocks: the token
+  embedding (V·d), the final norm (d) and an untied output head (d·V).
+  """
+  d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+  per_block = 2 * d + 4 * d * d + 3 * d * f
+  total = cfg.num_layers * per_block + d + d * v
+  if include_embedding:
+    total += v * d
+  return total
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> float:
+  """Matmul FLOPs per token, counted by hand (2 FLOPs per multiply-add).
+
+  Forward, per token: 2 × (4d² + 3·d·d_ff) per block for the projections,
+  2·T·d for the scores QKᵀ and 2·T·d for the weighted sum of values per block
+  (causal masking not discounted, as in Kaplan et al.), and 2·d·V for the head.
+  The embedding lookup is a gather (no FLOPs). Training costs 3× the forward
+  (backward = 2× forward).
+  """
+  d, f, v, layers = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.num_layers
+  forward = layers * (2 * (4 * d * d + 3 * d * f) + 4 * seq_len * d) + 2 * d * v
+  return float(3 * forward if training else forward)

@@ -1,0 +1,181 @@
+"""A Llama-style decoder in Flax NNX: RMSNorm, rotary positions, SwiGLU, causal attention.
+
+The transformer blocks are stacked on a leading layer axis (one `Block` made by
+`nnx.vmap`), so that fragments (Streaming DiLoCo) and pipeline paths
+(SkipPipe, NoLoCo) can index layers. `Decoder.__call__` takes an optional
+`path`: a sequence of layer indices run in the given order. A path that omits
+a layer gives that layer no gradient; a path that swaps two layers runs them
+swapped. The default (no path) scans the stacked blocks in order.
+
+Every parameter carries `logical_axes` metadata (names such as "embed",
+"mlp", "heads", "vocab"); `lowcomm_jax.sharding` maps them to mesh axes.
+Stacked block parameters get the logical axis "layers" in front.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lowcomm_jax.models.config import ModelConfig
+
+_INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], std: float) -> nnx.Param:
+  return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) · scale, computed in float32."""
+
+  def __init__(self, dim: int, eps: float):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("norm",))
+    self.eps = eps
+
+  def __call__(self, x_BxTxD):
+    x = x_BxTxD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * self.scale[...]).astype(x_BxTxD.dtype)
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+  """cos and sin tables of shape [T, head_dim // 2] for rotary positions."""
+  inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles_TxK = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  return jnp.cos(angles_TxK), jnp.sin(angles_TxK)
+
+
+def apply_rotary(x_BxTxHxK, cos_TxK2, sin_TxK2):
+  """Rotates pairs (first half, second half) of each head's features by position."""
+  x1, x2 = jnp.split(x_BxTxHxK.astype(jnp.float32), 2, axis=-1)
+  cos, sin = cos_TxK2[None, :, None, :], sin_TxK2[None, :, None, :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxHxK.dtype)
+
+
+class Attention(nnx.Module):
+  """Causal multi-head self-attention with rotary positions."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
+    out_std = _INIT_STD / (2 * cfg.num_layers) ** 0.5  # keeps the residual stream's scale with depth
+    self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
+    self.wk = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
+    self.wv = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
+    self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), out_std)
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x_BxTxD, cos, sin):
+    dt = self.dtype
+    q = apply_rotary(jnp.einsum("btd,dhk->bthk", x_BxTxD, self.wq[...].astype(dt)), cos, sin)
+    k = apply_rotary(jnp.einsum("btd,dhk->bthk", x_BxTxD, self.wk[...].astype(dt)), cos, sin)
+    v = jnp.einsum("btd,dhk->bthk", x_BxTxD, self.wv[...].astype(dt))
+    scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q, k).astype(jnp.float32) / q.shape[-1] ** 0.5
+    t = x_BxTxD.shape[1]
+    causal_TxS = jnp.tril(jnp.ones((t, t), bool))
+    scores_BxHxTxS = jnp.where(causal_TxS, scores_BxHxTxS, -1e30)
+    probs = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(dt)
+    out_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs, v)
+    return jnp.einsum("bthk,hkd->btd", out_BxTxHxK, self.wo[...].astype(dt))
+
+
+class SwiGLU(nnx.Module):
+  """down(silu(gate(x)) · up(x))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.d_model, cfg.d_ff
+    self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), _INIT_STD)
+    self.w_up = _param(rngs, (d, f), ("embed", "mlp"), _INIT_STD)
+    self.w_down = _param(rngs, (f, d), ("mlp", "embed"), _INIT_STD / (2 * cfg.num_layers) ** 0.5)
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x_BxTxD):
+    dt = self.dtype
+    gate = jax.nn.silu(x_BxTxD @ self.w_gate[...].astype(dt))
+    return (gate * (x_BxTxD @ self.w_up[...].astype(dt))) @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp = SwiGLU(cfg, rngs)
+
+  def __call__(self, x_BxTxD, cos, sin):
+    x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), cos, sin)
+    return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+
+
+class Decoder(nnx.Module):
+  """Token embedding, `num_layers` stacked blocks, final norm and an untied head."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_blocks(rngs):
+      return Block(cfg, rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), _INIT_STD)
+
+  def __call__(self, tokens_BxT, path=None):
+    """Logits [B, T, V] for int tokens [B, T].
+
+    Args:
+      tokens_BxT: int token ids.
+      path: None to run every block in order, or a 1-D int sequence of layer
+        indices run in that order (repeats allowed; omitted layers are skipped).
+    """
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    t = tokens_BxT.shape[1]
+    if t > cfg.max_seq_len:
+      raise ValueError(f"sequence length {t} exceeds model.max_seq_len={cfg.max_seq_len}")
+    cos, sin = rotary_tables(t, cfg.head_dim, cfg.rope_base)
+    x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
+    graphdef, blocks_state = nnx.split(self.blocks)
+
+    def run_block(x, layer_state):
+      return nnx.merge(graphdef, layer_state)(x, cos, sin), None
+
+    if path is None:
+      x_BxTxD, _ = jax.lax.scan(run_block, x_BxTxD, blocks_state)
+    else:
+      def run_indexed(x, layer_index):
+        # Gathering one layer's slice: a skipped layer's slice is never read, so it gets no gradient.
+        return run_block(x, jax.tree.map(lambda a: a[layer_index], blocks_state))
+      x_BxTxD, _ = jax.lax.scan(run_indexed, x_BxTxD, jnp.asarray(path, jnp.int32))
+    x_BxTxD = self.final_norm(x_BxTxD)
+    return (x_BxTxD @ self.head[...].astype(dt)).astype(jnp.float32)
+
+
+def logical_axes(model_or_state) -> dict:
+  """The tree of logical axis names of every parameter (stacked blocks get "layers" in front)."""
+  state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+
+  def axes_of(path, variable):
+    axes = tuple(variable.get_metadata()["logical_axes"])
+    if path and path[0] == "blocks":
+      axes = ("layers",) + axes
+    if len(axes) != variable[...].ndim:
+      raise ValueError(f"parameter {'/'.join(map(str, path))} has {variable[...].ndim} dims but "
+                       f"logical axes {axes}")
+    return axes
+
+  return nnx.map_state(axes_of, state) if hasattr(nnx, "map_state") else _map_with_path(axes_of, state)
+
+
+def _map_with_path(fn, state):
+  flat = nnx.to_flat_state(state)
+  return {tuple(str(k) for k in path): fn(tuple(str(k) for k in path), var) for path, var in flat}
