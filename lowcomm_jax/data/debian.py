@@ -540,3 +540,7 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, *,
 def documents(name: str, cache_dir: str | os.PathLike | None = None) -> Documents:
   """Documents of source `name` (see `Source.documents`)."""
   return _source_named(name).documents(cache_dir)
+
+
+# The name `lowcomm_jax.data.corpora` reads `debian:<source>` corpora through.
+load_documents = documents
