@@ -1,0 +1,315 @@
+"""Compute utilization of one worker under DP, DiLoCo and Streaming DiLoCo.
+
+Reproduces the simulator behind Streaming DiLoCo's Table 4 (arXiv 2501.18512,
+PAPERS.md 1.3): how much WAN bandwidth each method needs so that the
+accelerators spend a target fraction of the wall time computing.
+
+The model (all workers are alike, so one worker's timeline is enough):
+
+* **Compute.** A step of ``t`` seconds (``Workload``) is split evenly over the
+  L layers and, per layer, evenly over forward, backward for activations and
+  backward for weights (Kaplan: 2N, 2N and 2N FLOPs per token). Layer ``l``'s
+  gradient (or outer gradient) is ready when its backward-for-weights ends,
+  ``t/3 + (L − l)·2t/(3L)`` after the step starts: the last layer first.
+* **Communication.** Each layer's tensor is its own ring all-reduce (M
+  workers, ``network.ring_all_reduce_seconds``) that starts as soon as it is
+  ready, so it overlaps the rest of the backward; all reductions queue FIFO on
+  the worker's one link (``clock.run_timeline``). Embeddings and head are
+  counted inside the layers (N/L parameters per layer).
+* **Methods** (``Method``): data-parallel reduces every layer every step and
+  the next step waits for it; DiLoCo reduces every layer every H steps and the
+  next step waits; Streaming DiLoCo reduces one fragment of 3 layers (strided:
+  layers p, p+P, p+2P, …; P = L/3) per H/P steps, fragment p at steps
+  ``r·H + ⌊(p+1)·H/P⌋ − 1``; with overlap τ the result is waited for only at
+  the start of the step τ steps later.
+* **Wire formats.** Data-parallel sends bf16 gradients, DiLoCo and Streaming
+  bf16 outer gradients, the FP4 variant 4-bit codes: 16, 16, 16 and 4 bits per
+  parameter. Why bf16 rather than fp32: the paper's Table 1 counts ≈400× fewer
+  bits for overlapped-FP4 Streaming than for DP at H = 100, which is
+  H · 16 / 4; and the DiLoCo and Streaming columns of Table 4 are only
+  reachable with 16 bits (fp32 would double them).
+* **Compute utilization** CU = compute time / wall time, measured in steady
+  state: over rounds 1..R−1 of H steps (round 0 is warm-up), from the start of
+  step H to the start of step R·H.
+
+``required_bandwidth`` inverts CU(B) by bisection on log B; CU is
+non-decreasing in B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from lowcomm_jax.sim import clock
+from lowcomm_jax.sim import network as network_lib
+
+__all__ = [
+    "ModelShape", "Workload", "Method", "data_parallel", "diloco", "streaming",
+    "table4_methods", "PAPER_WORKLOADS", "simulate_method",
+    "compute_utilization", "required_bandwidth",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """What the simulator needs to know about a model.
+
+  Attributes:
+    num_layers: L, transformer blocks.
+    num_params: N, parameters exchanged by a full sync.
+    flops_per_token: training FLOPs per token; ``None`` means Kaplan's 6·N.
+  """
+
+  num_layers: int
+  num_params: float
+  flops_per_token: float | None = None
+
+  def __post_init__(self):
+    if int(self.num_layers) != self.num_layers or self.num_layers < 1:
+      raise ValueError(f"num_layers: must be an integer >= 1, got {self.num_layers}")
+    if not self.num_params > 0:
+      raise ValueError(f"num_params: must be > 0, got {self.num_params}")
+
+  @property
+  def training_flops_per_token(self) -> float:
+    if self.flops_per_token is not None:
+      return self.flops_per_token
+    return 6.0 * self.num_params
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """A model and the pure-compute time of one inner step on one worker.
+
+  Attributes:
+    model: the ``ModelShape``.
+    step_seconds: t, seconds of one step with no communication.
+  """
+
+  model: ModelShape
+  step_seconds: float
+
+  def __post_init__(self):
+    if not self.step_seconds > 0:
+      raise ValueError(f"step_seconds: must be > 0, got {self.step_seconds}")
+
+  @classmethod
+  def from_flops(cls, model: ModelShape, tokens_per_step: float,
+                 peak_flops_per_s: float, mfu: float = 0.6) -> "Workload":
+    """t = tokens per step · FLOPs per token / (peak FLOP/s · MFU).
+
+    Args:
+      model: the model.
+      tokens_per_step: tokens one worker processes per inner step.
+      peak_flops_per_s: the worker's peak FLOP/s (all its accelerators).
+      mfu: model FLOPs utilization; 60% as in the paper.
+    """
+    if not 0 < mfu <= 1:
+      raise ValueError(f"mfu: must be in (0, 1], got {mfu}")
+    flops = tokens_per_step * model.training_flops_per_token
+    return cls(model, flops / (peak_flops_per_s * mfu))
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A synchronization scheme.
+
+  Attributes:
+    name: label for tables.
+    sync_every: H, inner steps between two syncs of the same parameters.
+    layers_per_fragment: layers per fragment (Streaming, 3 in the paper);
+      ``None`` syncs the whole model at once (DP, DiLoCo).
+    overlap_steps: τ, steps a sync may run before the worker waits for it.
+    bits_per_param: bits on the wire per parameter.
+  """
+
+  name: str
+  sync_every: int = 1
+  layers_per_fragment: int | None = None
+  overlap_steps: int = 0
+  bits_per_param: float = 16.0
+
+  def __post_init__(self):
+    if int(self.sync_every) != self.sync_every or self.sync_every < 1:
+      raise ValueError(f"sync_every: must be an integer >= 1, got {self.sync_every}")
+    if self.layers_per_fragment is not None and self.layers_per_fragment < 1:
+      raise ValueError("layers_per_fragment: must be None or >= 1, got "
+                       f"{self.layers_per_fragment}")
+    if self.overlap_steps < 0:
+      raise ValueError(f"overlap_steps: must be >= 0, got {self.overlap_steps}")
+    if not self.bits_per_param > 0:
+      raise ValueError(f"bits_per_param: must be > 0, got {self.bits_per_param}")
+
+  def num_fragments(self, num_layers: int) -> int:
+    """P: ⌈L / layers per fragment⌉, or 1 for a whole-model sync."""
+    if self.layers_per_fragment is None:
+      return 1
+    return math.ceil(num_layers / self.layers_per_fragment)
+
+
+def data_parallel(bits_per_param: float = 16.0) -> Method:
+  """All-reduce of every gradient at every step (bf16 by default)."""
+  return Method("Data-Parallel", 1, None, 0, bits_per_param)
+
+
+def diloco(sync_every: int = 100, bits_per_param: float = 16.0) -> Method:
+  """DiLoCo: the whole outer gradient every H steps, blocking."""
+  return Method("DiLoCo", sync_every, None, 0, bits_per_param)
+
+
+def streaming(sync_every: int = 100, layers_per_fragment: int = 3,
+              overlap_steps: int = 0, bits_per_param: float = 16.0,
+              name: str | None = None) -> Method:
+  """Streaming DiLoCo: one strided fragment every H/P steps, overlapped τ."""
+  if name is None:
+    name = "Streaming DiLoCo"
+    if overlap_steps:
+      name += f" + overlap τ={overlap_steps}"
+    if bits_per_param != 16:
+      name += f" + {bits_per_param:g}-bit"
+  return Method(name, sync_every, layers_per_fragment, overlap_steps,
+                bits_per_param)
+
+
+def table4_methods(sync_every: int = 100) -> list[Method]:
+  """The five columns of the paper's Table 4 (τ = 1 for the overlapped ones)."""
+  return [
+      data_parallel(),
+      diloco(sync_every),
+      streaming(sync_every, name="Streaming DiLoCo"),
+      streaming(sync_every, overlap_steps=1, name="+ overlap"),
+      streaming(sync_every, overlap_steps=1, bits_per_param=4,
+                name="+ overlap + FP4"),
+  ]
+
+
+# The paper's three simulated models with its own step times (Table 4). N is
+# the model's label; see docs/simulator.md for what moves the 100B cells.
+PAPER_WORKLOADS = {
+    "1B": Workload(ModelShape(24, 1e9), 0.1),
+    "10B": Workload(ModelShape(48, 1e10), 0.8),
+    "100B": Workload(ModelShape(108, 1e11), 4.9),
+}
+
+
+def _transfers(method: Method, workload: Workload, num_workers: int,
+               network: network_lib.Network, num_steps: int,
+               overlap_backward: bool,
+               forward_dependency: bool) -> list[clock.Transfer]:
+  """Prices every per-layer reduction of ``num_steps`` steps."""
+  layers = workload.model.num_layers
+  t = workload.step_seconds
+  h = method.sync_every
+  p_count = method.num_fragments(layers)
+  layer_bytes = workload.model.num_params / layers * method.bits_per_param / 8
+  layer_seconds = network_lib.ring_all_reduce_seconds(
+      layer_bytes, num_workers, network)
+  # Step (within a round) at which each fragment syncs, torchft-style offsets;
+  # the last fragment syncs on the round's last step, as DiLoCo does.
+  sync_step = [math.floor((p + 1) * h / p_count) - 1 for p in range(p_count)]
+  transfers = []
+  for s in range(num_steps):
+    for p in range(p_count):
+      if s % h != sync_step[p]:
+        continue
+      consumed = s + 1 + method.overlap_steps
+      # Strided fragment p: layers p, p+P, ...; backward visits them from the
+      # top, so the highest layer is ready (and queued) first.
+      for layer in reversed(range(p, layers, p_count)):
+        if overlap_backward:
+          ready = t / 3 + (layers - layer) * 2 * t / (3 * layers)
+          # The consumed step's forward reaches this layer after layer·t/(3L).
+          needed = layer * t / (3 * layers) if forward_dependency else 0.0
+        else:
+          ready, needed = None, 0.0
+        transfers.append(clock.Transfer(s, consumed, layer_seconds, ready, needed))
+  return transfers
+
+
+def simulate_method(method: Method, workload: Workload, num_workers: int,
+                    network: "network_lib.Network | str", num_rounds: int = 3,
+                    overlap_backward: bool = True,
+                    forward_dependency: bool = True,
+                    extra_steps: int = 0) -> clock.Timeline:
+  """Timeline of ``num_rounds`` rounds of H steps (plus ``extra_steps``)."""
+  net = network_lib.parse_network(network)
+  if num_rounds < 2:
+    raise ValueError(f"num_rounds: must be >= 2 (one is warm-up), got {num_rounds}")
+  num_steps = num_rounds * method.sync_every + extra_steps
+  transfers = _transfers(method, workload, num_workers, net, num_steps,
+                         overlap_backward, forward_dependency)
+  return clock.run_timeline(workload.step_seconds, transfers, num_steps)
+
+
+def compute_utilization(method: Method, workload: Workload, num_workers: int,
+                        network: "network_lib.Network | str",
+                        num_rounds: int = 3,
+                        overlap_backward: bool = True,
+                        forward_dependency: bool = True) -> float:
+  """Steady-state CU = compute time / wall time.
+
+  Args:
+    method: the scheme (``data_parallel()``, ``diloco()``, ``streaming()``).
+    workload: model and step time.
+    num_workers: M.
+    network: bandwidth and latency of each worker's WAN link.
+    num_rounds: rounds of H steps simulated; the first is warm-up.
+    overlap_backward: start each layer's reduction when its gradient is ready
+      (the paper's model). False waits for the end of the step's compute,
+      which makes DiLoCo's CU exactly H·t / (H·t + t_allreduce).
+
+  Returns:
+    CU in (0, 1].
+  """
+  h = method.sync_every
+  # One extra step so that step R·H is a real step: its start waits only for
+  # what it consumes, not for syncs still allowed to run τ steps longer.
+  timeline = simulate_method(method, workload, num_workers, network,
+                             num_rounds, overlap_backward, forward_dependency,
+                             extra_steps=1)
+  wall = timeline.step_start[num_rounds * h] - timeline.step_start[h]
+  compute = (num_rounds - 1) * h * workload.step_seconds
+  return min(1.0, compute / wall)
+
+
+def required_bandwidth(method: Method, workload: Workload, num_workers: int,
+                       target_cu: float, latency_s: float = 0.0,
+                       rel_tol: float = 1e-4, low: float = 1e3,
+                       high: float = 1e16, **kwargs) -> float:
+  """Smallest bandwidth (bit/s) with CU ≥ ``target_cu``, by log bisection.
+
+  Args:
+    method, workload, num_workers: as for ``compute_utilization``.
+    target_cu: the utilization to reach, in (0, 1).
+    latency_s: ℓ of the link.
+    rel_tol: stop when high / low < 1 + rel_tol.
+    low, high: bracket in bit/s.
+    **kwargs: passed to ``compute_utilization``.
+
+  Returns:
+    The bandwidth, or ``math.inf`` when even an infinite bandwidth falls
+    short (latency alone costs too much).
+  """
+  if not 0 < target_cu < 1:
+    raise ValueError(f"target_cu: must be in (0, 1), got {target_cu}")
+
+  def cu(bandwidth):
+    return compute_utilization(method, workload, num_workers,
+                               network_lib.Network(bandwidth, latency_s),
+                               **kwargs)
+
+  if cu(math.inf) < target_cu:
+    return math.inf
+  if cu(low) >= target_cu:
+    return low
+  while cu(high) < target_cu:
+    low, high = high, high * 1e3
+  log_low, log_high = math.log(low), math.log(high)
+  while log_high - log_low > math.log1p(rel_tol):
+    mid = 0.5 * (log_low + log_high)
+    if cu(math.exp(mid)) >= target_cu:
+      log_high = mid
+    else:
+      log_low = mid
+  return math.exp(log_high)
