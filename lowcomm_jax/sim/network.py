@@ -86,7 +86,7 @@ _BANDWIDTH_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1
 _LATENCY_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _NUMBER = r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?|inf)"
 _SPEC_RE = re.compile(
-    rf"^\s*{_NUMBER}\s*([a-z]+)(?:/s|ps)?\s*,\s*{_NUMBER}\s*([a-zµ]+)\s*$",
+    rf"^\s*{_NUMBER}\s*([a-z]*?)(?:/s)?\s*,\s*{_NUMBER}\s*([a-zµ]+)\s*$",
     re.IGNORECASE)
 
 
@@ -96,7 +96,7 @@ def parse_network(spec: "str | Network") -> Network:
   Args:
     spec: one of ``datacenter``, ``cross_region``, ``internet``, ``home``; or a
       bandwidth with a unit in bit, kbit, Mbit, Gbit, Tbit (optionally followed
-      by ``/s`` or ``ps``) and a latency with a unit in s, ms, us, ns, e.g.
+      by ``/s``) and a latency with a unit in s, ms, us, ns, e.g.
       ``"1Gbit,50ms"``, ``"100Mbit/s,30ms"``, ``"inf,0s"``. A ``Network`` is
       returned unchanged.
 
@@ -114,7 +114,9 @@ def parse_network(spec: "str | Network") -> Network:
   match = _SPEC_RE.match(text)
   if match:
     bw_value, bw_unit, lat_value, lat_unit = match.groups()
-    bw_scale = _BANDWIDTH_UNITS.get(bw_unit.lower())
+    # A bandwidth needs its unit, except "inf" (an ideal link).
+    bw_scale = _BANDWIDTH_UNITS.get(bw_unit.lower() or
+                                    ("bit" if bw_value.lower() == "inf" else ""))
     lat_scale = _LATENCY_UNITS.get(lat_unit.lower())
     if bw_scale is not None and lat_scale is not None:
       bandwidth = float(bw_value) * bw_scale

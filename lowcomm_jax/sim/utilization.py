@@ -16,12 +16,17 @@ The model (all workers are alike, so one worker's timeline is enough):
   ready, so it overlaps the rest of the backward; all reductions queue FIFO on
   the worker's one link (``clock.run_timeline``). Embeddings and head are
   counted inside the layers (N/L parameters per layer).
-* **Methods** (``Method``): data-parallel reduces every layer every step and
-  the next step waits for it; DiLoCo reduces every layer every H steps and the
-  next step waits; Streaming DiLoCo reduces one fragment of 3 layers (strided:
-  layers p, p+P, p+2P, …; P = L/3) per H/P steps, fragment p at steps
-  ``r·H + ⌊(p+1)·H/P⌋ − 1``; with overlap τ the result is waited for only at
-  the start of the step τ steps later.
+* **Dependencies.** A reduction issued at step s is consumed at step
+  s + 1 + τ: layer l's result is needed when that step's forward reaches layer
+  l, ``l·t/(3L)`` after it starts (``clock.Transfer.needed_after_s``). τ = 0
+  is blocking. Because the backward queues the top layer first and the
+  forward needs layer 0 first, a whole-model reduction (DP, DiLoCo) still
+  blocks the next step entirely; a strided fragment gains a little.
+* **Methods** (``Method``): data-parallel reduces every layer every step;
+  DiLoCo reduces every layer every H steps; Streaming DiLoCo reduces one
+  fragment of 3 layers (strided: layers p, p+P, p+2P, …; P = L/3) per H/P
+  steps, fragment p at steps ``r·H + ⌊(p+1)·H/P⌋ − 1`` (H/P need not be an
+  integer); "+ overlap" uses τ = 1, as the paper's final method.
 * **Wire formats.** Data-parallel sends bf16 gradients, DiLoCo and Streaming
   bf16 outer gradients, the FP4 variant 4-bit codes: 16, 16, 16 and 4 bits per
   parameter. Why bf16 rather than fp32: the paper's Table 1 counts ≈400× fewer
@@ -46,8 +51,9 @@ from lowcomm_jax.sim import network as network_lib
 
 __all__ = [
     "ModelShape", "Workload", "Method", "data_parallel", "diloco", "streaming",
-    "table4_methods", "PAPER_WORKLOADS", "simulate_method",
-    "compute_utilization", "required_bandwidth",
+    "table4_methods", "PAPER_WORKLOADS", "PAPER_TABLE4", "simulate_method",
+    "compute_utilization", "required_bandwidth", "utilization_curve",
+    "reproduce_table4",
 ]
 
 
@@ -184,12 +190,23 @@ def table4_methods(sync_every: int = 100) -> list[Method]:
   ]
 
 
-# The paper's three simulated models with its own step times (Table 4). N is
-# the model's label; see docs/simulator.md for what moves the 100B cells.
+# The paper's three simulated models with its own layer counts and step times
+# (Table 4, PAPERS.md 1.3). N is the model's label, as the paper's own
+# simulator takes it ("billion parameters"); the step time is the paper's,
+# which fixes the tokens per step: t·peak·MFU / (6N), e.g. 2^20 tokens per
+# step for the 1B at 1.0e17 FLOP/s of peak per worker (≈100 H100s).
 PAPER_WORKLOADS = {
     "1B": Workload(ModelShape(24, 1e9), 0.1),
     "10B": Workload(ModelShape(48, 1e10), 0.8),
     "100B": Workload(ModelShape(108, 1e11), 4.9),
+}
+
+# Table 4 of arXiv 2501.18512: Gbit/s for 95% CU, M = 2, H = 100; columns
+# data-parallel, DiLoCo, Streaming, + overlap, + overlap + FP4.
+PAPER_TABLE4 = {
+    "1B": (222.3, 23.3, 16.0, 9.1, 2.0),
+    "10B": (268.3, 33.9, 13.3, 6.2, 1.4),
+    "100B": (390.7, 49.4, 11.0, 5.2, 1.1),
 }
 
 
@@ -256,8 +273,12 @@ def compute_utilization(method: Method, workload: Workload, num_workers: int,
     network: bandwidth and latency of each worker's WAN link.
     num_rounds: rounds of H steps simulated; the first is warm-up.
     overlap_backward: start each layer's reduction when its gradient is ready
-      (the paper's model). False waits for the end of the step's compute,
-      which makes DiLoCo's CU exactly H·t / (H·t + t_allreduce).
+      (the paper's model). False waits for the end of the step's compute and
+      blocks the consumed step's start, which makes DiLoCo's CU exactly
+      H·t / (H·t + t_allreduce).
+    forward_dependency: let the consumed step run its forward up to the
+      first layer still in flight (per-layer waiting); False waits at the
+      step's start, as ``clock.simulate_run`` does for real runs.
 
   Returns:
     CU in (0, 1].
@@ -313,3 +334,30 @@ def required_bandwidth(method: Method, workload: Workload, num_workers: int,
     else:
       log_low = mid
   return math.exp(log_high)
+
+
+def utilization_curve(method: Method, workload: Workload, num_workers: int,
+                      bandwidths_bits_per_s, latency_s: float = 0.0,
+                      **kwargs) -> list[float]:
+  """CU at each bandwidth of ``bandwidths_bits_per_s`` (for plots)."""
+  return [compute_utilization(method, workload, num_workers,
+                              network_lib.Network(b, latency_s), **kwargs)
+          for b in bandwidths_bits_per_s]
+
+
+def reproduce_table4(target_cu: float = 0.95, sync_every: int = 100,
+                     num_workers: int = 2, latency_s: float = 0.0,
+                     workloads: "dict[str, Workload] | None" = None
+                     ) -> dict[str, list[float]]:
+  """Bandwidth (Gbit/s) for ``target_cu`` per model and Table 4 column.
+
+  The defaults are the paper's setting: 95% CU, H = 100, M = 2 workers and a
+  latency-free link (a per-layer WAN latency of tens of ms would keep
+  data-parallel below 95% at any bandwidth).
+  """
+  workloads = PAPER_WORKLOADS if workloads is None else workloads
+  return {
+      name: [required_bandwidth(m, w, num_workers, target_cu, latency_s) / 1e9
+             for m in table4_methods(sync_every)]
+      for name, w in workloads.items()
+  }
