@@ -1,0 +1,374 @@
+"""SkipPipe's collision-aware path scheduler (PAPERS 3.3 steps 2 and 3).
+
+Every micro-batch of an iteration is an *agent* in a multi-agent path-finding
+problem. Each agent's path is found by the best-first search of `search.py`;
+a conflict-based search (CBS, Sharon et al. 2015) over all agents then
+removes the conflicts between them, in the paper's order of phases:
+
+1. TC1 load: a node serving a non-data stage is on more than
+   memory x num_waves paths (so its stage is over its load too). Branch by
+   forbidding that node to one of the agents on it (the ones whose re-plan
+   costs least).
+2. TC1 memory: at some instant more micro-batches hold activations on a node
+   than its memory. The latest arrival may only start on that node once the
+   first holder has released its slot.
+3. TC2 collisions: two agents' tasks overlap in time on one node. Branch:
+   either the later agent avoids the earlier one's window or the reverse.
+
+Phases 2 and 3 run only when `collision_aware` is set; without them this is
+the paper's "SkipPipe without TC2". The constraint tree is searched greedily
+(fewest conflicts first, then makespan: the GCBS variant), and while
+searching, agents avoid nodes others have already filled (a conflict
+avoidance table). Each conflict-free solution is scored with the iteration
+simulator; the search stops after `max_solutions` of them, when one beats the
+first by `early_stop_ratio` (the reference's 0.88), or when the budget ends,
+in which case the best partial solution is finished by always constraining
+the later agent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import time
+
+import numpy as np
+
+from lowcomm_jax.skippipe import paths as paths_lib
+from lowcomm_jax.skippipe import search
+from lowcomm_jax.skippipe import simulator
+from lowcomm_jax.skippipe.topology import Topology
+
+# Extra cost (seconds-equivalent) of visiting a node other agents have filled.
+_FULL_NODE_PENALTY = 1000.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchBudget:
+  """Limits of the conflict-based search.
+
+  Attributes:
+    max_cbs_nodes: constraint-tree nodes expanded before finishing greedily.
+    max_solutions: conflict-free solutions to collect and score.
+    early_stop_ratio: stop once a solution's simulated time is below this
+      fraction of the first solution's.
+    max_path_expansions: budget of each single-path search.
+    load_branching: children per load conflict.
+    max_repairs: conflicts the greedy finish may resolve.
+    root_orderings: agent orders tried for the root plans (the first plans
+      the agents whose fastest path is slowest first, the rest are seeded
+      shuffles); each root starts its own branch of the constraint tree.
+    seed: seed of those shuffles.
+  """
+
+  max_cbs_nodes: int = 400
+  max_solutions: int = 4
+  early_stop_ratio: float = 0.88
+  max_path_expansions: int = 20_000
+  load_branching: int = 2
+  max_repairs: int = 3000
+  root_orderings: int = 8
+  seed: int = 0
+
+
+def validate_placement(topology: Topology, placement) -> list[np.ndarray]:
+  """Checks that `placement` assigns every node to exactly one stage."""
+  placement = [np.asarray(nodes, np.int64) for nodes in placement]
+  if len(placement) != topology.num_stages:
+    raise ValueError(f"placement: expected {topology.num_stages} stages (one "
+                     f"per entry of stage_sizes), got {len(placement)}.")
+  for s, nodes in enumerate(placement):
+    if len(nodes) != topology.stage_sizes[s]:
+      raise ValueError(f"placement: stage {s} must hold stage_sizes[{s}] = "
+                       f"{topology.stage_sizes[s]} nodes, got {len(nodes)}.")
+  flat = np.concatenate(placement)
+  if sorted(flat.tolist()) != list(range(topology.num_nodes)):
+    raise ValueError(f"placement: every node 0..{topology.num_nodes - 1} must "
+                     f"appear exactly once, got {sorted(flat.tolist())}.")
+  return placement
+
+
+def load_caps(topology: Topology, placement, config: paths_lib.SkipConfig
+              ) -> np.ndarray:
+  """int[N]: paths a node may be on per iteration (memory x num_waves)."""
+  del placement
+  return np.asarray(topology.memory, np.int64) * config.num_waves
+
+
+def check_inputs(topology: Topology, placement, config: paths_lib.SkipConfig
+                 ) -> list[np.ndarray]:
+  """All input checks of the schedulers; returns the validated placement."""
+  config.validate(topology.num_stages, topology.stage_sizes, topology.memory)
+  placement = validate_placement(topology, placement)
+  caps = load_caps(topology, placement, config)
+  demand = (len(placement[0]) * config.microbatches_per_data_node
+            * (config.path_length - 1))
+  supply = int(sum(caps[nodes].sum() for nodes in placement[1:]))
+  if demand > supply:
+    raise ValueError(
+        f"microbatches_per_data_node: {len(placement[0])} data nodes x "
+        f"{config.microbatches_per_data_node} micro-batches x "
+        f"{config.path_length - 1} non-data stages = {demand} stage visits, "
+        f"but stages 1..{topology.num_stages - 1} hold at most {supply} "
+        f"(nodes x memory x num_waves); at most "
+        f"{supply // (len(placement[0]) * max(config.path_length - 1, 1))} "
+        f"micro-batches per data node are allowed.")
+  return placement
+
+
+@dataclasses.dataclass(frozen=True)
+class _Conflict:
+  kind: str               # "load", "memory" or "overlap"
+  node: int
+  agents: tuple           # load: agents on the node; else (first, second)
+  windows: tuple = ()     # per agent in `agents`: the window to forbid
+
+
+def find_conflicts(plans, caps, memory, collision_aware: bool,
+                   stream_length: int = 1) -> list[_Conflict]:
+  """Every conflict between agents' plans, load conflicts first.
+
+  Agent a carries micro-batches a * stream_length ... (a + 1) *
+  stream_length - 1; conflicts inside one agent's stream cannot occur
+  (`search.plan_stream` avoids them).
+  """
+  conflicts = []
+  visitors: dict[int, list[int]] = {}
+  for agent, plan in enumerate(plans):
+    for node in plan.nodes[1:]:
+      visitors.setdefault(node, []).append(agent)
+  for node, agents in sorted(visitors.items()):
+    excess = -(-(len(agents) * stream_length - caps[node]) // stream_length)
+    conflicts += [_Conflict("load", node, tuple(agents))] * max(excess, 0)
+  if not collision_aware:
+    return conflicts
+  temporal = []
+  by_node: dict[int, list[paths_lib.Task]] = {}
+  for plan in plans:
+    for task in plan.tasks:
+      by_node.setdefault(task.node, []).append(task)
+  for node, tasks in by_node.items():
+    tasks.sort(key=lambda t: (t.start, t.microbatch))
+    for i, first in enumerate(tasks):       # sweep: overlapping pairs
+      for second in tasks[i + 1:]:
+        if second.start >= first.end:
+          break
+        later, earlier = (second.microbatch // stream_length,
+                          first.microbatch // stream_length)
+        if later != earlier:
+          temporal.append((second.start, _Conflict(
+              "overlap", node, (later, earlier),
+              ((first.start, first.end), (second.start, second.end)))))
+    temporal += _memory_conflicts(node, tasks, int(memory[node]),
+                                  stream_length)
+  temporal.sort(key=lambda item: (item[0], item[1].kind, item[1].agents))
+  return conflicts + [c for _, c in temporal]
+
+
+def _memory_conflicts(node, tasks, memory, stream_length):
+  """Instants where more micro-batches hold activations on `node` than
+  `memory`; the newcomer's agent must wait for another agent's release."""
+  hold: dict[int, list[float]] = {}
+  for task in tasks:
+    span = hold.setdefault(task.microbatch, [task.start, task.end])
+    span[0], span[1] = min(span[0], task.start), max(span[1], task.end)
+  spans = sorted((start, end, agent) for agent, (start, end) in hold.items())
+  found, active = [], []
+  for start, end, microbatch in spans:
+    active = [(e, m) for e, m in active if e > start]
+    agent = microbatch // stream_length
+    others = [e for e, m in active if m // stream_length != agent]
+    if len(active) >= memory and others:
+      # The newcomer may not hold the node from its arrival until another
+      # agent's first holder frees a slot.
+      found.append((start, _Conflict("memory", node, (agent,),
+                                     ((start, min(others)),))))
+    active.append((end, microbatch))
+  return found
+
+
+def _agents(placement, config):
+  """(agent id, data node) in wave order: agent j*D + i is data node i's j-th
+  path; it carries micro-batches agent * stream_length onwards."""
+  data_nodes = [int(n) for n in placement[0]]
+  return [(j * len(data_nodes) + i, d)
+          for j in range(config.paths_per_data_node)
+          for i, d in enumerate(data_nodes)]
+
+
+class _Planner:
+  """Re-plans single agents under their constraints and the load table."""
+
+  def __init__(self, topology, placement, config, caps, budget):
+    self.topology, self.placement, self.config = topology, placement, config
+    self.caps, self.budget = caps, budget
+    self.data_node = dict(_agents(placement, config))
+    self.path_searches = 0
+
+  def plan(self, agent, constraints, plans):
+    stream = self.config.stream_length
+    load = np.zeros(self.topology.num_nodes, np.int64)
+    for other, plan in enumerate(plans):
+      if other != agent and plan is not None:
+        load[list(plan.nodes[1:])] += stream
+    penalty = np.where(load + stream > self.caps, _FULL_NODE_PENALTY, 0.0)
+    self.path_searches += 1
+    return search.find_path(
+        self.topology, self.placement, self.config, agent * stream,
+        self.data_node[agent], stream_length=stream, constraints=constraints,
+        node_penalty=penalty, max_expansions=self.budget.max_path_expansions)
+
+
+def _root_orderings(planner, agents, constraints, budget):
+  """Agent orders for the root plans: slowest-alone first, then shuffles."""
+  alone = []
+  for agent, _ in agents:
+    plan = planner.plan(agent, constraints[agent], [None] * len(agents))
+    if plan is None:
+      raise ValueError(
+          f"config: no path of path_length={planner.config.path_length} "
+          f"satisfies the convergence constraints on "
+          f"{planner.topology.num_stages} stages.")
+    alone.append(plan.completion_s)
+  orderings = [tuple(int(a) for a in np.argsort(alone, kind="stable")[::-1])]
+  rng = np.random.default_rng(budget.seed)
+  for _ in range(budget.root_orderings - 1):
+    candidate = tuple(int(a) for a in rng.permutation(len(agents)))
+    if candidate not in orderings:
+      orderings.append(candidate)
+  return orderings
+
+
+def _score(plans):
+  ends = [plan.completion_s for plan in plans]
+  return max(ends), sum(ends)
+
+
+def _children(planner, conflict, constraints, plans, budget):
+  """Constraint-tree children resolving `conflict` (best first)."""
+  options = []
+  if conflict.kind == "load":
+    for agent in conflict.agents:
+      options.append((agent, constraints[agent].forbid_node(conflict.node)))
+  else:
+    for agent, (low, high) in zip(conflict.agents, conflict.windows):
+      options.append((agent, constraints[agent].forbid_window(
+          conflict.node, low, high)))
+  children = []
+  for agent, agent_constraints in options:
+    plan = planner.plan(agent, agent_constraints, plans)
+    if plan is None:
+      continue
+    new_constraints = constraints[:agent] + (agent_constraints,) + constraints[
+        agent + 1:]
+    new_plans = plans[:agent] + (plan,) + plans[agent + 1:]
+    children.append((_score(new_plans), new_constraints, new_plans))
+  children.sort(key=lambda c: c[0])
+  limit = budget.load_branching if conflict.kind == "load" else 2
+  return children[:limit]
+
+
+def skippipe_schedule(topology: Topology, placement,
+                      config: paths_lib.SkipConfig = paths_lib.SkipConfig(), *,
+                      collision_aware: bool = True,
+                      budget: SearchBudget = SearchBudget(),
+                      plan_topology: Topology | None = None,
+                      method: str | None = None) -> paths_lib.Schedule:
+  """Plans every micro-batch's path for one iteration (SkipPipe).
+
+  Args:
+    topology: the cluster.
+    placement: node ids per stage (stage 0 = data nodes).
+    config: convergence and throughput limits.
+    collision_aware: resolve TC1 memory and TC2 collisions in time (SkipPipe);
+      False plans load-balanced paths only ("SkipPipe without TC2").
+    budget: search limits.
+    plan_topology: costs to plan on, if not `topology`'s (network-blind
+      baselines plan on uniform costs).
+    method: label stored in the schedule.
+
+  Returns:
+    A `Schedule` with one path per micro-batch (release = planned start of
+    its first forward) and the planned task timeline.
+  """
+  started = time.perf_counter()
+  placement = check_inputs(topology, placement, config)
+  plan_topology = plan_topology or topology
+  caps = load_caps(topology, placement, config)
+  planner = _Planner(plan_topology, placement, config, caps, budget)
+  agents = _agents(placement, config)
+  constraints = tuple(search.AgentConstraints() for _ in agents)
+
+  def conflicts_of(plans):
+    return find_conflicts(plans, caps, topology.memory, collision_aware,
+                          config.stream_length)
+
+  order = itertools.count()
+  frontier = []
+  for agent_order in _root_orderings(planner, agents, constraints, budget):
+    plans: list = [None] * len(agents)
+    for agent in agent_order:        # root: each agent avoids filled nodes
+      plans[agent] = planner.plan(agent, constraints[agent], plans)
+    plans = tuple(plans)
+    root_conflicts = conflicts_of(plans)
+    heapq.heappush(frontier, ((len(root_conflicts),) + _score(plans),
+                              next(order), constraints, plans, root_conflicts))
+  solutions, expanded, best_partial = [], 0, frontier[0]
+  while frontier and expanded < budget.max_cbs_nodes:
+    item = heapq.heappop(frontier)
+    key, _, constraints, plans, conflicts = item
+    if key[0] < best_partial[0][0]:
+      best_partial = item
+    if not conflicts:
+      sim = simulator.simulate_iteration(
+          plan_topology, placement, _to_schedule(plans, ""),
+          simulator.SimulationConfig(include_allreduce=False))
+      solutions.append((sim.pipeline_time_s, next(order), plans))
+      first = solutions[0][0]
+      if (len(solutions) >= budget.max_solutions
+          or sim.pipeline_time_s < budget.early_stop_ratio * first):
+        break
+      continue
+    expanded += 1
+    for score, child_constraints, child_plans in _children(
+        planner, conflicts[0], constraints, plans, budget):
+      child_conflicts = conflicts_of(child_plans)
+      heapq.heappush(frontier, ((len(child_conflicts),) + score, next(order),
+                                child_constraints, child_plans,
+                                child_conflicts))
+  repairs = 0
+  if not solutions:                    # finish greedily: later agent yields
+    _, _, constraints, plans, conflicts = best_partial
+    while conflicts and repairs < budget.max_repairs:
+      children = _children(planner, conflicts[0], constraints, plans, budget)
+      if not children:
+        break
+      _, constraints, plans = children[0]
+      conflicts = conflicts_of(plans)
+      repairs += 1
+    solutions.append((np.inf, 0, plans))
+  solutions.sort(key=lambda s: s[:2])
+  best_plans = solutions[0][2]
+  stats = dict(scheduler_s=time.perf_counter() - started,
+               cbs_nodes_expanded=expanded, solutions=len(solutions),
+               greedy_repairs=repairs, path_searches=planner.path_searches,
+               unresolved_conflicts=len(conflicts_of(best_plans)))
+  label = method or ("skippipe" if collision_aware else "skippipe_no_tc2")
+  return _to_schedule(best_plans, label, stats)
+
+
+def _to_schedule(plans, method, stats=None) -> paths_lib.Schedule:
+  first_start = {}
+  for plan in plans:
+    for task in plan.tasks:
+      first_start.setdefault(task.microbatch, task.start)
+  paths = tuple(sorted((paths_lib.MicrobatchPath(
+      microbatch=m, stages=plan.stages, nodes=plan.nodes,
+      release_s=first_start[m]) for plan in plans
+      for m in sorted({t.microbatch for t in plan.tasks})),
+                       key=lambda p: p.microbatch))
+  tasks = tuple(sorted((t for plan in plans for t in plan.tasks),
+                       key=lambda t: (t.start, t.node)))
+  return paths_lib.Schedule(paths=paths, method=method, planned_tasks=tasks,
+                            stats=stats or {})
