@@ -50,7 +50,7 @@ import subprocess
 import tempfile
 import warnings
 import zlib
-from typing import Callable
+from typing import Callable, Sequence
 
 Documents = list[tuple[str, str]]
 
@@ -111,6 +111,10 @@ def package_size(package: str) -> int:
   Raises:
     FetchError: apt does not know the package, even after ``apt-get update``.
   """
+  missing = [tool for tool in ("apt-get", "apt-cache", "dpkg-deb") if shutil.which(tool) is None]
+  if missing:
+    raise FetchError(f"cannot fetch {package!r}: {', '.join(missing)} not installed "
+                     "(Debian/Ubuntu only); the portable domains need no fetch")
   for attempt in range(2):
     result = _run(["apt-cache", "show", "--no-all-versions", package])
     match = re.search(r"^Size:\s*(\d+)", result.stdout, re.MULTILINE)
@@ -164,8 +168,8 @@ def _read_text(path: pathlib.Path) -> str:
   return data.decode("utf-8", errors="replace")
 
 
-def _read_austen(src: pathlib.Path) -> Documents:
-  """One document per chapter (front matter is chapter 0) of six novels."""
+def _decode_austen(src: pathlib.Path) -> dict[str, list[str]]:
+  """Reads the novels' lines out of the R package's lazy-load database."""
   import rdata  # Imported here: only this source needs it.
 
   data_dir = src / "root/usr/lib/R/site-library/janeaustenr/data"
@@ -176,18 +180,35 @@ def _read_austen(src: pathlib.Path) -> Documents:
     index = rdata.conversion.convert(rdata.parser.parse_data(
         gzip.decompress((data_dir / "Rdata.rdx").read_bytes())))
     blob = (data_dir / "Rdata.rdb").read_bytes()
-    docs = []
+    novels = {}
     for book in sorted(str(name) for name in index["variables"]):
       offset, length = (int(v) for v in index["variables"][book])
       lines = rdata.conversion.convert(rdata.parser.parse_data(
           zlib.decompress(blob[offset + 4:offset + length])))
-      chapters: list[list[str]] = [[]]
-      for line in (str(l) for l in lines):
-        if re.match(r"^\s*chapter\s+[\divxlc]+\b", line, re.IGNORECASE):
-          chapters.append([])
-        chapters[-1].append(line)
-      docs += [(f"{book}/{i:03d}", "\n".join(c).strip() + "\n")
-               for i, c in enumerate(chapters) if "".join(c).strip()]
+      novels[book] = [str(line) for line in lines]
+  return novels
+
+
+def _render_austen(src: pathlib.Path) -> None:
+  """Decodes the R data once (rdata takes about a second), keeping plain JSON."""
+  (src / "text").mkdir(exist_ok=True)
+  (src / "text/novels.json").write_text(json.dumps(_decode_austen(src)), encoding="utf-8")
+
+
+def _read_austen(src: pathlib.Path) -> Documents:
+  """One document per chapter (front matter is chapter 0) of six novels."""
+  rendered = src / "text/novels.json"
+  novels = (json.loads(rendered.read_text(encoding="utf-8")) if rendered.is_file()
+            else _decode_austen(src))
+  docs = []
+  for book in sorted(novels):
+    chapters: list[list[str]] = [[]]
+    for line in novels[book]:
+      if re.match(r"^\s*chapter\s+[\divxlc]+\b", line, re.IGNORECASE):
+        chapters.append([])
+      chapters[-1].append(line)
+    docs += [(f"{book}/{i:03d}", "\n".join(c).strip() + "\n")
+             for i, c in enumerate(chapters) if "".join(c).strip()]
   return docs
 
 
@@ -470,7 +491,7 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
             "Jane Austen's six completed novels, one document per chapter",
             "novels public domain; R package MIT",
             "Project Gutenberg via the CRAN package janeaustenr (Julia Silge)",
-            _read_austen),
+            _read_austen, _render_austen),
     _source("bible_kjv", ["bible-kjv-text", "bible-kjv"],
             "King James Version of the Bible (1611), one document per chapter",
             "public domain text; Bible Retrieval System: unrestricted use",
@@ -540,6 +561,18 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, *,
 def documents(name: str, cache_dir: str | os.PathLike | None = None) -> Documents:
   """Documents of source `name` (see `Source.documents`)."""
   return _source_named(name).documents(cache_dir)
+
+
+def ensure_fetched(names: Sequence[str],
+                   cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """Fetches those of `names` not yet in the cache folder; returns the folder.
+
+  Raises:
+    FetchError: apt is missing or a package cannot be fetched.
+  """
+  for name in names:
+    fetch(name, cache_dir)
+  return _resolve(cache_dir)
 
 
 # The name `lowcomm_jax.data.corpora` reads `debian:<source>` corpora through.

@@ -1,0 +1,87 @@
+"""Debian-packaged corpora: fetch once per session into the cache folder, then read.
+
+The fetch uses the cache folder (`$LOWCOMM_CACHE` or ~/.cache/lowcomm_jax/corpora),
+so only the first run on a machine downloads (about 6 MB here, a few seconds).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lowcomm_jax.data import debian
+
+# Small sources only, to keep the suite fast; the fetch command covers the rest.
+_TEST_SOURCES = ("austen", "bible_kjv", "jargon", "fortunes", "r_manuals")
+
+
+@pytest.fixture(scope="session")
+def cache_dir():
+  try:
+    return debian.ensure_fetched(_TEST_SOURCES)
+  except debian.FetchError as error:
+    pytest.skip(f"Debian corpora cannot be fetched here: {error}")
+
+
+def test_fetched_sources_read_known_text(cache_dir):
+  bible = dict(debian.documents("bible_kjv", cache_dir))
+  assert len(bible) == 1189  # Chapters of the KJV Bible.
+  assert "In the beginning God created the heaven and the earth." in bible["0000 Genesis 1"]
+  assert bible["1188 Revelation 22"].rstrip().endswith("Amen.")
+
+  austen = debian.documents("austen", cache_dir)
+  books = {doc_id.split("/")[0] for doc_id, _ in austen}
+  assert books == {"emma", "mansfieldpark", "northangerabbey", "persuasion",
+                   "prideprejudice", "sensesensibility"}
+  pride = dict(austen)["prideprejudice/001"]
+  assert "It is a truth universally acknowledged" in pride
+
+  jargon = debian.documents("jargon", cache_dir)
+  assert len(jargon) > 2000
+  assert any(doc_id.endswith(" cruft") for doc_id, _ in jargon)
+
+  r_nodes = debian.documents("r_manuals", cache_dir)
+  assert any("R-intro" in doc_id for doc_id, _ in r_nodes)
+  assert all(text.strip() for _, text in r_nodes)
+
+
+@pytest.mark.parametrize("name", _TEST_SOURCES)
+def test_documents_are_deterministic_with_unique_ids(cache_dir, name):
+  first = debian.documents(name, cache_dir)
+  assert first == debian.documents(name, cache_dir)
+  assert len({doc_id for doc_id, _ in first}) == len(first)
+  assert debian.is_fetched(name, cache_dir)
+
+
+def test_unfetched_source_names_the_fetch_command(tmp_path):
+  assert not debian.is_fetched("gcide", tmp_path)
+  with pytest.raises(debian.NotFetchedError, match=r"fetch_corpora\.py --sources=gcide"):
+    debian.documents("gcide", tmp_path)
+
+
+def test_unknown_source_lists_the_allowed_ones():
+  with pytest.raises(ValueError, match=r"unknown Debian corpus 'shakespeare'.*austen"):
+    debian.fetch("shakespeare")
+
+
+def test_dictd_base64_numbers_and_roff_stripping():
+  assert debian._dictd_number("BC") == 1 * 64 + 2
+  assert debian._dictd_number("5I") == 57 * 64 + 8
+  text = debian.strip_roff('.TH X 1\n.SH NAME\nx \\- do \\fBthings\\fR\n.PP\nmore\\(emtext\n')
+  assert text == "\nNAME\nx - do things\n\nmore--text\n".lstrip("\n")
+
+
+def test_package_over_the_size_limit_is_refused(monkeypatch, tmp_path):
+  monkeypatch.setattr(debian, "package_size", lambda package: 61 * 2**20)
+  with pytest.raises(debian.FetchError, match="over the 60 MiB limit"):
+    debian._download_and_extract("some-package", tmp_path / "root", tmp_path)
+
+
+def test_fetch_command_rejects_an_unknown_source():
+  result = subprocess.run(
+      [sys.executable, "experiments/fetch_corpora.py", "--sources=austen,nope"],
+      capture_output=True, text=True, check=False,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert result.returncode != 0
+  assert "unknown ['nope']" in result.stderr + result.stdout

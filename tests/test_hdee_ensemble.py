@@ -1,0 +1,105 @@
+"""HDEE ensemble math against hand computations on toy experts."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowcomm_jax.hdee import ensemble
+
+# Two experts, one sequence of three tokens, with known next-token probabilities.
+P1 = [0.5, 0.25, 0.8]
+P2 = [0.25, 0.5, 0.1]
+LOG_PROBS = np.log(np.array([[P1], [P2]], np.float32))  # [E=2, B=1, T=3]
+
+
+def test_posterior_weights_equal_hand_computation_uniform_prior():
+  weights = np.exp(ensemble.posterior_log_weights(LOG_PROBS))[:, 0, :]
+  # t=0: the prior. t=1: proportional to (0.5, 0.25). t=2: to (0.5*0.25, 0.25*0.5).
+  expected = np.array([[1 / 2, 2 / 3, 1 / 2],
+                       [1 / 2, 1 / 3, 1 / 2]])
+  np.testing.assert_allclose(weights, expected, rtol=1e-6)
+  mixture = np.exp(ensemble.ensemble_log_probs(LOG_PROBS))[0]
+  np.testing.assert_allclose(mixture, [0.5 * 0.5 + 0.5 * 0.25,
+                                       2 / 3 * 0.25 + 1 / 3 * 0.5,
+                                       0.5 * 0.8 + 0.5 * 0.1], rtol=1e-6)
+
+
+def test_posterior_weights_with_a_prior():
+  log_prior = jnp.log(jnp.array([0.8, 0.2]))
+  weights = np.exp(ensemble.posterior_log_weights(LOG_PROBS, log_prior))[:, 0, :]
+  # t=1: (0.8*0.5, 0.2*0.25) = (0.4, 0.05); t=2: (0.4*0.25, 0.05*0.5) = (0.1, 0.025).
+  expected = np.array([[0.8, 0.4 / 0.45, 0.1 / 0.125],
+                       [0.2, 0.05 / 0.45, 0.025 / 0.125]])
+  np.testing.assert_allclose(weights, expected, rtol=1e-6)
+
+
+def test_weights_sum_to_one_everywhere():
+  rng = np.random.default_rng(0)
+  log_probs = np.log(rng.uniform(1e-4, 1.0, size=(4, 3, 50))).astype(np.float32)
+  log_prior = jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4]))
+  for prior in (None, log_prior):
+    total = np.exp(ensemble.posterior_log_weights(log_probs, prior)).sum(axis=0)
+    np.testing.assert_allclose(total, np.ones((3, 50)), rtol=1e-5)
+
+
+def test_identical_experts_equal_one_expert():
+  rng = np.random.default_rng(1)
+  one = np.log(rng.uniform(1e-3, 1.0, size=(1, 2, 40))).astype(np.float32)
+  three = np.repeat(one, 3, axis=0)
+  prior = jnp.log(jnp.array([0.7, 0.2, 0.1]))
+  for log_prior in (None, prior):
+    np.testing.assert_allclose(ensemble.ensemble_log_probs(three, log_prior), one[0], rtol=1e-5,
+                               atol=1e-5)
+  np.testing.assert_allclose(ensemble.simple_average_log_probs(three), one[0], rtol=1e-6)
+  np.testing.assert_allclose(np.exp(ensemble.cached_log_prior(three)), [1 / 3] * 3, rtol=1e-6)
+  scores = ensemble.evaluate_domain(three, three)
+  assert scores["uniform_prior"] == pytest.approx(scores["best_expert"], rel=1e-5)
+  assert scores["cached_prior"] == pytest.approx(scores["best_expert"], rel=1e-5)
+
+
+def _softmax(x):
+  e = np.exp(x - x.max())
+  return e / e.sum()
+
+
+def test_cached_prior_equals_hand_computation():
+  # Totals per sequence (sum over tokens) for two experts and three sequences.
+  seq_log_probs = np.log(np.array([[[0.5, 0.5], [0.9, 0.9], [0.2, 0.2]],
+                                   [[0.25, 0.5], [0.3, 0.6], [0.8, 0.8]]], np.float32))
+  totals = seq_log_probs.sum(axis=2).T  # [N, E]
+  prior = np.zeros(2)  # The reference starts from log pi = 0.
+  for k, total in enumerate(totals[:2], start=1):  # Only the first two sequences.
+    posterior = _softmax(prior + total)
+    prior = np.log(0.3**k * np.exp(prior) + posterior)
+  expected = _softmax(prior)
+  got = np.exp(ensemble.cached_log_prior(seq_log_probs, num_sequences=2, decay=0.3))
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+  assert got.sum() == pytest.approx(1.0, rel=1e-6)
+  assert got[0] > got[1]  # Expert 0 explains the first two sequences better.
+
+
+def test_perplexity_best_expert_and_masks():
+  assert float(ensemble.perplexity(jnp.full((2, 5), math.log(1 / 4)))) == pytest.approx(4.0)
+  log_probs = jnp.array([[math.log(0.5), math.log(0.1)]])
+  mask = jnp.array([[1, 0]])
+  assert float(ensemble.perplexity(log_probs, mask)) == pytest.approx(2.0)
+  assert ensemble.best_expert(LOG_PROBS) == 0  # Geometric means 0.43 vs 0.23.
+  scores = ensemble.evaluate_domain(LOG_PROBS, LOG_PROBS)
+  assert scores["best_expert_index"] == 0
+  assert scores["best_expert"] == pytest.approx((0.5 * 0.25 * 0.8) ** (-1 / 3), rel=1e-5)
+  assert scores["simple_average"] == pytest.approx(
+      math.exp(-np.mean(np.log(P1) + np.log(P2)) / 2), rel=1e-5)
+  assert scores["cached_prior"] <= scores["uniform_prior"]
+
+
+def test_bad_input_errors():
+  with pytest.raises(ValueError, match=r"\[experts, batch, time\]"):
+    ensemble.ensemble_log_probs(np.zeros((2, 3)))
+  with pytest.raises(ValueError, match=r"log_prior_E must have shape \(2,\)"):
+    ensemble.posterior_log_weights(LOG_PROBS, jnp.zeros(3))
+  with pytest.raises(ValueError, match="decay must be in"):
+    ensemble.cached_log_prior(LOG_PROBS, decay=1.5)
+  with pytest.raises(ValueError, match="validation has 2 experts, test 3"):
+    ensemble.evaluate_domain(LOG_PROBS, np.zeros((3, 1, 3)))
