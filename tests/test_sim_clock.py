@@ -20,7 +20,7 @@ def test_no_events_is_pure_compute():
 
 def test_blocking():
   # Step 0 computes 0-2, the all-reduce runs 2-3, step 1 waits until 3.
-  timeline = clock.simulate_run(2.0, [(0, 1, ONE_SECOND)], NET, num_steps=3)
+  timeline = clock.simulate_run(2.0, [(0, 1, ONE_SECOND, "all_reduce", 2)], NET, num_steps=3)
   assert timeline.step_start == [0.0, 3.0, 5.0, 7.0]
   assert timeline.stall_seconds == [0.0, 1.0, 0.0]
   assert timeline.wall_seconds == 7.0
@@ -29,14 +29,14 @@ def test_blocking():
 
 def test_overlapped_and_hidden():
   # tau = 1: consumed at step 2; it finishes at 3, before step 1 ends at 4.
-  timeline = clock.simulate_run(2.0, [(0, 2, ONE_SECOND)], NET, num_steps=3)
+  timeline = clock.simulate_run(2.0, [(0, 2, ONE_SECOND, "all_reduce", 2)], NET, num_steps=3)
   assert timeline.stall_seconds == [0.0, 0.0, 0.0]
   assert timeline.wall_seconds == 6.0
 
 
 def test_overlapped_but_too_slow():
   # 3 s of communication from 2 to 5; step 1 ends at 4; step 2 waits 1 s.
-  timeline = clock.simulate_run(2.0, [(0, 2, 3 * ONE_SECOND)], NET, num_steps=3)
+  timeline = clock.simulate_run(2.0, [(0, 2, 3 * ONE_SECOND, "all_reduce", 2)], NET, num_steps=3)
   assert timeline.step_start == [0.0, 2.0, 5.0, 7.0]
   assert timeline.stall_seconds == [0.0, 0.0, 1.0]
   assert timeline.wall_seconds == 7.0
@@ -47,8 +47,8 @@ def test_fifo_queueing():
   # Two 3 s syncs issued after steps 0 and 1, each consumed one step later
   # than blocking. The first holds the link 2-5; the second is ready at 4 but
   # queues until 5 and runs 5-8. Step 2 starts at 5 (ends 7), step 3 at 8.
-  events = [clock.CommEvent(0, 2, 3 * ONE_SECOND),
-            clock.CommEvent(1, 3, 3 * ONE_SECOND)]
+  events = [clock.CommEvent(0, 2, 3 * ONE_SECOND, "all_reduce", 2),
+            clock.CommEvent(1, 3, 3 * ONE_SECOND, "all_reduce", 2)]
   timeline = clock.simulate_run(2.0, events, NET, num_steps=4)
   assert timeline.step_start == [0.0, 2.0, 5.0, 8.0, 10.0]
   assert timeline.stall_seconds == [0.0, 0.0, 1.0, 1.0]
@@ -57,7 +57,7 @@ def test_fifo_queueing():
 
 def test_run_ends_when_the_last_sync_has_finished():
   # Issued after the last step, consumed "after the end": the run still waits.
-  timeline = clock.simulate_run(2.0, [(1, 5, ONE_SECOND)], NET, num_steps=2)
+  timeline = clock.simulate_run(2.0, [(1, 5, ONE_SECOND, "all_reduce", 2)], NET, num_steps=2)
   assert timeline.step_end[-1] == 4.0
   assert timeline.wall_seconds == 5.0
 
@@ -86,9 +86,9 @@ def test_per_layer_transfers_with_ready_and_needed_times():
 
 def test_bad_events():
   with pytest.raises(ValueError, match="consumed_step"):
-    clock.simulate_run(1.0, [(2, 2, 1.0)], NET, num_steps=3)
+    clock.simulate_run(1.0, [(2, 2, 1.0, "all_reduce", 2)], NET, num_steps=3)
   with pytest.raises(ValueError, match="issued_step"):
-    clock.simulate_run(1.0, [(3, 4, 1.0)], NET, num_steps=3)
+    clock.simulate_run(1.0, [(3, 4, 1.0, "all_reduce", 2)], NET, num_steps=3)
   with pytest.raises(ValueError, match="kind"):
     clock.simulate_run(1.0, [(0, 1, 1.0, "broadcast", 2)], NET, num_steps=3)
   with pytest.raises(ValueError, match="num_steps"):

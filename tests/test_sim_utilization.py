@@ -61,6 +61,14 @@ def test_streaming_fragments_and_schedule():
   assert timeline.comm_seconds == pytest.approx(2 * 24 * layer_seconds)
 
 
+def test_more_fragments_than_steps_still_syncs_every_layer_once_per_round():
+  method = util.streaming(4, layers_per_fragment=1)  # P = 24 > H = 4
+  net = net_lib.Network(1e12, 0.0)
+  timeline = util.simulate_method(method, WORKLOAD_1B, 2, net, num_rounds=2)
+  layer_seconds = net_lib.ring_all_reduce_seconds(1e9 / 24 * 2, 2, net)
+  assert timeline.comm_seconds == pytest.approx(2 * 24 * layer_seconds)
+
+
 def test_required_bandwidth_hits_the_target():
   method = util.streaming(100, overlap_steps=1)
   bandwidth = util.required_bandwidth(method, WORKLOAD_1B, 2, 0.9, rel_tol=1e-6)

@@ -53,8 +53,8 @@ class CommEvent(NamedTuple):
   issued_step: int
   consumed_step: int
   payload_bytes: float
-  kind: str = "all_reduce"
-  num_workers: int = 2
+  kind: str
+  num_workers: int
 
 
 class Transfer(NamedTuple):
@@ -201,7 +201,8 @@ def simulate_run(step_seconds: "float | Sequence[float]",
     step_seconds: per-step compute seconds (measured, or FLOPs / (peak · MFU));
       one number for every step or a sequence with one entry per step.
     events: ``CommEvent``s or tuples ``(issued_step, consumed_step,
-      payload_bytes, kind, num_workers)`` (the last two optional).
+      payload_bytes, kind, num_workers)``. If the ledger holds bytes already
+      on the wire, pass them with kind ``send`` (ℓ + 8·bytes/B).
     network: a ``Network`` or a spec for ``network.parse_network``.
     num_steps: number of steps if ``step_seconds`` is one number.
 
@@ -211,9 +212,9 @@ def simulate_run(step_seconds: "float | Sequence[float]",
   Example:
     >>> net = network_lib.Network(1e9, 0.0)
     >>> # 1 Gbit all-reduce between 2 workers takes 1 s; 3 steps of 2 s.
-    >>> simulate_run(2.0, [(0, 1, 125e6)], net, num_steps=3).wall_seconds
+    >>> simulate_run(2.0, [(0, 1, 125e6, "all_reduce", 2)], net, 3).wall_seconds
     7.0
-    >>> simulate_run(2.0, [(0, 2, 125e6)], net, num_steps=3).wall_seconds
+    >>> simulate_run(2.0, [(0, 2, 125e6, "all_reduce", 2)], net, 3).wall_seconds
     6.0
   """
   net = network_lib.parse_network(network)

@@ -69,9 +69,6 @@ class Network:
     """Seconds to push ``num_bytes`` through the link, latency excluded."""
     return 8.0 * num_bytes / self.bandwidth_bits_per_s
 
-  def with_bandwidth(self, bandwidth_bits_per_s: float) -> "Network":
-    return dataclasses.replace(self, bandwidth_bits_per_s=bandwidth_bits_per_s)
-
 
 # The presets of issue 7: a TPU/GPU datacenter fabric, a dedicated link between
 # regions, a good internet connection, a home connection.

@@ -15,7 +15,10 @@ The model (all workers are alike, so one worker's timeline is enough):
   workers, ``network.ring_all_reduce_seconds``) that starts as soon as it is
   ready, so it overlaps the rest of the backward; all reductions queue FIFO on
   the worker's one link (``clock.run_timeline``). Embeddings and head are
-  counted inside the layers (N/L parameters per layer).
+  counted inside the layers (N/L parameters per layer). Every per-layer
+  reduction pays the ring's 2(M−1)·ℓ latency; Table 4 is reproduced with
+  ℓ = 0, since tens of ms per layer would keep data-parallel below 95% CU at
+  any bandwidth.
 * **Dependencies.** A reduction issued at step s is consumed at step
   s + 1 + τ: layer l's result is needed when that step's forward reaches layer
   l, ``l·t/(3L)`` after it starts (``clock.Transfer.needed_after_s``). τ = 0
@@ -27,12 +30,13 @@ The model (all workers are alike, so one worker's timeline is enough):
   fragment of 3 layers (strided: layers p, p+P, p+2P, …; P = L/3) per H/P
   steps, fragment p at steps ``r·H + ⌊(p+1)·H/P⌋ − 1`` (H/P need not be an
   integer); "+ overlap" uses τ = 1, as the paper's final method.
-* **Wire formats.** Data-parallel sends bf16 gradients, DiLoCo and Streaming
-  bf16 outer gradients, the FP4 variant 4-bit codes: 16, 16, 16 and 4 bits per
-  parameter. Why bf16 rather than fp32: the paper's Table 1 counts ≈400× fewer
-  bits for overlapped-FP4 Streaming than for DP at H = 100, which is
-  H · 16 / 4; and the DiLoCo and Streaming columns of Table 4 are only
-  reachable with 16 bits (fp32 would double them).
+* **Wire formats.** Data-parallel sends bf16 gradients (16 bits per
+  parameter), DiLoCo and Streaming bf16 outer gradients (16), the FP4 variant
+  4-bit codes (4; block scales ignored). So FP4 divides the bits by 4 against
+  the other columns, by 8 against fp32. Why bf16 rather than fp32: the
+  paper's Table 1 counts ≈400× fewer bits for overlapped-FP4 Streaming than
+  for DP at H = 100, which is H · 16 / 4; and fp32 would double the DiLoCo
+  and Streaming columns of Table 4, far from the paper's values.
 * **Compute utilization** CU = compute time / wall time, measured in steady
   state: over rounds 1..R−1 of H steps (round 0 is warm-up), from the start of
   step H to the start of step R·H.
@@ -191,10 +195,11 @@ def table4_methods(sync_every: int = 100) -> list[Method]:
 
 
 # The paper's three simulated models with its own layer counts and step times
-# (Table 4, PAPERS.md 1.3). N is the model's label, as the paper's own
-# simulator takes it ("billion parameters"); the step time is the paper's,
-# which fixes the tokens per step: t·peak·MFU / (6N), e.g. 2^20 tokens per
-# step for the 1B at 1.0e17 FLOP/s of peak per worker (≈100 H100s).
+# (Table 4, PAPERS.md 1.3). N is the model's label, as the first author's
+# public bandwidth simulator takes it (N in billions). The step time is the
+# paper's, which fixes the tokens per step: t·peak·MFU / (6N), e.g. 2^20
+# tokens per step for the 1B at ≈1.05e17 FLOP/s of peak per worker (≈100
+# H100s).
 PAPER_WORKLOADS = {
     "1B": Workload(ModelShape(24, 1e9), 0.1),
     "10B": Workload(ModelShape(48, 1e10), 0.8),
@@ -224,7 +229,9 @@ def _transfers(method: Method, workload: Workload, num_workers: int,
       layer_bytes, num_workers, network)
   # Step (within a round) at which each fragment syncs, torchft-style offsets;
   # the last fragment syncs on the round's last step, as DiLoCo does.
-  sync_step = [math.floor((p + 1) * h / p_count) - 1 for p in range(p_count)]
+  # With P > H several fragments share a step (never step -1).
+  sync_step = [max(0, math.floor((p + 1) * h / p_count) - 1)
+               for p in range(p_count)]
   transfers = []
   for s in range(num_steps):
     for p in range(p_count):
