@@ -63,3 +63,19 @@ def test_table_rows():
   expected = latency.sync_times(latency.NOLOCO_MODELS["1.3B"], 1024, "1Gbit,50ms")
   assert row["tree_s"] == pytest.approx(expected.tree)
   assert row["speedup_vs_tree"] == pytest.approx(expected.tree / expected.pairwise)
+
+
+def test_benchmark_prints_headline_and_writes_json(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out_json = tmp_path / "sync_latency.json"
+  out = subprocess.run(
+      [sys.executable, os.path.join(root, "benchmarks", "sync_latency.py"),
+       f"--out={out_json}"],
+      capture_output=True, text=True, check=True, cwd=root, timeout=120)
+  assert "speed-up over tree all-reduce at N=1024: 10.00x to 10.03x" in out.stdout
+  low, high = json.loads(out_json.read_text())["speedup_vs_tree_at_1024"]
+  assert 9.9 < low <= high < 10.1

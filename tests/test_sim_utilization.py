@@ -129,3 +129,19 @@ def test_table4_reproduction():
       paper = util.PAPER_TABLE4[name][col]
       tolerance = 0.18 if (name, col) in KNOWN_MISSES else 0.15
       assert abs(ours / paper - 1) < tolerance, (name, col, ours, paper)
+
+
+def test_simulate_binary_writes_table_and_plot(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, os.path.join(root, "experiments", "simulate.py"),
+       f"--out_dir={tmp_path}"],
+      capture_output=True, text=True, check=True, cwd=root, timeout=120)
+  assert "largest relative error: 17.7%" in out.stdout
+  saved = json.loads((tmp_path / "table4.json").read_text())
+  assert saved["gbit_per_s"]["1B"][2] == pytest.approx(OURS["1B"][2], rel=0.01)
+  assert (tmp_path / "cu_vs_bandwidth.png").stat().st_size > 10_000
