@@ -16,10 +16,9 @@ The model, chosen to be computable by hand:
 * The run ends when its last step has ended and every collective has
   finished.
 
-So with step time ``c``, one blocking all-reduce of duration ``d`` issued at
-step 0 and consumed at step 1, two steps take ``c + d + c``; with τ = 1
-(consumed at step 2) they take ``2c + max(0, d - c)`` plus whatever is still
-on the link at the end.
+So with step time ``c`` and one all-reduce of duration ``d`` issued at step
+0, three steps take ``3c + d`` when it is blocking (consumed at step 1) and
+``3c + max(0, d - c)`` with τ = 1 (consumed at step 2).
 
 Events from the Trainer are ``CommEvent(issued_step, consumed_step,
 payload_bytes, kind, num_workers)``, or plain tuples in that order.
