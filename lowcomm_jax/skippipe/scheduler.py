@@ -102,18 +102,24 @@ def check_inputs(topology: Topology, placement, config: paths_lib.SkipConfig
   config.validate(topology.num_stages, topology.stage_sizes, topology.memory)
   placement = validate_placement(topology, placement)
   caps = load_caps(topology, placement, config)
-  demand = (len(placement[0]) * config.microbatches_per_data_node
-            * (config.path_length - 1))
-  supply = int(sum(caps[nodes].sum() for nodes in placement[1:]))
+  streams = len(placement[0]) * config.paths_per_data_node
+  # Each stream of `stream_length` micro-batches visits k-1 distinct stages;
+  # stage s can take at most min(its stream slots, all streams). Summed over
+  # stages this must cover streams x (k-1) (a flow / Hall-type bound that is
+  # also sufficient when stages are free to choose).
+  slots = [int((caps[nodes] // config.stream_length).sum())
+           for nodes in placement[1:]]
+  supply = sum(min(slot, streams) for slot in slots)
+  demand = streams * (config.path_length - 1)
   if demand > supply:
     raise ValueError(
         f"microbatches_per_data_node: {len(placement[0])} data nodes x "
-        f"{config.microbatches_per_data_node} micro-batches x "
-        f"{config.path_length - 1} non-data stages = {demand} stage visits, "
-        f"but stages 1..{topology.num_stages - 1} hold at most {supply} "
-        f"(nodes x memory x num_waves); at most "
-        f"{supply // (len(placement[0]) * max(config.path_length - 1, 1))} "
-        f"micro-batches per data node are allowed.")
+        f"{config.microbatches_per_data_node} micro-batches need "
+        f"{demand * config.stream_length} stage visits (path_length - 1 = "
+        f"{config.path_length - 1} each), but stages 1..{topology.num_stages - 1}"
+        f" can take at most {supply * config.stream_length} (nodes x memory x "
+        f"num_waves, and each micro-batch visits a stage once); lower "
+        f"microbatches_per_data_node or path_length.")
   return placement
 
 
@@ -350,10 +356,16 @@ def skippipe_schedule(topology: Topology, placement,
     solutions.append((np.inf, 0, plans))
   solutions.sort(key=lambda s: s[:2])
   best_plans = solutions[0][2]
+  unresolved = conflicts_of(best_plans)
+  if unresolved:
+    raise RuntimeError(
+        f"skippipe_schedule: {len(unresolved)} conflicts (first: "
+        f"{unresolved[0].kind} on node {unresolved[0].node}) left after "
+        f"{expanded} constraint-tree nodes and {repairs} repairs; raise "
+        f"SearchBudget.max_cbs_nodes or max_repairs, or relax the config.")
   stats = dict(scheduler_s=time.perf_counter() - started,
                cbs_nodes_expanded=expanded, solutions=len(solutions),
-               greedy_repairs=repairs, path_searches=planner.path_searches,
-               unresolved_conflicts=len(conflicts_of(best_plans)))
+               greedy_repairs=repairs, path_searches=planner.path_searches)
   label = method or ("skippipe" if collision_aware else "skippipe_no_tc2")
   return _to_schedule(best_plans, label, stats)
 
