@@ -160,22 +160,23 @@ class Decoder(nnx.Module):
     return (x_BxTxD @ self.head[...].astype(dt)).astype(jnp.float32)
 
 
-def logical_axes(model_or_state) -> dict:
-  """The tree of logical axis names of every parameter (stacked blocks get "layers" in front)."""
-  state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+def logical_axes(model: Decoder) -> dict[str, tuple[str, ...]]:
+  """Logical axis names of every parameter, keyed by its path ("blocks/attn/wq").
 
-  def axes_of(path, variable):
+  Stacked block parameters get "layers" in front of their per-block axes.
+  """
+  axes_by_path = {}
+  for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    name = "/".join(str(k) for k in path)
     axes = tuple(variable.get_metadata()["logical_axes"])
-    if path and path[0] == "blocks":
+    if path[0] == "blocks":
       axes = ("layers",) + axes
-    if len(axes) != variable[...].ndim:
-      raise ValueError(f"parameter {'/'.join(map(str, path))} has {variable[...].ndim} dims but "
-                       f"logical axes {axes}")
-    return axes
-
-  return nnx.map_state(axes_of, state) if hasattr(nnx, "map_state") else _map_with_path(axes_of, state)
+    if len(axes) != len(variable.get_value().shape):
+      raise ValueError(f"parameter {name} has {len(variable.get_value().shape)} dims but logical axes {axes}")
+    axes_by_path[name] = axes
+  return axes_by_path
 
 
-def _map_with_path(fn, state):
-  flat = nnx.to_flat_state(state)
-  return {tuple(str(k) for k in path): fn(tuple(str(k) for k in path), var) for path, var in flat}
+def path_name(key_path) -> str:
+  """"blocks/attn/wq" for a jax key path into a pure-dict parameter tree."""
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)

@@ -1,0 +1,31 @@
+"""Data-parallel training of a byte-level decoder on the Python standard library's source.
+
+  python experiments/train.py --config=experiments/configs/dp.py --workdir=runs/dp
+
+Variants (`--config=experiments/configs/dp.py:<variant>`):
+- default: the `small` model (1.35M parameters), 600 steps of 16 × 128 tokens.
+  Expected on a 2-core CPU: TODO
+- tiny: the `tiny` model, 200 steps, for tests and a first look (well under a minute).
+"""
+
+from lowcomm_jax import config as config_lib
+
+
+def get_config(variant: str = ""):
+  c = config_lib.default_config()
+  c.algorithm = "dp"
+  if variant in ("", "default"):
+    c.model.size = "small"
+    c.num_steps = 600
+    c.data.seq_len = 128
+    c.data.batch_size = 16
+    c.optimizer.learning_rate = 3e-3
+    c.eval.every = 200
+    c.checkpoint.every = 200
+  elif variant == "tiny":
+    c.model.size = "tiny"
+    c.num_steps = 200
+    c.eval.every = 100
+  else:
+    raise ValueError(f"config variant must be '', 'default' or 'tiny', got {variant!r}")
+  return c

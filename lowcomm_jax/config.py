@@ -1,0 +1,123 @@
+"""The run configuration: every key with its default and meaning, and its validation.
+
+Experiment files in `experiments/configs/` start from `default_config()` and
+change values; they cannot add keys (`lock_config=True`), so a misspelt key
+is an error at the command line. `validate` checks values before any compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import ml_collections
+
+from lowcomm_jax import mesh as mesh_lib
+from lowcomm_jax.data import corpora
+from lowcomm_jax.models import config as model_config
+from lowcomm_jax import sharding
+
+ALGORITHMS = ("dp",)
+
+# Keys that may change when a run is resumed: they do not change the trajectory.
+RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "checkpoint.every",
+                "checkpoint.keep", "hardware.peak_flops_per_device", "progress_bar")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.algorithm = "dp"  # "dp": synchronous data parallel (one gradient all-reduce per step).
+  c.seed = 0  # parameter init and data order.
+  c.num_steps = 300  # optimizer steps.
+  c.model = ml_collections.ConfigDict(dict(
+      size="tiny",  # a preset of lowcomm_jax.models.PRESETS
+      dtype="float32",  # activation dtype; parameters stay float32
+  ))
+  c.data = ml_collections.ConfigDict(dict(
+      corpus="stdlib",  # stdlib | licenses | docstrings | debian:<source>
+      seq_len=128,  # tokens per training sequence (bytes)
+      batch_size=16,  # global sequences per step (per replica for multi-replica algorithms)
+      eval_permille=20,  # held-out documents, per mille (by a hash of the document id)
+  ))
+  c.optimizer = ml_collections.ConfigDict(dict(
+      name="adamw",  # adamw | adam | sgd
+      learning_rate=3e-3,  # peak learning rate
+      warmup_steps=30,  # linear warm-up, then cosine decay to min_lr_ratio · peak
+      min_lr_ratio=0.1,
+      weight_decay=0.1,
+      b1=0.9,
+      b2=0.95,
+      momentum=0.0,  # sgd only
+      grad_clip=1.0,  # global-norm clip; 0 disables
+  ))
+  c.mesh = ml_collections.ConfigDict(dict(replica=1, data=-1, tensor=1, stage=1))  # -1: fill
+  c.sharding = ml_collections.ConfigDict(dict(
+      layout="replicated",  # replicated | fsdp | tensor | fsdp_tensor
+  ))
+  c.eval = ml_collections.ConfigDict(dict(every=100, batch_size=16, num_batches=8))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=2))
+  c.log_every = 10
+  c.stop_at_step = -1  # stop (with a checkpoint) after this step; -1 runs to num_steps
+  c.progress_bar = True  # a tqdm bar on a terminal; plain log lines otherwise
+  c.hardware = ml_collections.ConfigDict(dict(
+      peak_flops_per_device=0.0,  # for MFU; 0 measures a float32 matmul on the first device
+  ))
+  return c
+
+
+def _flatten(c, prefix="") -> dict:
+  out = {}
+  for k, v in c.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, ml_collections.ConfigDict):
+      out.update(_flatten(v, key + "."))
+    else:
+      out[key] = v
+  return out
+
+
+def _require(cond: bool, option: str, allowed: str, value) -> None:
+  if not cond:
+    raise ValueError(f"{option} must be {allowed}, got {value!r}")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """One clear ValueError naming the option and the allowed values; no compute happens before."""
+  known = set(_flatten(default_config()))
+  given = set(_flatten(c))
+  unknown = sorted(given - known)
+  if unknown:
+    raise ValueError(f"unknown config keys {unknown}; see lowcomm_jax/config.py for the allowed keys")
+  missing = sorted(known - given)
+  if missing:
+    raise ValueError(f"config is missing keys {missing}; start from lowcomm_jax.config.default_config()")
+  _require(c.algorithm in ALGORITHMS, "algorithm", f"one of {ALGORITHMS}", c.algorithm)
+  _require(c.num_steps >= 1, "num_steps", ">= 1", c.num_steps)
+  model_config.get_model_config(c.model.size, dtype=c.model.dtype)
+  _require(c.data.corpus in corpora.CORPORA or str(c.data.corpus).startswith("debian:"),
+           "data.corpus", f"one of {sorted(corpora.CORPORA)} or 'debian:<source>'", c.data.corpus)
+  _require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
+  _require(c.data.batch_size >= 1, "data.batch_size", ">= 1", c.data.batch_size)
+  _require(c.optimizer.name in ("adamw", "adam", "sgd"), "optimizer.name", "adamw, adam or sgd",
+           c.optimizer.name)
+  _require(c.optimizer.learning_rate >= 0, "optimizer.learning_rate", ">= 0", c.optimizer.learning_rate)
+  _require(0 <= c.optimizer.min_lr_ratio <= 1, "optimizer.min_lr_ratio", "in [0, 1]",
+           c.optimizer.min_lr_ratio)
+  _require(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", ">= 0", c.optimizer.warmup_steps)
+  sharding.rules_for(c.sharding.layout)
+  for key in ("eval.every", "eval.batch_size", "eval.num_batches", "checkpoint.every",
+              "checkpoint.keep", "log_every"):
+    section, name = key.split(".") if "." in key else (None, key)
+    value = c[section][name] if section else c[name]
+    _require(value >= 1, key, ">= 1", value)
+  mesh_lib.mesh_shape(c.mesh.to_dict(), 10**9)  # axis names and sizes; the device count is checked later
+
+
+def fingerprint(c: ml_collections.ConfigDict) -> dict:
+  """The part of the config that fixes the trajectory (everything but RUNTIME_KEYS)."""
+  flat = _flatten(c)
+  return {k: v for k, v in sorted(flat.items()) if k not in RUNTIME_KEYS}
+
+
+def fingerprint_hash(c: ml_collections.ConfigDict) -> str:
+  return hashlib.sha256(json.dumps(fingerprint(c), sort_keys=True, default=str).encode()).hexdigest()[:16]

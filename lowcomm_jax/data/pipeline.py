@@ -1,0 +1,98 @@
+"""Deterministic grain pipelines over a token stream: train batches per replica shard, fixed eval batches.
+
+The token stream is cut into non-overlapping windows of `seq_len + 1` tokens
+(inputs and shifted targets). Replica r of R owns the contiguous windows
+[r·N/R, (r+1)·N/R), so shards are disjoint text, as in DiLoCo where every
+worker has its own data. Each shard is a `grain.MapDataset`: shuffled with the
+seed, repeated with a fresh order every epoch, batched. Batch k is
+addressable by index, so the iterator state is the grain iterator's
+`{"next_index": k}` and resuming is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grain
+import numpy as np
+
+from lowcomm_jax.data import corpora
+from lowcomm_jax.data.tokenizer import ByteTokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSplits:
+  """Train and eval token streams of one corpus (uint8 byte tokens)."""
+
+  corpus: str
+  train: np.ndarray
+  eval: np.ndarray
+
+
+_SPLITS_CACHE: dict = {}
+
+
+def load_splits(corpus: str, eval_permille: int = 20) -> TokenSplits:
+  """Tokenizes a corpus and splits it by document into train and held-out eval text."""
+  if not 1 <= eval_permille <= 500:
+    raise ValueError(f"data.eval_permille must be in [1, 500], got {eval_permille}")
+  key = (corpus, eval_permille)
+  if key not in _SPLITS_CACHE:
+    docs = corpora.load_documents(corpus)
+    tok = ByteTokenizer()
+    train = tok.encode_documents(t for d, t in docs if not corpora.is_eval_document(d, eval_permille))
+    held = tok.encode_documents(t for d, t in docs if corpora.is_eval_document(d, eval_permille))
+    if not len(held) or not len(train):
+      raise ValueError(f"corpus {corpus!r} gave an empty split (train {len(train)}, eval {len(held)} "
+                       "tokens); change data.eval_permille")
+    _SPLITS_CACHE[key] = TokenSplits(corpus, train, held)
+  return _SPLITS_CACHE[key]
+
+
+class _Windows:
+  """Random-access source: window i = tokens[start + i·T : start + i·T + T + 1]."""
+
+  def __init__(self, tokens: np.ndarray, seq_len: int, first: int, count: int):
+    self._tokens, self._seq_len, self._first, self._count = tokens, seq_len, first, count
+
+  def __len__(self):
+    return self._count
+
+  def __getitem__(self, i):
+    start = (self._first + int(i)) * self._seq_len
+    return self._tokens[start:start + self._seq_len + 1].astype(np.int32)
+
+
+def num_windows(tokens: np.ndarray, seq_len: int) -> int:
+  return (len(tokens) - 1) // seq_len
+
+
+def shard_range(total: int, shard_index: int, num_shards: int) -> tuple[int, int]:
+  """[first, last) windows of a shard: contiguous, disjoint, covering all but a remainder < num_shards."""
+  per_shard = total // num_shards
+  return shard_index * per_shard, (shard_index + 1) * per_shard
+
+
+def train_dataset(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
+                  shard_index: int = 0, num_shards: int = 1) -> grain.MapDataset:
+  """Infinite, shuffled batches [batch_size, seq_len + 1] of one shard."""
+  first, last = shard_range(num_windows(tokens, seq_len), shard_index, num_shards)
+  if last - first < batch_size:
+    raise ValueError(f"shard {shard_index} of {num_shards} has {last - first} windows of "
+                     f"{seq_len + 1} tokens, fewer than data.batch_size={batch_size}")
+  source = _Windows(tokens, seq_len, first, last - first)
+  ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
+  return ds.batch(batch_size, drop_remainder=True, batch_fn=np.stack)
+
+
+def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int) -> np.ndarray:
+  """Up to `max_batches` batches of held-out windows spread evenly over the eval text: [n, B, T + 1]."""
+  total = num_windows(tokens, seq_len)
+  n = min(total // batch_size, max_batches)
+  if n < 1:
+    raise ValueError(f"eval text has {len(tokens)} tokens, too few for one batch of "
+                     f"{batch_size} × {seq_len + 1}; lower eval.batch_size or data.seq_len")
+  src = _Windows(tokens, seq_len, 0, total)
+  # Evenly spaced windows sample every part of the held-out text, not just its first documents.
+  picks = np.linspace(0, total - 1, n * batch_size).astype(np.int64)
+  return np.stack([src[i] for i in picks]).reshape(n, batch_size, seq_len + 1)

@@ -1,0 +1,62 @@
+"""Named mesh axes and the mesh builder.
+
+Axes, slowest to fastest:
+- `replica`: model copies (DiLoCo workers); the slow, cross-datacenter axis.
+- `data`: data parallelism / FSDP inside a worker.
+- `tensor`: tensor parallelism inside a worker.
+- `stage`: pipeline stages.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+REPLICA = "replica"
+DATA = "data"
+TENSOR = "tensor"
+STAGE = "stage"
+AXES = (REPLICA, DATA, TENSOR, STAGE)
+
+
+def mesh_shape(requested: Mapping[str, int], num_devices: int) -> dict[str, int]:
+  """Resolves a requested shape (at most one axis may be -1: all remaining devices).
+
+  Raises:
+    ValueError: naming the `mesh` option when an axis is unknown or < 1, or
+      the shape needs more devices than there are.
+  """
+  unknown = set(requested) - set(AXES)
+  if unknown:
+    raise ValueError(f"mesh has unknown axes {sorted(unknown)}; allowed axes are {list(AXES)}")
+  shape = {axis: int(requested.get(axis, 1)) for axis in AXES}
+  fill = [a for a, n in shape.items() if n == -1]
+  if len(fill) > 1:
+    raise ValueError(f"at most one mesh axis may be -1 (fill), got {fill}")
+  bad = {a: n for a, n in shape.items() if n < 1 and n != -1}
+  if bad:
+    raise ValueError(f"mesh axis sizes must be >= 1 or -1 (fill), got {bad}")
+  fixed = math.prod(n for n in shape.values() if n != -1)
+  if fill:
+    if num_devices % fixed:
+      raise ValueError(f"mesh {shape}: the fixed axes' product {fixed} does not divide the "
+                       f"{num_devices} devices, so mesh.{fill[0]}=-1 cannot fill them")
+    shape[fill[0]] = num_devices // fixed
+  if math.prod(shape.values()) > num_devices:
+    raise ValueError(
+        f"mesh {shape} needs {math.prod(shape.values())} devices but {num_devices} are available; "
+        f"set --config.mesh.* so the product of replica·data·tensor·stage is at most {num_devices}")
+  return shape
+
+
+def make_mesh(requested: Mapping[str, int], devices=None) -> Mesh:
+  """A mesh with the four named axes (Auto axis types) over the first devices that fit."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(requested, len(devices))
+  n = math.prod(shape.values())
+  device_grid = np.asarray(devices[:n]).reshape(tuple(shape[a] for a in AXES))
+  return Mesh(device_grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -1,0 +1,153 @@
+"""The data-parallel Trainer: learning on real text, resume, meshes and layouts, bad input."""
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from lowcomm_jax import config as config_lib
+from lowcomm_jax.data import pipeline, stats
+from lowcomm_jax.train import Trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_config(**changes):
+  c = config_lib.default_config()
+  c.model.size = "tiny"
+  c.num_steps = 40
+  c.data.seq_len = 64
+  c.data.batch_size = 8
+  c.eval.batch_size = 8
+  c.eval.num_batches = 4
+  c.eval.every = 1000
+  c.checkpoint.every = 1000
+  c.log_every = 1
+  c.progress_bar = False
+  c.hardware.peak_flops_per_device = 1e10
+  for key, value in changes.items():
+    section, _, name = key.rpartition(".")
+    (c[section] if section else c)[name] = value
+  return c
+
+
+def read_metrics(workdir):
+  return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def tree_digest(directory: pathlib.Path) -> dict:
+  return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_tiny_run_learns_real_text_below_the_unigram_entropy(tmp_path):
+  c = tiny_config(num_steps=300, log_every=50, **{"eval.num_batches": 16, "optimizer.learning_rate": 1e-2,
+                                                   "data.batch_size": 16})
+  summary = Trainer(c, tmp_path).run()
+  splits = pipeline.load_splits("stdlib", c.data.eval_permille)
+  unigram = stats.unigram_entropy(splits.eval)  # about 3.24 nats per byte
+  assert summary["final_eval_loss"] < unigram - 0.3
+  assert summary["steps"] == 300 and summary["tokens"] == 300 * 16 * 64
+  on_disk = json.loads((tmp_path / "summary.json").read_text())
+  assert on_disk["final_eval_loss"] == summary["final_eval_loss"]
+  assert (tmp_path / "tensorboard").is_dir() and (tmp_path / "checkpoints" / "300").is_dir()
+
+
+def test_resume_is_bit_identical(tmp_path):
+  c = tiny_config(num_steps=30, **{"checkpoint.every": 10})
+  full = Trainer(c, tmp_path / "full")
+  full.run()
+  interrupted = tiny_config(num_steps=30, stop_at_step=15, **{"checkpoint.every": 10})
+  first = Trainer(interrupted, tmp_path / "resumed")
+  first.run()
+  assert not (tmp_path / "resumed" / "summary.json").exists()
+  second = Trainer(c, tmp_path / "resumed")
+  assert second.resuming
+  second.run()
+  for a, b in zip(jax.tree.leaves(full.final_state), jax.tree.leaves(second.final_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert full.final_data_state == second.final_data_state == {"next_index": 30}
+  losses = lambda w: [m["loss"] for m in read_metrics(w)]
+  assert losses(tmp_path / "full") == losses(tmp_path / "resumed")
+
+
+@pytest.mark.parametrize("layout,mesh", [("replicated", {"data": 8}), ("fsdp", {"data": 8}),
+                                          ("tensor", {"data": 4, "tensor": 2})])
+def test_eight_devices_match_one_device_and_shardings_follow_the_rules(tmp_path, layout, mesh):
+  assert len(jax.devices()) >= 8, "conftest sets 8 fake CPU devices"
+  c8 = tiny_config(num_steps=5, **{"sharding.layout": layout})
+  for axis, size in mesh.items():
+    c8.mesh[axis] = size
+  c1 = tiny_config(num_steps=5, **{"sharding.layout": "replicated", "mesh.data": 1})
+  many = Trainer(c8, tmp_path / "many")
+  one = Trainer(c1, tmp_path / "one", devices=jax.devices()[:1])
+  many.run()
+  one.run()
+  np.testing.assert_allclose([m["loss"] for m in read_metrics(tmp_path / "many")],
+                             [m["loss"] for m in read_metrics(tmp_path / "one")], rtol=2e-5)
+  # The compiled step's parameter shardings are the ones the rules ask for.
+  tx = __import__("lowcomm_jax.train.step", fromlist=["x"]).make_optimizer(c8.optimizer, 5)
+  state = many.init_state(tx)
+  train_step, _ = many.compile_steps(tx, state)
+  batch = np.zeros((8, 65), np.int32)
+  compiled = train_step.lower(state, batch).compile()
+  out_params = compiled.output_shardings[0].params
+  expected = {"replicated": (None, None, None, None), "fsdp": (None, "data", None, None),
+              "tensor": (None, None, "tensor", None)}[layout]
+  wq = out_params["blocks"]["attn"]["wq"]
+  assert wq.is_equivalent_to(jax.sharding.NamedSharding(many.mesh, jax.sharding.PartitionSpec(*expected)), 4)
+  w_up = out_params["blocks"]["mlp"]["w_up"].spec
+  assert tuple(w_up) + (None,) * (3 - len(w_up)) == {"replicated": (None, None, None),
+                                                     "fsdp": (None, "data", None),
+                                                     "tensor": (None, None, "tensor")}[layout]
+
+
+def test_mesh_larger_than_devices_is_refused_before_anything_is_written(tmp_path):
+  c = tiny_config(**{"mesh.data": 16})
+  with pytest.raises(ValueError, match=r"mesh .* needs 16 devices but 8 are available"):
+    Trainer(c, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+def test_batch_not_divisible_over_data_axis(tmp_path):
+  c = tiny_config(**{"mesh.data": 8, "data.batch_size": 12})
+  with pytest.raises(ValueError, match=r"data.batch_size=12 is not divisible by the mesh's data axis \(8\)"):
+    Trainer(c, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+def test_unknown_and_bad_values_are_named(tmp_path):
+  c = tiny_config()
+  c.unlock()
+  c.model.sise = "tiny"
+  with pytest.raises(ValueError, match=r"unknown config keys \['model.sise'\]"):
+    Trainer(c, tmp_path)
+  with pytest.raises(ValueError, match=r"model.size must be one of"):
+    Trainer(tiny_config(**{"model.size": "huge"}), tmp_path)
+  with pytest.raises(ValueError, match=r"sharding.layout must be one of"):
+    Trainer(tiny_config(**{"sharding.layout": "zero"}), tmp_path)
+
+
+def test_workdir_of_another_config_is_refused_and_left_as_it_was(tmp_path):
+  Trainer(tiny_config(num_steps=4, **{"checkpoint.every": 2}), tmp_path).run()
+  before = tree_digest(tmp_path)
+  with pytest.raises(ValueError, match=r"holds a run of another config \(optimizer.learning_rate"):
+    Trainer(tiny_config(num_steps=4, **{"optimizer.learning_rate": 0.5}), tmp_path)
+  assert tree_digest(tmp_path) == before
+
+
+def test_binary_rejects_an_unknown_config_key_before_compute(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "experiments" / "train.py"),
+       f"--config={ROOT / 'experiments' / 'configs' / 'dp.py'}:tiny", f"--workdir={tmp_path / 'w'}",
+       "--config.optimizer.learnin_rate=0.1"], capture_output=True, text=True, env=env, timeout=120)
+  assert proc.returncode != 0
+  assert "learnin_rate" in proc.stderr
+  assert not (tmp_path / "w").exists()
