@@ -68,14 +68,16 @@ def test_unknown_source_lists_the_allowed_ones():
 def test_dictd_base64_numbers_and_roff_stripping():
   assert debian._dictd_number("BC") == 1 * 64 + 2
   assert debian._dictd_number("5I") == 57 * 64 + 8
-  text = debian.strip_roff('.TH X 1\n.SH NAME\nx \\- do \\fBthings\\fR\n.PP\nmore\\(emtext\n')
-  assert text == "\nNAME\nx - do things\n\nmore--text\n".lstrip("\n")
+  source = (".TH X 1\n.SH name\nx \\- do \\fBthings\\fR\n.PP\nmore\\(emtext\nand\n"
+            ".BR kill (2)\n.\\\" a comment\n.nf\na\n  b\n.fi\n")
+  assert debian.strip_roff(source) == (
+      "NAME\n\nx - do things\n\nmore--text and kill(2)\n\na\n  b\n")
 
 
 def test_package_over_the_size_limit_is_refused(monkeypatch, tmp_path):
-  monkeypatch.setattr(debian, "package_size", lambda package: 61 * 2**20)
+  monkeypatch.setattr(debian, "package_sizes", lambda packages: {"some-package": 61 * 2**20})
   with pytest.raises(debian.FetchError, match="over the 60 MiB limit"):
-    debian._download_and_extract("some-package", tmp_path / "root", tmp_path)
+    debian.download_packages(["some-package"], tmp_path)
 
 
 def test_fetch_command_rejects_an_unknown_source():

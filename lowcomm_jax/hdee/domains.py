@@ -124,6 +124,17 @@ def get_domain(name: str) -> Domain:
   return DOMAINS[name]
 
 
+def fetch_domains(names: Sequence[str] | None = None,
+                  cache_dir: str | os.PathLike | None = None) -> None:
+  """Fetches the Debian sources of the domains `names` (default: all) not yet cached.
+
+  About 10 s for all of them on a fresh machine (one apt-get download call).
+  """
+  names = list(DOMAINS) if names is None else list(names)
+  sources = [get_domain(n).corpus.split(":", 1)[1] for n in names if get_domain(n).needs_fetch]
+  debian.ensure_fetched(sources, cache_dir)
+
+
 def _check_split(split: str) -> None:
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; allowed: {', '.join(SPLITS)}")
