@@ -40,8 +40,11 @@ def test_splits_are_disjoint_deterministic_and_non_empty(cache_dir, name):
   assert not set(ids["train"]) & set(ids["validation"])
   assert not set(ids["train"]) & set(ids["test"])
   assert not set(ids["validation"]) & set(ids["test"])
-  # Recomputed from scratch (cache dropped), the splits are the same.
+  # Recomputed from scratch (caches dropped), the splits are the same.
+  stream = domains.domain_bytes(name, "test", cache_dir)
   domains._splits.cache_clear()
+  domains._domain_bytes.cache_clear()
+  np.testing.assert_array_equal(domains.domain_bytes(name, "test", cache_dir), stream)
   again = {s: domains.domain_documents(name, s, cache_dir) for s in domains.SPLITS}
   assert again == splits
   # Roughly 80/10/10 by documents.
@@ -67,10 +70,12 @@ def test_few_documents_are_split_by_byte_ranges(monkeypatch):
                                      held_out=True))
   monkeypatch.setattr(domains.corpora, "load_documents", lambda name: (("book", text),))
   domains._splits.cache_clear()
+  domains._domain_bytes.cache_clear()
   try:
     parts = [domains.domain_documents("one_book", s) for s in domains.SPLITS]
   finally:
     domains._splits.cache_clear()
+    domains._domain_bytes.cache_clear()
   assert [len(p) for p in parts] == [1, 1, 1]
   assert "".join(p[0][1] for p in parts) == text
   assert [len(p[0][1]) for p in parts] == [int(0.8 * len(text)),

@@ -211,10 +211,18 @@ def domain_bytes(name: str, split: str,
     cache_dir: the Debian corpus cache folder; None means the default.
 
   Returns:
-    uint8 array of shape [num_bytes].
+    uint8 array of shape [num_bytes], read-only (it is cached; copy to modify).
   """
-  docs = domain_documents(name, split, cache_dir)
-  return tokenizer_lib.ByteTokenizer().encode_documents(text for _, text in docs)
+  _check_split(split)
+  return _domain_bytes(get_domain(name).name, split, _cache_key(cache_dir))
+
+
+@functools.lru_cache(maxsize=64)
+def _domain_bytes(name: str, split: str, cache_key: str) -> np.ndarray:
+  docs = _splits(name, cache_key)[SPLITS.index(split)]
+  stream = tokenizer_lib.ByteTokenizer().encode_documents(text for _, text in docs)
+  stream.setflags(write=False)  # Shared between callers through the cache.
+  return stream
 
 
 def split_sizes(name: str, cache_dir: str | os.PathLike | None = None) -> dict[str, tuple[int, int]]:
@@ -373,3 +381,38 @@ def format_domains_table(rows: Sequence[dict]) -> str:
                  f"{row['bigram_bits_per_byte']:.3f} | {row['zlib_bits_per_byte']:.3f} | "
                  f"{row['chain']} |")
   return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Byte-bigram experts: cheap stand-ins for trained experts in demonstrations
+# ---------------------------------------------------------------------------
+
+
+def domain_sequences(name: str, split: str, seq_len: int, num_sequences: int,
+                     cache_dir: str | os.PathLike | None = None) -> np.ndarray:
+  """The first `num_sequences` non-overlapping windows of a split, [N, seq_len] uint8.
+
+  Raises:
+    ValueError: the split is shorter than ``num_sequences * seq_len`` bytes.
+  """
+  stream = domain_bytes(name, split, cache_dir)
+  needed = num_sequences * seq_len
+  if seq_len < 1 or num_sequences < 1 or len(stream) < needed:
+    raise ValueError(f"domain {name!r} split {split!r} has {len(stream)} bytes; "
+                     f"{num_sequences} sequences of {seq_len} need {needed}")
+  return stream[:needed].reshape(num_sequences, seq_len)
+
+
+def bigram_expert_tables(chains: Mapping[str, Sequence[str]],
+                         cache_dir: str | os.PathLike | None = None,
+                         max_bytes_per_domain: int = DIFFICULTY_TRAIN_BYTES
+                         ) -> dict[str, np.ndarray]:
+  """One byte-bigram "expert" per chain, counted on its domains' training splits."""
+  return {chain: bigram_log_prob_table(np.concatenate(
+      [_evenly_spaced_sample(domain_bytes(name, "train", cache_dir), max_bytes_per_domain)
+       for name in names])) for chain, names in chains.items()}
+
+
+def bigram_expert_log_probs(tables: Sequence[np.ndarray], tokens_BxT: np.ndarray) -> np.ndarray:
+  """Per-token log-probabilities of each bigram expert, [E, B, T], for `ensemble`."""
+  return np.stack([bigram_token_log_probs(table, tokens_BxT) for table in tables])

@@ -189,3 +189,20 @@ def evaluate_domain(validation_log_probs_ExNxT: jax.Array, test_log_probs_ExBxT:
       "best_expert_index": index,
       "cached_prior_weights": [float(w) for w in jnp.exp(log_prior_E)],
   }
+
+
+METHODS = ("uniform_prior", "cached_prior", "simple_average", "best_expert")
+
+
+def format_scores_table(scores: Mapping[str, Mapping[str, float]],
+                        expert_names: list[str] | None = None) -> str:
+  """Markdown: one row per domain of `evaluate_domain` perplexities, best method in bold."""
+  lines = ["| domain | " + " | ".join(METHODS) + " | best single expert |",
+           "|---" * (len(METHODS) + 2) + "|"]
+  for domain, result in scores.items():
+    best = min(METHODS, key=lambda m: result[m])
+    cells = [f"**{result[m]:.3f}**" if m == best else f"{result[m]:.3f}" for m in METHODS]
+    index = result["best_expert_index"]
+    expert = expert_names[index] if expert_names else str(index)
+    lines.append(f"| {domain} | " + " | ".join(cells) + f" | {expert} |")
+  return "\n".join(lines)
