@@ -1,0 +1,20 @@
+"""Every notebook in colabs/ runs top to bottom without error (each sized to stay under a minute)."""
+
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "colabs").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(path, tmp_path):
+  notebook = nbformat.read(path, as_version=4)
+  client = NotebookClient(notebook, timeout=300, kernel_name="python3",
+                          resources={"metadata": {"path": str(tmp_path)}})
+  client.execute()
+  errors = [o for cell in notebook.cells if cell.cell_type == "code"
+            for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+  assert not errors
