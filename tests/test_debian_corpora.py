@@ -87,3 +87,9 @@ def test_fetch_command_rejects_an_unknown_source():
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert result.returncode != 0
   assert "unknown ['nope']" in result.stderr + result.stdout
+
+
+def test_missing_package_lists_without_root_is_a_clear_error(monkeypatch):
+  monkeypatch.setattr(debian.os, "geteuid", lambda: 1000)
+  with pytest.raises(debian.FetchError, match=r"needs root\. Run 'sudo apt-get update'"):
+    debian._apt_update_if_possible(["dict-gcide"], "E: Unable to locate package dict-gcide")

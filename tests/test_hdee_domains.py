@@ -128,3 +128,13 @@ def test_bad_input_errors(tmp_path):
   domains._splits.cache_clear()
   with pytest.raises(debian.NotFetchedError, match=r"fetch_corpora\.py --sources=gcide"):
     domains.domain_bytes("gcide", "train", tmp_path)
+
+
+def test_measured_chains_match_the_reference():
+  try:
+    domains.fetch_domains(domains.TRAIN_DOMAINS)
+  except debian.FetchError as error:
+    pytest.skip(f"Debian corpora cannot be fetched here: {error}")
+  assert domains.measured_chains() == domains.REFERENCE_CHAINS, (
+      "the measured difficulty order changed (other package versions or Python "
+      "version?); update REFERENCE_CHAINS and docs/data_and_hdee.md")

@@ -92,3 +92,14 @@ def test_bad_input_errors():
     plan_lib.make_plan("heterogeneous_sizes", 1e16, lopsided, TOKENS_PER_STEP, CHAINS)
   assert plan_lib.make_plan("M_He-I_Ho", 1e16, fpt, TOKENS_PER_STEP, CHAINS).setting == (
       "heterogeneous_sizes")
+
+
+def test_format_plans_reports_flops_per_chain_and_ratio():
+  fpt = _linear_ffn_flops()
+  budget = plan_lib.budget_for_steps(400, fpt, TOKENS_PER_STEP, CHAINS)
+  table = plan_lib.format_plans(plan_lib.make_plans(budget, fpt, TOKENS_PER_STEP, CHAINS))
+  rows = table.splitlines()[2:]
+  assert len(rows) == 3
+  assert rows[1].startswith("| heterogeneous_steps (M_Ho-I_He) | M, 500, ")
+  assert rows[2].startswith("| heterogeneous_sizes (M_He-I_Ho) | L, 400, ")
+  assert all(row.endswith("| 1.0000 |") for row in rows)

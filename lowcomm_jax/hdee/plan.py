@@ -23,10 +23,15 @@ instance `lowcomm_jax.models.flops_per_token` of three configs that differ in
 
 Example::
 
-  widths = ffn_widths(384)                          # {'S': 288, 'M': 384, 'L': 480}
-  fpt = lambda size: 6.0 * 1e6 * widths[size] / 384  # any FLOPs formula
-  plans = make_plans(budget_flops=2e15, flops_per_token=fpt, tokens_per_step=8192,
-                     chains={"hard": ("a", "b", "c"), ...})
+  from lowcomm_jax import models
+  from lowcomm_jax.hdee import domains, plan
+
+  widths = plan.ffn_widths(384)                      # {'S': 288, 'M': 384, 'L': 480}
+  configs = {s: models.get_model_config("small", d_ff=w) for s, w in widths.items()}
+  fpt = lambda size: models.flops_per_token(configs[size], 256)
+  budget = plan.budget_for_steps(400, fpt, 16 * 256, domains.REFERENCE_CHAINS)
+  plans = plan.make_plans(budget, fpt, 16 * 256, domains.REFERENCE_CHAINS)
+  print(plan.format_plans(plans))
 """
 
 from __future__ import annotations
