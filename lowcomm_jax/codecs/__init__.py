@@ -1,0 +1,54 @@
+"""Wire formats for outer gradients: 4-bit floats and integers, int8, bf16, fp32.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> codec = get_codec("e3m0", block_size=4)
+  >>> codec.roundtrip(jnp.array([1.0, -0.5, 0.3, 0.0])).tolist()
+  [1.0, -0.5, 0.25, 0.0]
+  >>> codec.wire_bytes(1 << 20)  # 4 bits per value + one fp32 scale per block
+  1572864
+"""
+
+from lowcomm_jax.codecs.base import (
+    Codec,
+    EncodedTensor,
+    NonFiniteError,
+    all_finite,
+    check_finite,
+)
+from lowcomm_jax.codecs.compressed_mean import (
+    compressed_mean,
+    compressed_mean_wire_bytes,
+)
+from lowcomm_jax.codecs.error_feedback import (
+    ErrorFeedbackState,
+    compressed_mean_with_error_feedback,
+    error_feedback_roundtrip,
+    init_error_feedback,
+)
+from lowcomm_jax.codecs.float4 import E2M1, E3M0
+from lowcomm_jax.codecs.integer import INT4, INT8
+from lowcomm_jax.codecs.passthrough import BF16, FP32
+from lowcomm_jax.codecs.registry import CODECS, get_codec
+
+__all__ = [
+    "Codec",
+    "EncodedTensor",
+    "NonFiniteError",
+    "all_finite",
+    "check_finite",
+    "compressed_mean",
+    "compressed_mean_wire_bytes",
+    "ErrorFeedbackState",
+    "compressed_mean_with_error_feedback",
+    "error_feedback_roundtrip",
+    "init_error_feedback",
+    "E2M1",
+    "E3M0",
+    "INT4",
+    "INT8",
+    "BF16",
+    "FP32",
+    "CODECS",
+    "get_codec",
+]

@@ -1,0 +1,66 @@
+"""Symmetric integer codecs: ``int4`` and ``int8`` with an absmax scale per block.
+
+``int4`` is sign-magnitude over the integers 0..7 (the two's-complement -8 is
+left out so the range is symmetric); it is a :class:`~fourbit.GridCodec` with
+the grid 0, 1, ..., 7 and ``scale = absmax / 7``. ``int8`` stores
+``round(x / scale)`` in [-127, 127] as two's-complement int8 with
+``scale = absmax / 127`` (-128 unused, for the same symmetry). Ties round to
+even, as ``jnp.round`` does; stochastic rounding rounds up with probability
+equal to the fractional part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from lowcomm_jax.codecs import base
+from lowcomm_jax.codecs import fourbit
+
+__all__ = ["INT4", "INT8", "INT4_GRID", "INT8_MAX"]
+
+INT4_GRID = tuple(float(level) for level in range(8))
+INT8_MAX = 127.0
+
+
+@dataclasses.dataclass(frozen=True)
+class INT4(fourbit.GridCodec):
+  """Symmetric 4-bit integers, sign-magnitude, ``absmax / 7`` scale per block."""
+
+  name: ClassVar[str] = "int4"
+  grid: ClassVar[tuple[float, ...]] = INT4_GRID
+
+
+def _quantize_int8_tile(x: jax.Array, bits: jax.Array | None):
+  """fp32 ``[R, L]`` to int8 ``[R, L]`` and scales ``[R, 1]``."""
+  scale, divisor, finite = base.block_scales(x, INT8_MAX)
+  magnitude = jnp.where(finite, jnp.minimum(jnp.abs(x) / divisor, INT8_MAX), 0.0)
+  if bits is None:
+    level = jnp.round(magnitude)
+  else:
+    floor = jnp.floor(magnitude)
+    level = floor + (base.uniform_from_bits(bits) < magnitude - floor).astype(jnp.float32)
+  level = jnp.minimum(level, INT8_MAX)
+  return jnp.where(x < 0, -level, level).astype(jnp.int8), scale
+
+
+def _dequantize_int8_tile(codes: jax.Array, scale: jax.Array) -> jax.Array:
+  return codes.astype(jnp.float32) * scale
+
+
+@dataclasses.dataclass(frozen=True)
+class INT8(base.Codec):
+  """Symmetric 8-bit integers, ``absmax / 127`` scale per block."""
+
+  name: ClassVar[str] = "int8"
+  bits_per_value: ClassVar[int] = 8
+  code_dtype: ClassVar[Any] = jnp.int8
+
+  def quantize_tile(self, x, bits):
+    return _quantize_int8_tile(x, bits)
+
+  def dequantize_tile(self, codes, scale):
+    return _dequantize_int8_tile(codes, scale)
