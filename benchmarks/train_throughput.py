@@ -24,7 +24,7 @@ from absl import app, flags
 
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.models import flops_per_token
-from lowcomm_jax.train import Trainer, step as step_lib
+from lowcomm_jax.train import Trainer
 from lowcomm_jax.train.trainer import measure_peak_flops
 
 _STEPS = flags.DEFINE_integer("steps", 10, "Train steps per timed round.")
@@ -40,11 +40,10 @@ def _setup(name, devices, mesh):
   for axis, size in mesh.items():
     c.mesh[axis] = size
   trainer = Trainer(c, pathlib.Path(tempfile.mkdtemp()) / name, devices=devices)
-  tx = step_lib.make_optimizer(c.optimizer, 1000)
-  state = trainer.init_state(tx)
-  train_step, _ = trainer.compile_steps(tx, state)
+  state = trainer.init_state()
+  train_step, _ = trainer.program(None, state)
   rng = np.random.default_rng(0)
-  batch = jax.device_put(rng.integers(0, 256, (16, 129), dtype=np.int32), trainer.batch_sharding())
+  batch = jax.device_put(rng.integers(0, 256, (1, 16, 129), dtype=np.int32), trainer.batch_sharding())
   state, _ = train_step(state, batch)  # compile
   jax.block_until_ready(state)
   return {"trainer": trainer, "step": train_step, "state": state, "batch": batch, "rates": []}

@@ -17,7 +17,7 @@ from lowcomm_jax.data import corpora
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax import sharding
 
-ALGORITHMS = ("dp",)
+ALGORITHMS = ("dp", "diloco", "streaming_diloco")
 
 # Keys that may change when a run is resumed: they do not change the trajectory.
 RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "checkpoint.every",
@@ -26,7 +26,10 @@ RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "
 
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.algorithm = "dp"  # "dp": synchronous data parallel (one gradient all-reduce per step).
+  # dp: synchronous data parallel (one gradient all-reduce per step); diloco: M replicas (mesh.replica)
+  # train alone for H steps, then an outer step; streaming_diloco: fragments, overlap τ, merge α.
+  c.algorithm = "dp"
+  c.num_replicas = 1  # M: model replicas (workers); mesh.replica devices hold them, M/mesh.replica each
   c.seed = 0  # parameter init and data order.
   c.num_steps = 300  # optimizer steps.
   c.model = ml_collections.ConfigDict(dict(
@@ -49,6 +52,20 @@ def default_config() -> ml_collections.ConfigDict:
       b2=0.95,
       momentum=0.0,  # sgd only
       grad_clip=1.0,  # global-norm clip; 0 disables
+  ))
+  c.diloco = ml_collections.ConfigDict(dict(
+      sync_every=50,  # H: inner steps between two syncs of a fragment
+      num_fragments=1,  # P: block fragments (1 = the whole model, vanilla DiLoCo)
+      fragment_pattern="strided",  # strided (blocks p, p+P, ...) | sequential
+      non_block_fragment="own",  # own: embeddings/norm/head form one more fragment | fold: into fragment 0
+      staggered=True,  # fragment p syncs at offset (p+1)·H/P; False: all at the same step
+      overlap_steps=0,  # τ: inner steps a fragment's all-reduce overlaps before it is applied
+      merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied
+  ))
+  c.outer_optimizer = ml_collections.ConfigDict(dict(
+      name="nesterov",  # nesterov | sgd | adam, applied to the outer gradient Δ = φ − θ
+      learning_rate=0.7,
+      momentum=0.9,
   ))
   c.mesh = ml_collections.ConfigDict(dict(replica=1, data=-1, tensor=1, stage=1))  # -1: fill
   c.sharding = ml_collections.ConfigDict(dict(
@@ -110,7 +127,26 @@ def validate(c: ml_collections.ConfigDict) -> None:
     section, name = key.split(".") if "." in key else (None, key)
     value = c[section][name] if section else c[name]
     _require(value >= 1, key, ">= 1", value)
-  mesh_lib.mesh_shape(c.mesh.to_dict(), 10**9)  # axis names and sizes; the device count is checked later
+  mesh_lib.mesh_shape(c.mesh.to_dict(), 10**9)
+  if c.algorithm == "dp":
+    _require(c.num_replicas == 1 and c.mesh.replica == 1, "num_replicas and mesh.replica",
+             "1 for algorithm=dp (use diloco for replicas)", (c.num_replicas, c.mesh.replica))
+  else:
+    _require(c.num_replicas >= 1, "num_replicas", ">= 1 (the number of DiLoCo workers M)", c.num_replicas)
+    _require(c.mesh.replica >= 1 and c.num_replicas % c.mesh.replica == 0, "mesh.replica",
+             f"a divisor of num_replicas={c.num_replicas}", c.mesh.replica)
+    if c.algorithm == "diloco":
+      d = c.diloco
+      _require(d.num_fragments == 1 and d.overlap_steps == 0 and d.merge_alpha == 0.0,
+               "diloco.num_fragments/overlap_steps/merge_alpha",
+               "1/0/0 for algorithm=diloco (use algorithm=streaming_diloco)",
+               (d.num_fragments, d.overlap_steps, d.merge_alpha))
+    from lowcomm_jax.optim import schedule  # pylint: disable=g-import-not-at-top
+    num_rows = c.diloco.num_fragments
+    schedule.make_schedule(num_rows, c.diloco.sync_every, c.diloco.overlap_steps,
+                           c.diloco.merge_alpha, c.diloco.staggered)
+    _require(c.outer_optimizer.name in ("nesterov", "sgd", "adam"), "outer_optimizer.name",
+             "nesterov, sgd or adam", c.outer_optimizer.name)  # axis names and sizes; the device count is checked later
 
 
 def fingerprint(c: ml_collections.ConfigDict) -> dict:

@@ -16,16 +16,18 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from lowcomm_jax import comm
 from lowcomm_jax import config as config_lib
 from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax import sharding
 from lowcomm_jax.data import pipeline
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.models import llama
-from lowcomm_jax.train import checkpoint, metrics as metrics_lib, step as step_lib
+from lowcomm_jax.train import algorithms, checkpoint, metrics as metrics_lib, step as step_lib
 
 
 def measure_peak_flops(device=None, size: int = 1024, seconds: float = 0.3) -> float:
@@ -42,7 +44,7 @@ def measure_peak_flops(device=None, size: int = 1024, seconds: float = 0.3) -> f
 
 
 class Trainer:
-  """Data-parallel training of the configured model on the configured corpus.
+  """Trains the configured model on the configured corpus with the configured algorithm.
 
   Every check on the config, the mesh and the workdir happens in the
   constructor, before any compute and before anything is written.
@@ -64,48 +66,125 @@ class Trainer:
         config.model.size, dtype=config.model.dtype,
         max_seq_len=max(model_config.PRESETS[config.model.size].max_seq_len, config.data.seq_len))
     self.rules = sharding.rules_for(config.sharding.layout)
+    self.algorithm = algorithms.make_algorithm(config, config.num_replicas)
     self.resuming = checkpoint.check_workdir(self.workdir, config_lib.fingerprint(config))
     abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     abstract_params = abstract_params.to_pure_dict()
+    if self.algorithm.phased:
+      self.algorithm.tx.fragments(abstract_params)  # a fragment rule that misses parameters fails here
     self.axes = llama.logical_axes(abstract_model)
     self.param_specs = sharding.param_specs(self.axes, abstract_params, self.rules, self.mesh)
     self.param_shardings = sharding.named(self.mesh, self.param_specs)
     self.num_params = model_config.param_count(self.model_cfg)
+    self._programs: dict = {}
 
-  # -- building blocks, also used by tests -------------------------------------------------------
+  # -- building blocks, also used by tests and benchmarks ----------------------------------------
 
   def init_params(self):
+    """The initial (unreplicated) parameters, sharded by the layout's rules."""
     cfg, seed = self.model_cfg, self.config.seed
     init = lambda: nnx.state(llama.Decoder(cfg, nnx.Rngs(seed)), nnx.Param).to_pure_dict()
     return jax.jit(init, out_shardings=self.param_shardings)()
 
-  def init_state(self, tx) -> step_lib.TrainState:
+  def init_state(self) -> step_lib.TrainState:
+    """Replicated parameters [M, ...] and the algorithm's state, laid out on the mesh."""
     params = self.init_params()
-    # Moments inherit the parameters' shardings; scalars (counts) are replicated over the mesh.
-    opt_state = jax.tree.map(self._on_mesh, jax.jit(tx.init)(params))
-    return step_lib.TrainState(params, opt_state, self._on_mesh(jnp.zeros((), jnp.int32)))
+    abstract = jax.eval_shape(self._init_fn, params)
+    return jax.jit(self._init_fn, out_shardings=self.state_shardings(abstract))(params)
 
-  def _on_mesh(self, x):
-    if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh:
-      return x
-    return jax.device_put(x, NamedSharding(self.mesh, P()))
+  def _init_fn(self, params):
+    params_r, opt_state = self.algorithm.init(params)
+    return step_lib.TrainState(params_r, opt_state, jnp.zeros((), jnp.int32))
+
+  def state_shardings(self, abstract_state):
+    """Shardings of a train state: a leaf whose path ends with a parameter's path and has its shape
+    gets that parameter's spec; per-replica leaves get `replica` in front; the rest is replicated."""
+    batched = step_lib.TrainState(
+        params=jax.tree.map(lambda _: True, abstract_state.params),
+        opt_state=jax.tree.map(lambda axis: axis == 0, jax.tree.broadcast(
+            self.algorithm.state_axes, abstract_state.opt_state, is_leaf=lambda x: x is None),
+                               is_leaf=lambda x: x is None),
+        step=False)
+    flat_specs = {llama.path_name(k): s for k, s in jax.tree_util.tree_flatten_with_path(
+        self.param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
+    shapes = {llama.path_name(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(
+        jax.tree.map(lambda s: s, self._abstract_params()))[0]}
+
+    def sharding_of(key_path, leaf, is_batched):
+      name = llama.path_name(key_path)
+      shape = leaf.shape[1:] if is_batched else leaf.shape
+      spec = ()
+      for param_name, param_spec in flat_specs.items():
+        if (name == param_name or name.endswith("/" + param_name)) and shapes[param_name] == shape:
+          spec = tuple(param_spec)
+          break
+      lead = (mesh_lib.REPLICA,) if is_batched else ()
+      return NamedSharding(self.mesh, P(*lead, *spec))
+
+    return jax.tree_util.tree_map_with_path(sharding_of, abstract_state, batched)
+
+  def _abstract_params(self):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
+                        jax.eval_shape(lambda: nnx.state(llama.Decoder(self.model_cfg, nnx.Rngs(0)),
+                                                         nnx.Param).to_pure_dict()))
 
   def batch_sharding(self) -> NamedSharding:
-    return NamedSharding(self.mesh, P(mesh_lib.DATA, None))
+    return NamedSharding(self.mesh, P(mesh_lib.REPLICA, mesh_lib.DATA, None))
 
-  def compile_steps(self, tx, state):
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
-    train_step = jax.jit(step_lib.make_train_step(self.graphdef, tx),
-                         in_shardings=(state_shardings, self.batch_sharding()),
-                         out_shardings=(state_shardings, None), donate_argnums=0)
-    eval_step = jax.jit(step_lib.make_eval_step(self.graphdef),
-                        in_shardings=(state_shardings.params, self.batch_sharding()))
-    return train_step, eval_step
+  def step_fn(self, phase):
+    """(state, batch [M, B, T+1]) -> (state, metrics) for one static phase of the algorithm."""
+    graphdef, tx, axes = self.graphdef, self.algorithm.tx, self.algorithm.state_axes
+    kwargs = {"phase": phase} if self.algorithm.phased else {}
 
-  def evaluate(self, eval_step, params, eval_batches: np.ndarray) -> float:
-    losses = [eval_step(params, b) for b in eval_batches]
+    def per_replica(params, opt_state, batch):
+      loss, grads = jax.value_and_grad(lambda p: step_lib.lm_loss(graphdef, p, batch))(params)
+      updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
+      return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+
+    replicas = jax.vmap(per_replica, in_axes=(0, axes, 0), out_axes=(0, axes, 0, 0),
+                        axis_name=mesh_lib.REPLICA)
+
+    def train_step(state: step_lib.TrainState, batch_r):
+      params_r, opt_state, loss_r, grad_norm_r = replicas(state.params, state.opt_state, batch_r)
+      return (step_lib.TrainState(params_r, opt_state, state.step + 1),
+              {"loss": loss_r.mean(), "grad_norm": grad_norm_r.mean()})
+
+    return train_step
+
+  def program(self, phase, state):
+    """The compiled step of a phase and the ledger entries its collectives recorded (cached)."""
+    if phase not in self._programs:
+      shardings = jax.tree.map(lambda x: x.sharding, state)
+      jitted = jax.jit(self.step_fn(phase), in_shardings=(shardings, self.batch_sharding()),
+                       out_shardings=(shardings, None), donate_argnums=0)
+      ledger = comm.Ledger()
+      with ledger.recording():
+        abstract_batch = jax.ShapeDtypeStruct(
+            (self.config.num_replicas, self.config.data.batch_size, self.config.data.seq_len + 1),
+            jnp.int32, sharding=self.batch_sharding())
+        compiled = jitted.lower(state, abstract_batch).compile()
+      self._programs[phase] = (compiled, ledger.entries)
+    return self._programs[phase]
+
+  def eval_fn(self):
+    graphdef, algorithm = self.graphdef, self.algorithm
+
+    def eval_loss(state, batch):
+      params = algorithm.eval_params(state.params, state.opt_state)
+      return step_lib.lm_loss(graphdef, params, batch)
+
+    return jax.jit(eval_loss, in_shardings=(None, NamedSharding(self.mesh, P(mesh_lib.DATA, None))))
+
+  def evaluate(self, eval_step, state, eval_batches: np.ndarray) -> float:
+    losses = [eval_step(state, b) for b in eval_batches]
     return float(np.mean(jax.device_get(losses)))
+
+  def data_iterators(self, tokens):
+    c = self.config
+    return [iter(pipeline.train_dataset(tokens, c.data.seq_len, c.data.batch_size, c.seed,
+                                        shard_index=r, num_shards=c.num_replicas))
+            for r in range(c.num_replicas)]
 
   # -- the run -----------------------------------------------------------------------------------
 
@@ -117,83 +196,93 @@ class Trainer:
           {"config": json.loads(c.to_json_best_effort()),
            "fingerprint": config_lib.fingerprint(c)}, indent=1, default=str))
     splits = pipeline.load_splits(c.data.corpus, c.data.eval_permille)
-    train_ds = pipeline.train_dataset(splits.train, c.data.seq_len, c.data.batch_size, c.seed)
+    data_iters = self.data_iterators(splits.train)
     eval_batches = pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
                                          c.eval.num_batches)
-    tx = step_lib.make_optimizer(c.optimizer, c.num_steps)
-    state = self.init_state(tx)
-    train_step, eval_step = self.compile_steps(tx, state)
+    state = self.init_state()
+    eval_step = self.eval_fn()
 
     ckpt = checkpoint.Checkpointer(self.workdir, c.checkpoint.keep)
-    data_iter = iter(train_ds)
     start = ckpt.latest_step() or 0
+    sent_bytes, peak_sync_bytes = 0.0, 0.0  # the ledger's bytes per worker, over the whole run
     if start:
       state, data_state = ckpt.restore(start, jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
-      data_iter.set_state(data_state)
+      for it, s in zip(data_iters, data_state["replicas"]):
+        it.set_state(s)
+      sent_bytes, peak_sync_bytes = data_state["sent_bytes"], data_state["peak_sync_bytes"]
       print(f"resumed from {ckpt.directory}/{start}", flush=True)
 
     stop = c.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, c.num_steps)
     writer = metrics_lib.MetricWriter(self.workdir, c.num_steps, start, c.progress_bar)
-    tokens_per_step = c.data.batch_size * c.data.seq_len
+    tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
     flops_per_token = model_config.flops_per_token(self.model_cfg, c.data.seq_len)
     peak = c.hardware.peak_flops_per_device or measure_peak_flops()
     timed_steps, timed_seconds, eval_loss = 0, 0.0, None
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     for step in range(start + 1, stop + 1):
-      batch = jax.device_put(next(data_iter), self.batch_sharding())
-      state, step_metrics = train_step(state, batch)
+      program, entries = self.program(self.algorithm.phase_at(step), state)
+      batch = jax.device_put(np.stack([next(it) for it in data_iters]), self.batch_sharding())
+      state, step_metrics = program(state, batch)
+      step_bytes = sum(e.sent_bytes for e in entries)
+      sent_bytes += step_bytes
+      peak_sync_bytes = max(peak_sync_bytes, step_bytes)
       window_steps += 1
       logged = {}
       if step % c.log_every == 0 or step == stop:
         logged = jax.device_get(step_metrics)
         elapsed = time.perf_counter() - window_start
-        if step > start + 1 or window_steps > 1:  # windows including the compile are not timed
-          if step - window_steps > start:
-            timed_steps += window_steps
-            timed_seconds += elapsed
+        if step - window_steps > start:  # the window holding the first step (compiles) is not timed
+          timed_steps += window_steps
+          timed_seconds += elapsed
         logged["tokens_per_s"] = window_steps * tokens_per_step / elapsed
         logged["mfu"] = logged["tokens_per_s"] * flops_per_token / (peak * self.mesh.devices.size)
         window_start, window_steps = time.perf_counter(), 0
       if step % c.eval.every == 0 or step == c.num_steps:
-        eval_loss = self.evaluate(eval_step, state.params, eval_batches)
+        eval_loss = self.evaluate(eval_step, state, eval_batches)
         logged["eval_loss"] = eval_loss
         window_start = time.perf_counter()
       if logged:
         writer.write(step, logged)
       if step % c.checkpoint.every == 0 or step == stop:
-        ckpt.save(step, state, data_iter.get_state())
+        ckpt.save(step, state, {"replicas": [it.get_state() for it in data_iters],
+                                "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
     ckpt.close()
     writer.close()
     wall = time.perf_counter() - run_start
 
     tokens_per_s = timed_steps * tokens_per_step / timed_seconds if timed_seconds else float("nan")
-    summary = self._summary(stop, eval_loss, wall, tokens_per_s, flops_per_token, peak)
+    summary = self._summary(stop, eval_loss, wall, tokens_per_s, flops_per_token, peak,
+                            sent_bytes, peak_sync_bytes)
     if stop == c.num_steps:
       (self.workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     self.final_state = state
-    self.final_data_state = data_iter.get_state()
+    self.final_data_state = [it.get_state() for it in data_iters]
     return summary
 
-  def _summary(self, steps, eval_loss, wall, tokens_per_s, flops_per_token, peak) -> dict:
+  def _comm_summary(self, steps, sent_bytes, peak_sync_bytes) -> dict:
+    if self.algorithm.name == "dp":
+      # XLA's own gradient all-reduce over the data axis: a float32 ring every step.
+      workers = self.mesh.shape[mesh_lib.DATA]
+      peak_sync_bytes = comm.ring_factor(workers) * 4 * self.num_params
+      sent_bytes = peak_sync_bytes * steps
+    else:
+      workers = self.config.num_replicas
+    return {"workers": workers, "total": sent_bytes, "peak_per_sync": peak_sync_bytes,
+            "bits_per_param_per_step": 8 * sent_bytes / (self.num_params * max(steps, 1))}
+
+  def _summary(self, steps, eval_loss, wall, tokens_per_s, flops_per_token, peak, sent_bytes,
+               peak_sync_bytes) -> dict:
     c = self.config
-    workers = self.mesh.shape[mesh_lib.DATA]
-    # Data-parallel: a ring all-reduce of the float32 gradient every step.
-    per_step = 2 * (workers - 1) / workers * 4 * self.num_params if workers > 1 else 0.0
     return {
         "algorithm": c.algorithm,
         "config": json.loads(c.to_json_best_effort()),
         "steps": steps,
-        "tokens": steps * c.data.batch_size * c.data.seq_len,
+        "tokens": steps * c.num_replicas * c.data.batch_size * c.data.seq_len,
         "final_eval_loss": eval_loss,
         "num_params": self.num_params,
-        "bytes_sent_per_worker": {
-            "workers": workers,
-            "total": per_step * steps,
-            "peak_per_sync": per_step,
-            "bits_per_param_per_step": 8 * per_step / self.num_params,
-        },
+        "bytes_sent_per_worker": self._comm_summary(steps, sent_bytes, peak_sync_bytes),
         "wall_time_s": wall,
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops_per_token / (peak * self.mesh.devices.size),

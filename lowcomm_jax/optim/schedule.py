@@ -1,0 +1,97 @@
+"""The fragment schedule as data: one row per fragment (period H, offset, delay τ, merge α).
+
+Steps are counted from 1 (step s is the s-th inner step). Fragment p's outer
+gradient is taken after inner step t for every t ≥ offset_p with
+(t − offset_p) % H == 0. With τ = 0 it is reduced and applied at once (after
+step t's inner update). With τ ≥ 1 its all-reduce is issued in step t+1's
+program from the parameters entering that step, so it does not depend on
+step t+1's forward and backward and XLA may overlap the two; the result is
+applied after inner step t+τ, merged as θ ← α·θ_local + (1−α)·θ_global.
+Staggered offsets are offset_p = (p+1)·H/P (the last fragment syncs at H),
+so one fragment is in flight every H/P steps; unstaggered offsets are all H.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class FragmentSchedule(NamedTuple):
+  """Rows per fragment: period (H), offset, delay (τ), alpha (α)."""
+
+  period: np.ndarray  # int[F]
+  offset: np.ndarray  # int[F], in [1, H]
+  delay: np.ndarray  # int[F]
+  alpha: np.ndarray  # float[F]
+
+  @property
+  def num_fragments(self) -> int:
+    return len(self.period)
+
+
+class Phase(NamedTuple):
+  """What one step's program does: fragments whose reduce starts, fragments that get applied."""
+
+  send: tuple[int, ...] = ()
+  receive: tuple[int, ...] = ()
+
+
+def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
+                  merge_alpha: float = 0.0, staggered: bool = True) -> FragmentSchedule:
+  """The Streaming DiLoCo schedule; one clear ValueError per bad option, before any compute."""
+  if int(sync_every) != sync_every or sync_every < 1:
+    raise ValueError(f"diloco.sync_every (H) must be an integer >= 1, got {sync_every!r}")
+  if num_fragments < 1:
+    raise ValueError(f"diloco.num_fragments (P) must be >= 1, got {num_fragments}")
+  if staggered and sync_every % num_fragments:
+    raise ValueError(f"diloco.sync_every (H={sync_every}) must be divisible by the number of "
+                     f"fragments (P={num_fragments}) for a staggered schedule")
+  stride = sync_every // num_fragments if staggered else sync_every
+  if overlap_steps < 0 or (overlap_steps and overlap_steps >= stride):
+    raise ValueError(f"diloco.overlap_steps (τ={overlap_steps}) must be >= 0 and smaller than "
+                     f"H/P = {stride} so that one fragment is in flight at a time")
+  if not 0.0 <= merge_alpha <= 1.0:
+    raise ValueError(f"diloco.merge_alpha (α) must be in [0, 1], got {merge_alpha}")
+  offsets = [(p + 1) * stride if staggered else sync_every for p in range(num_fragments)]
+  return FragmentSchedule(
+      period=np.full(num_fragments, sync_every), offset=np.asarray(offsets),
+      delay=np.full(num_fragments, overlap_steps), alpha=np.full(num_fragments, float(merge_alpha)))
+
+
+def _synced_after(schedule: FragmentSchedule, p: int, t: int) -> bool:
+  return t >= schedule.offset[p] and (t - schedule.offset[p]) % schedule.period[p] == 0
+
+
+def phase_at(schedule: FragmentSchedule, step: int) -> Phase:
+  """The phase of inner step `step` (1-based): read on the host to pick the compiled program."""
+  send, receive = [], []
+  for p in range(schedule.num_fragments):
+    tau = int(schedule.delay[p])
+    if _synced_after(schedule, p, step - 1 if tau else step):
+      send.append(p)
+    if _synced_after(schedule, p, step - tau):
+      receive.append(p)
+  return Phase(tuple(send), tuple(receive))
+
+
+def phase_table(schedule: FragmentSchedule) -> tuple[list[Phase], np.ndarray, int]:
+  """All distinct phases, and a lookup from step to phase index.
+
+  After step S0 = max(offset) + max(delay) + 1 the phases repeat with period H, so a
+  table of S0 + H − 1 entries and `index(s) = s if s < S0 else S0 + (s − S0) % H`
+  cover every step with a bounded number of programs.
+
+  Returns:
+    (phases, table, s0) where table[s − 1] is the phase index of step s < S0 + H.
+  """
+  period = int(schedule.period.max())
+  s0 = int(schedule.offset.max() + schedule.delay.max()) + 1
+  phases, table = [], []
+  for s in range(1, s0 + period):
+    ph = phase_at(schedule, s)
+    if ph not in phases:
+      phases.append(ph)
+    table.append(phases.index(ph))
+  return phases, np.asarray(table, np.int32), s0

@@ -1,0 +1,193 @@
+"""Streaming DiLoCo as an optax-style transformation over a bound replica axis; DiLoCo is one setting.
+
+Each replica m runs the inner optimizer on its own data. Fragment p of the
+parameters keeps a global copy φ_p (float32) and its own outer optimizer
+state. When the schedule says so (see `schedule.py`), the outer gradient
+Δ_p = φ_p − θ_{m,p} is averaged over replicas, the outer optimizer steps
+φ_p ← OuterOpt(φ_p, mean_m Δ_p), and the replica's fragment becomes
+θ_{m,p} ← α·θ_{m,p} + (1 − α)·φ_p (PAPERS.md 1.2(c)). Vanilla DiLoCo is one
+fragment, τ = 0, α = 0: the same code.
+
+Use it inside `jax.vmap(..., axis_name="replica")` (simulated replicas) or
+jit over a mesh with a `replica` axis, with `state_axes` as the vmap axes of
+the state: the step count, φ and the outer states are the same on every
+replica (unmapped), the inner optimizer state is per replica (mapped).
+
+`update(grads, state, params, phase=None)`: with `phase=None` the step count
+picks the phase with `lax.switch` (one branch per distinct phase, so only the
+due fragment's collective runs when the count is unmapped). The Trainer
+passes the phase read on the host instead, which compiles one program per
+phase and leaves non-sync steps with no collective at all.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lowcomm_jax import comm, mesh as mesh_lib
+from lowcomm_jax.optim import fragments as frag_lib
+from lowcomm_jax.optim import schedule as schedule_lib
+from lowcomm_jax.optim.outer import check_transformation, outer_nesterov
+
+
+class StreamingDiLoCoState(NamedTuple):
+  count: jax.Array  # int32[]: inner steps taken (same on every replica)
+  inner_state: Any  # the inner optimizer's state, per replica
+  outer_params: Any  # φ: the global parameters, float32
+  outer_states: tuple  # one outer optimizer state per fragment
+  in_flight: tuple  # per fragment: its averaged outer gradient while in flight (τ ≥ 1), else ()
+
+
+FragmentsArg = int | Callable[[Any], tuple[frag_lib.Fragment, ...]]
+
+
+class StreamingDiLoCo:
+  """init/update like an optax transformation, plus the schedule and the vmap axes of the state."""
+
+  def __init__(self, inner, outer, schedule: schedule_lib.FragmentSchedule,
+               fragments: Callable[[Any], tuple[frag_lib.Fragment, ...]],
+               axis_name: str = mesh_lib.REPLICA):
+    check_transformation(inner, "inner optimizer")
+    check_transformation(outer, "outer optimizer")
+    self.inner, self.outer, self.schedule, self.axis_name = inner, outer, schedule, axis_name
+    self._fragments = fragments
+    self.phases, self._table, self._s0 = schedule_lib.phase_table(schedule)
+    self.state_axes = StreamingDiLoCoState(count=None, inner_state=0, outer_params=None,
+                                           outer_states=None, in_flight=None)
+
+  def fragments(self, params) -> tuple[frag_lib.Fragment, ...]:
+    frags = self._fragments(params)
+    if len(frags) != self.schedule.num_fragments:
+      raise ValueError(f"the fragment rule gave {len(frags)} fragments but the schedule has "
+                       f"{self.schedule.num_fragments} rows")
+    frag_lib.check_cover(frags, params)
+    return frags
+
+  def phase_at(self, step: int) -> schedule_lib.Phase:
+    """The phase of inner step `step` (1-based)."""
+    return schedule_lib.phase_at(self.schedule, step)
+
+  def init(self, params) -> StreamingDiLoCoState:
+    frags = self.fragments(params)
+    outer_params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    outer_states = tuple(self.outer.init(frag_lib.extract(f, outer_params)) for f in frags)
+    in_flight = tuple([jnp.zeros_like(v) for v in frag_lib.extract(f, outer_params)]
+                      if self.schedule.delay[p] else () for p, f in enumerate(frags))
+    return StreamingDiLoCoState(jnp.zeros((), jnp.int32), self.inner.init(params), outer_params,
+                                outer_states, in_flight)
+
+  def init_replicated(self, params, num_replicas: int):
+    """(params_R, state): every replica starts from `params`, with its own inner optimizer state."""
+    state = self.init(params)
+    stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape), t)
+    return stack(params), state._replace(inner_state=stack(state.inner_state))
+
+  def update(self, grads, state: StreamingDiLoCoState, params, phase=None):
+    if phase is not None:
+      return self._apply(schedule_lib.Phase(*phase), grads, state, params)
+    s = state.count + 1
+    index = jnp.where(s < self._s0, s, self._s0 + (s - self._s0) % int(self.schedule.period[0]))
+    branch = jnp.asarray(self._table)[index - 1]
+    branches = [functools.partial(self._apply, ph) for ph in self.phases]
+    return jax.lax.switch(branch, branches, grads, state, params)
+
+  def _reduce(self, p: int, frag, outer_params, local_params):
+    delta = [g.astype(jnp.float32) - l.astype(jnp.float32)
+             for g, l in zip(frag_lib.extract(frag, outer_params), frag_lib.extract(frag, local_params))]
+    return comm.mean(delta, self.axis_name, name=f"fragment {p}")
+
+  def _apply(self, phase: schedule_lib.Phase, grads, state: StreamingDiLoCoState, params):
+    frags = self.fragments(params)
+    in_flight = list(state.in_flight)
+    # Overlapped sends read the parameters entering this step, so they do not wait for its backward.
+    for p in phase.send:
+      if self.schedule.delay[p]:
+        in_flight[p] = self._reduce(p, frags[p], state.outer_params, params)
+    inner_updates, inner_state = self.inner.update(grads, state.inner_state, params)
+    local = optax.apply_updates(params, inner_updates)
+    blocking = {p: self._reduce(p, frags[p], state.outer_params, local)
+                for p in phase.send if not self.schedule.delay[p]}
+    outer_params, outer_states = state.outer_params, list(state.outer_states)
+    for p in phase.receive:
+      mean_delta = blocking[p] if p in blocking else in_flight[p]
+      global_p = frag_lib.extract(frags[p], outer_params)
+      outer_updates, outer_states[p] = self.outer.update(mean_delta, outer_states[p], global_p)
+      global_p = optax.apply_updates(global_p, outer_updates)
+      alpha = float(self.schedule.alpha[p])
+      merged = [(alpha * l.astype(jnp.float32) + (1 - alpha) * g).astype(l.dtype)
+                for l, g in zip(frag_lib.extract(frags[p], local), global_p)]
+      outer_params = frag_lib.insert(frags[p], outer_params, global_p)
+      local = frag_lib.insert(frags[p], local, merged)
+    new_state = StreamingDiLoCoState(state.count + 1, inner_state, outer_params, tuple(outer_states),
+                                     tuple(in_flight))
+    return jax.tree.map(lambda n, o: n - o, local, params), new_state
+
+
+def _resolve_fragments(fragments: FragmentsArg, pattern: str, non_block: str):
+  if callable(fragments):
+    return fragments
+  if fragments == 1:
+    return frag_lib.whole_model
+  return lambda params: frag_lib.layer_fragments(params, fragments, pattern, non_block)
+
+
+def streaming_diloco(inner: optax.GradientTransformation,
+                     outer: optax.GradientTransformation | None = None,
+                     sync_every: int = 100, fragments: FragmentsArg = 1, overlap_steps: int = 0,
+                     merge_alpha: float = 0.0, staggered: bool = True, fragment_pattern: str = "strided",
+                     non_block_fragment: str = "own", axis_name: str = mesh_lib.REPLICA) -> StreamingDiLoCo:
+  """Streaming DiLoCo (arXiv 2501.18512).
+
+  Args:
+    inner: the inner optimizer (e.g. `optax.adamw`); its state stays local and is never reset.
+    outer: the outer optimizer, applied per fragment to Δ = φ − θ; default Nesterov SGD (0.7, 0.9).
+    sync_every: H, inner steps between two syncs of the same fragment.
+    fragments: 1 (the whole model), an int P (P block fragments by `fragment_pattern`, plus the
+      non-block parameters by `non_block_fragment`), or a callable params -> tuple of Fragments.
+    overlap_steps: τ, inner steps the all-reduce of a fragment overlaps before it is applied.
+    merge_alpha: α, weight of the local parameters when the global fragment is merged in.
+    staggered: offsets p·H/P (True) or every fragment at the same step (False).
+    axis_name: the bound replica axis.
+  """
+  outer = outer if outer is not None else outer_nesterov()
+  resolve = _resolve_fragments(fragments, fragment_pattern, non_block_fragment)
+  num_rows = _count_fragments(fragments, non_block_fragment)
+  schedule = schedule_lib.make_schedule(num_rows, sync_every, overlap_steps, merge_alpha, staggered)
+  return StreamingDiLoCo(inner, outer, schedule, resolve, axis_name)
+
+
+def _count_fragments(fragments: FragmentsArg, non_block: str) -> int:
+  if callable(fragments):
+    raise ValueError("with a callable fragment rule, build the schedule with "
+                     "schedule.make_schedule and construct StreamingDiLoCo directly")
+  if int(fragments) < 1:
+    raise ValueError(f"diloco.num_fragments must be >= 1, got {fragments}")
+  return 1 if fragments == 1 else int(fragments) + (1 if non_block == "own" else 0)
+
+
+def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformation | None = None,
+           sync_every: int = 100, axis_name: str = mesh_lib.REPLICA) -> StreamingDiLoCo:
+  """DiLoCo (arXiv 2311.08105): Streaming DiLoCo with one fragment, τ = 0, α = 0.
+
+  Every H inner steps: Δ = mean_m(φ − θ_m); φ ← OuterOpt(φ, Δ); θ_m ← φ.
+
+  Example (simulated replicas on one device)::
+
+    tx = lowcomm_jax.diloco(optax.adamw(1e-3), lowcomm_jax.outer_nesterov(0.7, 0.9), sync_every=50)
+    params_R, state = tx.init_replicated(params, num_replicas=4)
+    def step(params, state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+    step_R = jax.vmap(step, in_axes=(0, tx.state_axes, 0), out_axes=(0, tx.state_axes),
+                      axis_name="replica")
+  """
+  if int(sync_every) != sync_every or sync_every < 1:
+    raise ValueError(f"diloco.sync_every (H) must be an integer >= 1, got {sync_every!r}")
+  return streaming_diloco(inner, outer, sync_every, fragments=1, overlap_steps=0, merge_alpha=0.0,
+                          axis_name=axis_name)
