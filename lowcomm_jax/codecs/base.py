@@ -78,7 +78,8 @@ class EncodedTensor:
   @property
   def payload_bytes(self) -> int:
     """Bytes of the arrays held (codes plus scales): what a send moves."""
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
+    return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree.leaves(self))
 
 
 def default_interpret() -> bool:
