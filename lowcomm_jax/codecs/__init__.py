@@ -16,7 +16,7 @@ from lowcomm_jax.codecs.base import (
     all_finite,
     check_finite,
 )
-from lowcomm_jax.codecs.compressed_mean import (
+from lowcomm_jax.codecs.replica_mean import (
     compressed_mean,
     compressed_mean_wire_bytes,
 )

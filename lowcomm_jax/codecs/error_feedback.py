@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from lowcomm_jax.codecs import base
-from lowcomm_jax.codecs import compressed_mean as compressed_mean_lib
+from lowcomm_jax.codecs import replica_mean
 
 __all__ = [
     "ErrorFeedbackState",
@@ -80,6 +80,6 @@ def compressed_mean_with_error_feedback(tree: Any, state: ErrorFeedbackState, ax
     ``(mean, new_state)``.
   """
   corrected = _add_residual(tree, state)
-  mean, residual = compressed_mean_lib.compressed_mean(
+  mean, residual = replica_mean.compressed_mean(
       corrected, axis_name, codec, axis_size, key=key, return_residual=True, **kernel_options)
   return mean, ErrorFeedbackState(residual)
