@@ -35,9 +35,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       size="tiny",  # a preset of lowcomm_jax.models.PRESETS
       dtype="float32",  # activation dtype; parameters stay float32
+      d_ff=0,  # SwiGLU hidden width; 0 keeps the preset's (HDEE varies it for S/M/L experts)
   ))
+  c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
-      corpus="stdlib",  # stdlib | licenses | docstrings | debian:<source>
+      corpus="stdlib",  # stdlib | licenses | docstrings | debian:<source> | domain:<HDEE domain>
       seq_len=128,  # tokens per training sequence (bytes)
       batch_size=16,  # global sequences per step (per replica for multi-replica algorithms)
       eval_permille=20,  # held-out documents, per mille (by a hash of the document id)
@@ -111,8 +113,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.algorithm in ALGORITHMS, "algorithm", f"one of {ALGORITHMS}", c.algorithm)
   _require(c.num_steps >= 1, "num_steps", ">= 1", c.num_steps)
   model_config.get_model_config(c.model.size, dtype=c.model.dtype)
-  _require(c.data.corpus in corpora.CORPORA or str(c.data.corpus).startswith("debian:"),
-           "data.corpus", f"one of {sorted(corpora.CORPORA)} or 'debian:<source>'", c.data.corpus)
+  _require(c.data.corpus in corpora.CORPORA or str(c.data.corpus).startswith(("debian:", "domain:")),
+           "data.corpus", f"one of {sorted(corpora.CORPORA)}, 'debian:<source>' or 'domain:<name>'",
+           c.data.corpus)
+  _require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
   _require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
   _require(c.data.batch_size >= 1, "data.batch_size", ">= 1", c.data.batch_size)
   _require(c.optimizer.name in ("adamw", "adam", "sgd"), "optimizer.name", "adamw, adam or sgd",
@@ -147,6 +151,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
                            c.diloco.merge_alpha, c.diloco.staggered)
     _require(c.outer_optimizer.name in ("nesterov", "sgd", "adam"), "outer_optimizer.name",
              "nesterov, sgd or adam", c.outer_optimizer.name)  # axis names and sizes; the device count is checked later
+
+
+def load_run_config(workdir) -> ml_collections.ConfigDict:
+  """The config a run directory was started with (from its config.json)."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  saved = json.loads((pathlib.Path(workdir) / "config.json").read_text())["config"]
+  c = default_config()
+  c.update_from_flattened_dict({k: v for k, v in _flatten(ml_collections.ConfigDict(saved)).items()})
+  return c
 
 
 def fingerprint(c: ml_collections.ConfigDict) -> dict:

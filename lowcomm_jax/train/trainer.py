@@ -62,9 +62,13 @@ class Trainer:
     if config.eval.batch_size % data_ways:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the mesh's "
                        f"data axis ({data_ways})")
+    preset = model_config.PRESETS.get(config.model.size)
     self.model_cfg = model_config.get_model_config(
         config.model.size, dtype=config.model.dtype,
-        max_seq_len=max(model_config.PRESETS[config.model.size].max_seq_len, config.data.seq_len))
+        max_seq_len=max(preset.max_seq_len, config.data.seq_len),
+        d_ff=config.model.d_ff or preset.d_ff)
+    if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
+      raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     self.rules = sharding.rules_for(config.sharding.layout)
     self.algorithm = algorithms.make_algorithm(config, config.num_replicas)
     self.resuming = checkpoint.check_workdir(self.workdir, config_lib.fingerprint(config))
@@ -82,7 +86,12 @@ class Trainer:
   # -- building blocks, also used by tests and benchmarks ----------------------------------------
 
   def init_params(self):
-    """The initial (unreplicated) parameters, sharded by the layout's rules."""
+    """The initial (unreplicated) parameters, sharded by the layout's rules.
+
+    With `init_from`, the evaluated parameters of that run's latest checkpoint (replica 0 or φ).
+    """
+    if self.config.init_from:
+      return self._params_from(pathlib.Path(self.config.init_from))
     cfg, seed = self.model_cfg, self.config.seed
     init = lambda: nnx.state(llama.Decoder(cfg, nnx.Rngs(seed)), nnx.Param).to_pure_dict()
     return jax.jit(init, out_shardings=self.param_shardings)()
@@ -92,6 +101,26 @@ class Trainer:
     params = self.init_params()
     abstract = jax.eval_shape(self._init_fn, params)
     return jax.jit(self._init_fn, out_shardings=self.state_shardings(abstract))(params)
+
+  def _params_from(self, workdir: pathlib.Path):
+    other = Trainer(config_lib.load_run_config(workdir), workdir)
+    if other.model_cfg != self.model_cfg:
+      raise ValueError(f"init_from={str(workdir)!r} has model {other.model_cfg}, this run {self.model_cfg}")
+    state = other.restore_latest()
+    params = other.algorithm.eval_params(state.params, state.opt_state)
+    return jax.device_put(params, self.param_shardings)
+
+  def restore_latest(self) -> step_lib.TrainState:
+    """The train state of this workdir's latest checkpoint."""
+    template = self.init_state()
+    ckpt = checkpoint.Checkpointer(self.workdir, self.config.checkpoint.keep)
+    step = ckpt.latest_step()
+    if step is None:
+      raise ValueError(f"{self.workdir} has no checkpoint to restore")
+    state, _ = ckpt.restore(step, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template))
+    ckpt.close()
+    return state
 
   def _init_fn(self, params):
     params_r, opt_state = self.algorithm.init(params)
@@ -147,8 +176,9 @@ class Trainer:
 
     def train_step(state: step_lib.TrainState, batch_r):
       params_r, opt_state, loss_r, grad_norm_r = replicas(state.params, state.opt_state, batch_r)
+      # Per-replica metrics: averaging them here would put an all-reduce in every step's program.
       return (step_lib.TrainState(params_r, opt_state, state.step + 1),
-              {"loss": loss_r.mean(), "grad_norm": grad_norm_r.mean()})
+              {"loss": loss_r, "grad_norm": grad_norm_r})
 
     return train_step
 
@@ -231,7 +261,7 @@ class Trainer:
       window_steps += 1
       logged = {}
       if step % c.log_every == 0 or step == stop:
-        logged = jax.device_get(step_metrics)
+        logged = {k: float(np.mean(v)) for k, v in jax.device_get(step_metrics).items()}
         elapsed = time.perf_counter() - window_start
         if step - window_steps > start:  # the window holding the first step (compiles) is not timed
           timed_steps += window_steps

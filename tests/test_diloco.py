@@ -1,0 +1,214 @@
+"""DiLoCo: equivalences, a hand-worked example, the compiled communication, resume and bad input."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lowcomm_jax
+from lowcomm_jax import comm
+from lowcomm_jax.train import Trainer
+from test_train import read_metrics, tiny_config
+
+REPLICA = "replica"
+
+
+def run_replicas(tx, params, batches_r, loss_fn, use_phase=False):
+  """Runs `tx` over stacked replicas with vmap; batches_r: [steps, M, ...]."""
+  num_replicas = batches_r.shape[1]
+  params_r, state = tx.init_replicated(params, num_replicas)
+
+  def step(p, s, batch, phase):
+    grads = jax.grad(loss_fn)(p, batch)
+    updates, s = tx.update(grads, s, p, phase=phase)
+    return optax.apply_updates(p, updates), s
+
+  programs = {}
+  for i, batch_r in enumerate(batches_r):
+    phase = tx.phase_at(i + 1) if use_phase else None
+    if phase not in programs:
+      programs[phase] = jax.jit(jax.vmap(lambda p, s, b, ph=phase: step(p, s, b, ph),
+                                         in_axes=(0, tx.state_axes, 0), out_axes=(0, tx.state_axes),
+                                         axis_name=REPLICA))
+    params_r, state = programs[phase](params_r, state, batch_r)
+  return params_r, state
+
+
+def mlp_problem(seed=0, steps=12, replicas=4, batch=8):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  params = {"w1": jax.random.normal(k1, (3, 5)) * 0.5, "b1": jnp.zeros((5,)),
+            "w2": jax.random.normal(k2, (5, 1)) * 0.5}
+  xs = jax.random.normal(k3, (steps, replicas, batch, 4))
+
+  def loss_fn(p, xy):
+    x, y = xy[..., :3], xy[..., 3:]
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
+
+  return params, xs, loss_fn
+
+
+@pytest.mark.parametrize("sync_every", [1, 3, 5])
+def test_one_replica_with_outer_sgd_lr1_equals_plain_inner_training(sync_every):
+  params, xs, loss_fn = mlp_problem(replicas=1)
+  inner = optax.adamw(0.05)
+  tx = lowcomm_jax.diloco(inner, optax.sgd(1.0), sync_every=sync_every)
+  params_r, _ = run_replicas(tx, params, xs, loss_fn)
+  plain, state = params, inner.init(params)
+  for batch in xs[:, 0]:
+    updates, state = inner.update(jax.grad(loss_fn)(plain, batch), state, plain)
+    plain = optax.apply_updates(plain, updates)
+  for a, b in zip(jax.tree.leaves(params_r), jax.tree.leaves(plain)):
+    np.testing.assert_allclose(a[0], b, rtol=1e-5, atol=1e-6)
+
+
+def test_h1_inner_sgd_outer_sgd_lr1_equals_data_parallel_on_the_larger_batch():
+  params, xs, loss_fn = mlp_problem(replicas=4)
+  tx = lowcomm_jax.diloco(optax.sgd(0.3), optax.sgd(1.0), sync_every=1)
+  params_r, state = run_replicas(tx, params, xs, loss_fn)
+  dp, sgd = params, optax.sgd(0.3)
+  dp_state = sgd.init(dp)
+  for batch_r in xs:  # one batch of M·B examples; equal-size shards make the mean loss the same
+    updates, dp_state = sgd.update(jax.grad(loss_fn)(dp, batch_r.reshape(-1, 4)), dp_state, dp)
+    dp = optax.apply_updates(dp, updates)
+  for a, b, g in zip(jax.tree.leaves(params_r), jax.tree.leaves(dp), jax.tree.leaves(state.outer_params)):
+    np.testing.assert_allclose(a, np.broadcast_to(b, a.shape), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g, b, rtol=1e-5, atol=1e-6)
+
+
+def test_outer_lr0_keeps_global_params_and_identical_data_equals_one_replica():
+  params, xs, loss_fn = mlp_problem(replicas=4)
+  frozen = lowcomm_jax.diloco(optax.adam(0.05), optax.sgd(0.0), sync_every=2)
+  _, state = run_replicas(frozen, params, xs, loss_fn)
+  for g, p in zip(jax.tree.leaves(state.outer_params), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(g, p)
+  tx = lowcomm_jax.diloco(optax.adam(0.05), lowcomm_jax.outer_nesterov(0.7, 0.9), sync_every=3)
+  same = jnp.broadcast_to(xs[:, :1], xs.shape)
+  many, state_many = run_replicas(tx, params, same, loss_fn)
+  one, state_one = run_replicas(tx, params, xs[:, :1], loss_fn)
+  for a, b in zip(jax.tree.leaves((many, state_many.outer_params)), jax.tree.leaves((one, state_one.outer_params))):
+    np.testing.assert_allclose(a, np.broadcast_to(b, a.shape) if a.ndim == b.ndim else b, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_traced_phase_equals_host_phase():
+  params, xs, loss_fn = mlp_problem(replicas=2)
+  tx = lowcomm_jax.diloco(optax.adam(0.05), lowcomm_jax.outer_nesterov(), sync_every=4)
+  a, sa = run_replicas(tx, params, xs, loss_fn, use_phase=False)
+  b, sb = run_replicas(tx, params, xs, loss_fn, use_phase=True)
+  for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb))):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_three_parameters_two_rounds_by_hand():
+  # loss_m(w) = ½‖w − y_m‖², so the gradient is w − y_m; inner SGD with lr ½ gives w ← ½w + ½y_m.
+  # M = 2, H = 2, φ₀ = 0, y₀ = (2, 0, −2), y₁ = (0, 4, 2); outer Nesterov lr 0.7, μ 0.9.
+  # Round 1: replica 0: (1, 0, −1) → (1.5, 0, −1.5); replica 1: (0, 2, 1) → (0, 3, 1.5).
+  #   Δ = φ − mean θ = −(0.75, 1.5, 0); b = Δ; φ ← φ − 0.7·(Δ + 0.9·b) = 1.33·(0.75, 1.5, 0)
+  #   = (0.9975, 1.995, 0), and both replicas restart from φ.
+  # Round 2: replica 0 → (1.749375, 0.49875, −1.5); replica 1 → (0.249375, 3.49875, 1.5);
+  #   mean θ = (0.999375, 1.99875, 0); Δ = (−0.001875, −0.00375, 0);
+  #   b = 0.9·b + Δ = (−0.676875, −1.35375, 0); Δ + 0.9·b = (−0.6110625, −1.222125, 0);
+  #   φ ← φ − 0.7·that = (1.42524375, 2.8504875, 0).
+  targets = jnp.array([[2.0, 0.0, -2.0], [0.0, 4.0, 2.0]])
+  batches = jnp.broadcast_to(targets, (4, 2, 3))
+  loss_fn = lambda w, y: 0.5 * jnp.sum((w - y) ** 2)
+  tx = lowcomm_jax.diloco(optax.sgd(0.5), lowcomm_jax.outer_nesterov(0.7, 0.9), sync_every=2)
+  params_r, state = run_replicas(tx, jnp.zeros(3), batches[:2], loss_fn)
+  np.testing.assert_allclose(state.outer_params, [0.9975, 1.995, 0.0], atol=1e-6)
+  np.testing.assert_allclose(params_r, [[0.9975, 1.995, 0.0]] * 2, atol=1e-6)
+  params_r, state = run_replicas(tx, jnp.zeros(3), batches, loss_fn)
+  np.testing.assert_allclose(state.outer_params, [1.42524375, 2.8504875, 0.0], atol=1e-6)
+  np.testing.assert_allclose(state.outer_states[0][0].trace[0], [-0.676875, -1.35375, 0.0], atol=1e-6)
+
+
+def diloco_config(**changes):
+  base = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 4,
+          "outer_optimizer.learning_rate": 0.7, "outer_optimizer.momentum": 0.9}
+  base.update(changes)
+  return tiny_config(**base)
+
+
+COLLECTIVES = re.compile(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+                         r"(-start)?\(")
+
+
+def test_compiled_non_sync_step_has_no_collective_and_the_ledger_counts_the_sync(tmp_path):
+  c = diloco_config(num_replicas=8, **{"mesh.replica": 8, "mesh.data": 1})
+  trainer = Trainer(c, tmp_path)
+  state = trainer.init_state()
+  inner_program, inner_entries = trainer.program(trainer.algorithm.phase_at(1), state)
+  sync_program, sync_entries = trainer.program(trainer.algorithm.phase_at(4), state)
+  assert not COLLECTIVES.findall(inner_program.as_text()) and not inner_entries
+  assert "all-reduce" in sync_program.as_text()
+  # One fragment of every parameter in float32, in a ring over M = 8: each sends 2·7/8 of it.
+  assert len(sync_entries) == 1
+  assert sync_entries[0].payload_bytes == 4 * trainer.num_params
+  assert sync_entries[0].sent_bytes == pytest.approx(2 * 7 / 8 * 4 * trainer.num_params)
+
+
+def test_run_reports_bytes_and_evaluates_the_global_params(tmp_path):
+  c = diloco_config(num_steps=8, **{"eval.every": 8})
+  trainer = Trainer(c, tmp_path)
+  summary = trainer.run()
+  sent = summary["bytes_sent_per_worker"]
+  per_sync = comm.ring_factor(2) * 4 * trainer.num_params  # = 4 bytes per parameter at M = 2
+  assert sent["total"] == pytest.approx(2 * per_sync) and sent["peak_per_sync"] == pytest.approx(per_sync)
+  assert sent["bits_per_param_per_step"] == pytest.approx(8 * 2 * per_sync / (trainer.num_params * 8))
+  state = trainer.final_state
+  # Right after the sync at step 8 every replica equals φ (up to the rounding of θ + (φ − θ), since
+  # optax transformations return updates, not new values).
+  for g, p in zip(jax.tree.leaves(state.opt_state.outer_params), jax.tree.leaves(state.params)):
+    np.testing.assert_allclose(np.asarray(p), np.broadcast_to(np.asarray(g), p.shape), rtol=1e-5, atol=1e-7)
+  eval_loss = trainer.evaluate(trainer.eval_fn(), state, __import__("lowcomm_jax.data.pipeline", fromlist=["x"])
+                               .eval_batches(trainer_eval_tokens(c), c.data.seq_len, 8, 4))
+  assert eval_loss == pytest.approx(summary["final_eval_loss"], rel=1e-6)
+
+
+def trainer_eval_tokens(c):
+  from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  return pipeline.load_splits(c.data.corpus, c.data.eval_permille).eval
+
+
+@pytest.mark.parametrize("num_replicas,meshes", [(2, [{"replica": 1, "data": 1}, {"replica": 2, "data": 4}]),
+                                                 (8, [{"replica": 1, "data": 1}, {"replica": 8, "data": 1}])])
+def test_vmap_simulation_equals_device_meshes(tmp_path, num_replicas, meshes):
+  finals = []
+  for i, mesh in enumerate(meshes):
+    c = diloco_config(num_steps=8, num_replicas=num_replicas, **{f"mesh.{k}": v for k, v in mesh.items()})
+    devices = jax.devices()[:mesh["replica"] * mesh["data"]]
+    t = Trainer(c, tmp_path / str(i), devices=devices)
+    t.run()
+    finals.append(t.final_state)
+  for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def test_resume_mid_round_is_bit_identical(tmp_path):
+  c = diloco_config(num_steps=12, **{"checkpoint.every": 2})
+  full = Trainer(c, tmp_path / "full")
+  full.run()
+  Trainer(diloco_config(num_steps=12, stop_at_step=6, **{"checkpoint.every": 2}), tmp_path / "r").run()
+  resumed = Trainer(c, tmp_path / "r")
+  summary = resumed.run()
+  for a, b in zip(jax.tree.leaves(full.final_state), jax.tree.leaves(resumed.final_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert full.final_data_state == resumed.final_data_state
+  assert [m["loss"] for m in read_metrics(tmp_path / "full")] == [m["loss"] for m in read_metrics(tmp_path / "r")]
+  assert summary["bytes_sent_per_worker"]["total"] == pytest.approx(3 * comm.ring_factor(2) * 4 * full.num_params)
+
+
+def test_bad_input_is_named_before_compute(tmp_path):
+  with pytest.raises(ValueError, match=r"diloco.sync_every \(H\) must be an integer >= 1"):
+    Trainer(diloco_config(**{"diloco.sync_every": 0}), tmp_path / "a")
+  with pytest.raises(ValueError, match=r"mesh .* needs 16 devices but 8 are available"):
+    Trainer(diloco_config(num_replicas=16, **{"mesh.replica": 16, "mesh.data": 1}), tmp_path / "b")
+  with pytest.raises(ValueError, match=r"mesh.replica must be a divisor of num_replicas=3"):
+    Trainer(diloco_config(num_replicas=3, **{"mesh.replica": 2, "mesh.data": 1}), tmp_path / "c")
+  with pytest.raises(TypeError, match=r"outer optimizer must be an optax.GradientTransformation"):
+    lowcomm_jax.diloco(optax.sgd(0.1), outer=lambda g: g, sync_every=2)
+  with pytest.raises(ValueError, match=r"diloco.sync_every \(H\) must be an integer >= 1"):
+    lowcomm_jax.diloco(optax.sgd(0.1), sync_every=0)
+  assert not any(tmp_path.iterdir())
