@@ -97,26 +97,35 @@ def _split(order: np.ndarray, stage_sizes) -> list[np.ndarray]:
 def order_for_pipelines(topology: Topology, placement) -> list[np.ndarray]:
   """Orders each stage's nodes so node j of every stage forms pipeline j.
 
-  Stage s+1's nodes are matched to stage s's (minimum total link cost); the
-  matched nodes come first. The full-pipeline baseline (DT-FM) runs its
+  Stages 1..S-1 are chained by successive minimum-cost one-to-one matchings
+  (the matched nodes first); then each chain gets the stage-0 node that
+  minimises its round trip (hop into stage 1 plus the return from stage
+  S-1 for the loss). The full-pipeline baseline (DT-FM) runs its
   micro-batches down these chains.
   """
   link = topology.link_cost_s
-  ordered = [np.asarray(placement[0]).copy()]
-  for nodes in placement[1:]:
-    nodes = np.asarray(nodes)
-    prev = ordered[-1]
+  placement = [np.asarray(nodes, np.int64) for nodes in placement]
+  if len(placement) == 1:
+    return [placement[0].copy()]
+
+  def matched_first(prev, nodes):
     rows, cols = linear_sum_assignment(link[np.ix_(prev, nodes)])
     chosen = cols[np.argsort(rows)]
-    rest = [c for c in range(len(nodes)) if c not in set(chosen)]
-    ordered.append(nodes[np.concatenate([chosen, rest]).astype(np.int64)])
-  # Stage 0 is reordered so its first nodes head the best chains.
-  first = ordered[1] if len(ordered) > 1 else ordered[0]
-  rows, cols = linear_sum_assignment(link[np.ix_(first, ordered[0])])
+    rest = [c for c in range(len(nodes)) if c not in set(chosen.tolist())]
+    return nodes[np.concatenate([chosen, rest]).astype(np.int64)]
+
+  ordered = [placement[1].copy()]
+  for nodes in placement[2:]:
+    ordered.append(matched_first(ordered[-1], nodes))
+  heads, tails = ordered[0], ordered[-1]
+  width = min(len(heads), len(tails))
+  data = placement[0]
+  round_trip = (link[np.ix_(data, heads[:width])]
+                + link[np.ix_(tails[:width], data)].T)
+  rows, cols = linear_sum_assignment(round_trip.T)
   chosen = cols[np.argsort(rows)]
-  rest = [c for c in range(len(ordered[0])) if c not in set(chosen)]
-  ordered[0] = ordered[0][np.concatenate([chosen, rest]).astype(np.int64)]
-  return ordered
+  rest = [c for c in range(len(data)) if c not in set(chosen.tolist())]
+  return [data[np.concatenate([chosen, rest]).astype(np.int64)]] + ordered
 
 
 def optimize_placement(topology: Topology, *, seed: int = 0,

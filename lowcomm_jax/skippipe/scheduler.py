@@ -57,8 +57,9 @@ class SearchBudget:
     load_branching: children per load conflict.
     max_repairs: conflicts the greedy finish may resolve.
     root_orderings: agent orders tried for the root plans (the first plans
-      the agents whose fastest path is slowest first, the rest are seeded
-      shuffles); each root starts its own branch of the constraint tree.
+      the agents whose fastest path is slowest first, the second in wave
+      order, the rest are seeded shuffles); each root starts its own branch
+      of the constraint tree.
     seed: seed of those shuffles.
   """
 
@@ -212,7 +213,7 @@ class _Planner:
     self.data_node = dict(_agents(placement, config))
     self.path_searches = 0
 
-  def plan(self, agent, constraints, plans):
+  def plan(self, agent, constraints, plans, holds_by_node=None):
     stream = self.config.stream_length
     load = np.zeros(self.topology.num_nodes, np.int64)
     for other, plan in enumerate(plans):
@@ -223,7 +224,7 @@ class _Planner:
     return search.find_path(
         self.topology, self.placement, self.config, agent * stream,
         self.data_node[agent], stream_length=stream, constraints=constraints,
-        node_penalty=penalty, max_expansions=self.budget.max_path_expansions)
+        holds_by_node=holds_by_node, node_penalty=penalty, max_expansions=self.budget.max_path_expansions)
 
 
 def _root_orderings(planner, agents, constraints, budget):
@@ -237,13 +238,28 @@ def _root_orderings(planner, agents, constraints, budget):
           f"satisfies the convergence constraints on "
           f"{planner.topology.num_stages} stages.")
     alone.append(plan.completion_s)
-  orderings = [tuple(int(a) for a in np.argsort(alone, kind="stable")[::-1])]
+  orderings = [tuple(int(a) for a in np.argsort(alone, kind="stable")[::-1]),
+               tuple(range(len(agents)))]   # wave order
   rng = np.random.default_rng(budget.seed)
-  for _ in range(budget.root_orderings - 1):
+  for _ in range(budget.root_orderings - 2):
     candidate = tuple(int(a) for a in rng.permutation(len(agents)))
     if candidate not in orderings:
       orderings.append(candidate)
-  return orderings
+  return orderings[:max(budget.root_orderings, 1)]
+
+
+def _key(conflicts, score):
+  """Constraint-tree order: the paper's phases.
+
+  Nodes whose loads are within the caps but that still have timing
+  conflicts come first and are dived into greedily (fewest conflicts, then
+  makespan) until conflict-free; the others (load conflicts, or none at all:
+  solutions) are explored best-first by makespan, so load-feasible stage
+  assignments are met cheapest first.
+  """
+  if conflicts and not any(c.kind == "load" for c in conflicts):
+    return (0, len(conflicts)) + score
+  return (1,) + score + (len(conflicts),)
 
 
 def _score(plans):
@@ -280,6 +296,7 @@ def skippipe_schedule(topology: Topology, placement,
                       collision_aware: bool = True,
                       budget: SearchBudget = SearchBudget(),
                       plan_topology: Topology | None = None,
+                      score_config: simulator.SimulationConfig | None = None,
                       method: str | None = None) -> paths_lib.Schedule:
   """Plans every micro-batch's path for one iteration (SkipPipe).
 
@@ -292,6 +309,8 @@ def skippipe_schedule(topology: Topology, placement,
     budget: search limits.
     plan_topology: costs to plan on, if not `topology`'s (network-blind
       baselines plan on uniform costs).
+    score_config: simulator options used to score candidate solutions
+      (the all-reduce is never included: it does not depend on the paths).
     method: label stored in the schedule.
 
   Returns:
@@ -310,29 +329,72 @@ def skippipe_schedule(topology: Topology, placement,
     return find_conflicts(plans, caps, topology.memory, collision_aware,
                           config.stream_length)
 
-  order = itertools.count()
-  frontier = []
-  for agent_order in _root_orderings(planner, agents, constraints, budget):
+  def build_root(agent_order, temporal):
     plans: list = [None] * len(agents)
-    for agent in agent_order:        # root: each agent avoids filled nodes
-      plans[agent] = planner.plan(agent, constraints[agent], plans)
-    plans = tuple(plans)
+    root_constraints = list(constraints)
+    holds: dict[int, list] = {}
+    for agent in agent_order:
+      # Each agent avoids nodes the agents before it filled and, when
+      # `temporal`, waits for their tasks and their memory (prioritized
+      # planning); the constraint tree then resolves what is left.
+      if temporal:
+        root_constraints[agent] = dataclasses.replace(
+            root_constraints[agent], windows=tuple(
+                (t.node, t.start, t.end) for other in plans
+                if other is not None for t in other.tasks))
+      plans[agent] = planner.plan(agent, root_constraints[agent], plans,
+                                  holds if temporal else None)
+      if temporal and plans[agent] is not None:
+        by_microbatch = {}
+        for task in plans[agent].tasks:
+          by_microbatch.setdefault(task.microbatch, []).append(task)
+        for own in by_microbatch.values():
+          for node, span in search.holds_of(own).items():
+            holds.setdefault(node, []).append(span)
+    return tuple(root_constraints), tuple(plans)
+
+  sim_config = dataclasses.replace(score_config or simulator.SimulationConfig(),
+                                   include_allreduce=False)
+
+  def simulate(plans):
+    return simulator.simulate_iteration(
+        plan_topology, placement, _to_schedule(plans, ""), sim_config)
+
+  order = itertools.count()
+  frontier, solutions = [], []
+  orderings = _root_orderings(planner, agents, constraints, budget)
+  for agent_order in orderings:
+    root_constraints, plans = build_root(agent_order, collision_aware)
     root_conflicts = conflicts_of(plans)
-    heapq.heappush(frontier, ((len(root_conflicts),) + _score(plans),
-                              next(order), constraints, plans, root_conflicts))
-  solutions, expanded, best_partial = [], 0, frontier[0]
+    heapq.heappush(frontier, (_key(root_conflicts, _score(plans)),
+                              next(order), root_constraints, plans,
+                              root_conflicts))
+  if collision_aware:
+    # Warm start: load-balanced paths that simply wait on collisions in
+    # arrival order. Their simulated timeline is collision-free and within
+    # memory by construction, so it is a valid solution of the full problem
+    # that the constraint tree's solutions must beat.
+    for agent_order in orderings:
+      _, plans = build_root(agent_order, False)
+      if find_conflicts(plans, caps, topology.memory, False,
+                        config.stream_length):
+        continue
+      timed = _retime(plans, simulate(plans).tasks)
+      solutions.append((simulate(timed).pipeline_time_s, next(order), timed,
+                        "waiting"))
+  warm = len(solutions)
+  expanded, best_partial = 0, frontier[0]
   while frontier and expanded < budget.max_cbs_nodes:
     item = heapq.heappop(frontier)
     key, _, constraints, plans, conflicts = item
-    if key[0] < best_partial[0][0]:
+    if conflicts and len(conflicts) < len(best_partial[4]):
       best_partial = item
     if not conflicts:
-      sim = simulator.simulate_iteration(
-          plan_topology, placement, _to_schedule(plans, ""),
-          simulator.SimulationConfig(include_allreduce=False))
-      solutions.append((sim.pipeline_time_s, next(order), plans))
-      first = solutions[0][0]
-      if (len(solutions) >= budget.max_solutions
+      plans = _compact(plan_topology, plans)
+      sim = simulate(plans)
+      solutions.append((sim.pipeline_time_s, -1, plans, "cbs"))
+      first = solutions[warm][0]
+      if (len(solutions) - warm >= budget.max_solutions
           or sim.pipeline_time_s < budget.early_stop_ratio * first):
         break
       continue
@@ -340,11 +402,12 @@ def skippipe_schedule(topology: Topology, placement,
     for score, child_constraints, child_plans in _children(
         planner, conflicts[0], constraints, plans, budget):
       child_conflicts = conflicts_of(child_plans)
-      heapq.heappush(frontier, ((len(child_conflicts),) + score, next(order),
+      heapq.heappush(frontier, (_key(child_conflicts, score),
+                                next(order),
                                 child_constraints, child_plans,
                                 child_conflicts))
   repairs = 0
-  if not solutions:                    # finish greedily: later agent yields
+  if len(solutions) == warm:           # finish greedily: later agent yields
     _, _, constraints, plans, conflicts = best_partial
     while conflicts and repairs < budget.max_repairs:
       children = _children(planner, conflicts[0], constraints, plans, budget)
@@ -353,7 +416,12 @@ def skippipe_schedule(topology: Topology, placement,
       _, constraints, plans = children[0]
       conflicts = conflicts_of(plans)
       repairs += 1
-    solutions.append((np.inf, 0, plans))
+    if not conflicts_of(plans):
+      plans = _compact(plan_topology, plans)
+      solutions.append((simulate(plans).pipeline_time_s, next(order), plans,
+                        "cbs_repaired"))
+    elif not solutions:
+      solutions.append((np.inf, 0, plans, "unresolved"))
   solutions.sort(key=lambda s: s[:2])
   best_plans = solutions[0][2]
   unresolved = conflicts_of(best_plans)
@@ -365,9 +433,54 @@ def skippipe_schedule(topology: Topology, placement,
         f"SearchBudget.max_cbs_nodes or max_repairs, or relax the config.")
   stats = dict(scheduler_s=time.perf_counter() - started,
                cbs_nodes_expanded=expanded, solutions=len(solutions),
+               chosen=solutions[0][3], chosen_simulated_s=solutions[0][0],
+               best_cbs_simulated_s=min((s[0] for s in solutions
+                                         if s[3] != "waiting"),
+                                        default=None),
                greedy_repairs=repairs, path_searches=planner.path_searches)
   label = method or ("skippipe" if collision_aware else "skippipe_no_tc2")
   return _to_schedule(best_plans, label, stats)
+
+
+def _compact(topology, plans):
+  """Removes waits the solution no longer needs, keeping each node's order.
+
+  Constraints added against an agent's old windows stay in the tree after
+  that agent moved, so a solution can wait for nothing. Re-timing every
+  task as early as its micro-batch's previous task (plus the link) and the
+  previous task in its node's planned order allow never starts a task later,
+  and keeps the order of forwards and backwards on every node, hence the
+  memory held at each step of it and the absence of overlaps.
+  """
+  link = topology.link_cost_s
+  tasks = sorted((t for plan in plans for t in plan.tasks),
+                 key=lambda t: (t.start, t.end))
+  node_free, mb_ready, mb_node, new = {}, {}, {}, []
+  for task in tasks:
+    ready = 0.0
+    if task.microbatch in mb_ready:
+      ready = (mb_ready[task.microbatch]
+               + link[mb_node[task.microbatch], task.node])
+    start = max(ready, node_free.get(task.node, 0.0))
+    end = start + (task.end - task.start)
+    new.append(task._replace(start=start, end=end))
+    node_free[task.node] = end
+    mb_ready[task.microbatch], mb_node[task.microbatch] = end, task.node
+  return _retime(plans, new)
+
+
+def _retime(plans, tasks):
+  """The same paths with the given (simulated) timeline as their plan."""
+  by_microbatch = {}
+  for task in tasks:
+    by_microbatch.setdefault(task.microbatch, []).append(task)
+  retimed = []
+  for plan in plans:
+    own = sorted((t for m in sorted({t.microbatch for t in plan.tasks})
+                  for t in by_microbatch[m]), key=lambda t: t.start)
+    retimed.append(dataclasses.replace(
+        plan, tasks=tuple(own), completion_s=max(t.end for t in own)))
+  return tuple(retimed)
 
 
 def _to_schedule(plans, method, stats=None) -> paths_lib.Schedule:

@@ -84,26 +84,57 @@ def plan_timeline(topology: Topology, microbatch: int, stages, nodes,
   return tasks
 
 
+def holds_of(tasks) -> dict[int, tuple[float, float]]:
+  """node -> (first start, last end) of one micro-batch's tasks there."""
+  spans: dict[int, tuple[float, float]] = {}
+  for task in tasks:
+    low, high = spans.get(task.node, (task.start, task.end))
+    spans[task.node] = (min(low, task.start), max(high, task.end))
+  return spans
+
+
+def _memory_shortfall(spans, holds_by_node, memory) -> float:
+  """0 if every node can hold the micro-batch over its span, else how much
+  later it should start (until the first blocking holder leaves)."""
+  for node, (low, high) in spans.items():
+    others = holds_by_node.get(node, ())
+    for point in [low] + [s for s, _ in others if low < s < high]:
+      active = [e for s, e in others if s <= point < e]
+      if len(active) >= memory[node]:
+        return max(min(active) - low, 1e-6)
+  return 0.0
+
+
 def plan_stream(topology: Topology, first_microbatch: int, count: int,
-                stages, nodes, windows_by_node) -> list[paths_lib.Task]:
+                stages, nodes, windows_by_node, holds_by_node=None
+                ) -> list[paths_lib.Task]:
   """Timeline of `count` micro-batches that share one path (a stream).
 
   The reference plans one path per data node and sends several micro-batches
   down it. They are planned in order, each avoiding the tasks of the ones
-  before it; a micro-batch enters only when the one `memory` places ahead
-  has finished, so no node on the path holds more than its memory.
+  before it, and each starts only once every node on its path has an
+  activation slot free for as long as it holds it (TC1 memory), counting the
+  stream's earlier micro-batches and `holds_by_node`, the (start, end) spans
+  other agents already hold.
   """
   busy = {node: list(intervals) for node, intervals in windows_by_node.items()}
-  path_memory = int(min(topology.memory[n] for n in set(nodes)))
-  tasks, ends = [], []
+  holds = {node: list(spans) for node, spans in (holds_by_node or {}).items()}
+  tasks = []
   for i in range(count):
-    release = ends[i - path_memory] if i >= path_memory else 0.0
-    own = plan_timeline(topology, first_microbatch + i, stages, nodes, release,
-                        busy)
+    release = 0.0
+    while True:
+      own = plan_timeline(topology, first_microbatch + i, stages, nodes,
+                          release, busy)
+      spans = holds_of(own)
+      delay = _memory_shortfall(spans, holds, topology.memory)
+      if delay == 0.0:
+        break
+      release += delay
     for task in own:
       bisect.insort(busy.setdefault(task.node, []), (task.start, task.end))
+    for node, span in spans.items():
+      holds.setdefault(node, []).append(span)
     tasks += own
-    ends.append(own[-1].end)
   return tasks
 
 
@@ -122,6 +153,7 @@ class PathPlan:
 def find_path(topology: Topology, placement, config: paths_lib.SkipConfig,
               microbatch: int, data_node: int, *, stream_length: int = 1,
               constraints: AgentConstraints = AgentConstraints(),
+              holds_by_node=None,
               node_penalty: np.ndarray | None = None,
               max_expansions: int = 50_000) -> PathPlan | None:
   """Best-first search for one micro-batch's fastest admissible path.
@@ -135,6 +167,8 @@ def find_path(topology: Topology, placement, config: paths_lib.SkipConfig,
     stream_length: micro-batches sent down the path (`plan_stream`); the
       path is scored by when the last of them finishes.
     constraints: nodes and time windows the agent must avoid.
+    holds_by_node: node -> [(start, end)] activation spans other agents
+      hold; the agent waits until it fits in memory (prioritized planning).
     node_penalty: float[N] extra cost (not time) per visit of a node; the
       conflict-based search uses it to steer agents off full nodes.
     max_expansions: search budget; the best complete path found by then is
@@ -159,22 +193,29 @@ def find_path(topology: Topology, placement, config: paths_lib.SkipConfig,
                          for nodes in stage_nodes[1:] for n in nodes),
                         default=0.0)
   loss = forward[data_node] * topology.loss_multiplier
+  # A stream's micro-batches each hold a slot on the data node for a whole
+  # round trip, so with m slots it takes at least ceil(w / m) round trips;
+  # and the data node alone computes w x (forward + loss + backward).
+  waves = -(-stream_length // int(topology.memory[data_node]))
+  data_node_work = stream_length * (forward[data_node] + loss
+                                    + backward[data_node])
   order = itertools.count()
   expansions = 0
   best: PathPlan | None = None
 
-  def bound(stages, nodes, fwd_end, back_cost):
+  def bound(stages, nodes, fwd_end, back_time, penalty_sum):
     remaining = config.path_length - len(stages)
     if remaining == 0:
       turn = 2 * link[nodes[-1], data_node]
     else:
       turn = 2 * min_link
-    return fwd_end + remaining * per_stage_bound + turn + loss + back_cost
+    round_trip = fwd_end + remaining * per_stage_bound + turn + loss + back_time
+    return max(waves * round_trip, data_node_work) + penalty_sum
 
   first_fwd = earliest_start(0.0, forward[data_node],
                              windows.get(data_node, ()))
   start_state = ((0,), (data_node,), first_fwd + forward[data_node],
-                 backward[data_node] + penalty[data_node])
+                 backward[data_node], penalty[data_node])
   heap = [(bound(*start_state), next(order), False, start_state)]
   dominance: dict = {}
   while heap:
@@ -186,14 +227,13 @@ def find_path(topology: Topology, placement, config: paths_lib.SkipConfig,
     expansions += 1
     if expansions > max_expansions:
       break
-    stages, nodes, fwd_end, back_cost = state
+    stages, nodes, fwd_end, back_time, penalty_sum = state
     if len(stages) == config.path_length:
       tasks = plan_stream(topology, microbatch, stream_length, stages, nodes,
-                          windows)
+                          windows, holds_by_node)
       completion = max(task.end for task in tasks)
-      extra = back_cost - sum(backward[n] for n in nodes)  # penalties only
       plan = PathPlan(stages, nodes, tuple(tasks), completion,
-                      completion + extra, 0)
+                      completion + penalty_sum, 0)
       if best is None or plan.cost < best.cost:
         best = plan
       heapq.heappush(heap, (plan.cost, next(order), True, plan))
@@ -203,16 +243,17 @@ def find_path(topology: Topology, placement, config: paths_lib.SkipConfig,
         ready = fwd_end + link[nodes[-1], node]
         start = earliest_start(ready, forward[node], windows.get(node, ()))
         child = (stages + (stage,), nodes + (node,), start + forward[node],
-                 back_cost + backward[node] + link[node, nodes[-1]]
-                 + penalty[node])
+                 back_time + backward[node] + link[node, nodes[-1]],
+                 penalty_sum + penalty[node])
         # A prefix with the same visited set, last node and swaps that is
-        # both earlier and cheaper behind dominates this one.
+        # no earlier, no cheaper behind and no less penalised is dominated.
         signature = (frozenset(child[0]), stage, node,
                      paths_lib.count_swaps(child[0]))
         seen = dominance.setdefault(signature, [])
-        if any(f <= child[2] and b <= child[3] for f, b in seen):
+        if any(f <= child[2] and b <= child[3] and p <= child[4]
+               for f, b, p in seen):
           continue
-        seen.append((child[2], child[3]))
+        seen.append(child[2:])
         heapq.heappush(heap, (bound(*child), next(order), False, child))
   if best is None:
     return None
