@@ -329,3 +329,20 @@ def test_error_feedback_residual_stays_bounded_and_errors_cancel(name):
   # over 300 steps; with it the total error is one residual.
   drift = np.abs(300 * (np.asarray(roundtrip(codec, base), np.float64) - base)).max()
   assert np.abs(sent_total - grad_total).max() < drift / 10
+
+
+def test_error_table_matches_direct_computation():
+  from lowcomm_jax.codecs import analysis
+  rng = np.random.default_rng(9)
+  tree = {"a": jnp.asarray(rng.standard_normal((40, 30)), jnp.float32),
+          "b": jnp.asarray(rng.standard_normal(7), jnp.float32)}
+  rows = analysis.error_table(tree, names=("e2m1", "fp32"), block_sizes=(64,))
+  e2m1 = codecs.get_codec("e2m1", block_size=64)
+  decoded = {k: np.asarray(roundtrip(e2m1, v), np.float64) for k, v in tree.items()}
+  expected = math.sqrt(sum(((decoded[k] - np.asarray(tree[k])) ** 2).sum() for k in tree)
+                       / sum((np.asarray(v, np.float64) ** 2).sum() for v in tree.values()))
+  assert rows[0]["codec"] == "e2m1"
+  assert rows[0]["relative_rms"]["64"] == pytest.approx(expected, rel=1e-5)
+  assert rows[0]["bits_per_value"]["64"] == 8 * (e2m1.wire_bytes(1200) + e2m1.wire_bytes(7)) / 1207
+  assert rows[0]["bits_per_value"]["per_tensor"] == 8 * (600 + 4 + 4 + 4) / 1207
+  assert rows[1]["relative_rms"] == {"64": 0.0, "per_tensor": 0.0}

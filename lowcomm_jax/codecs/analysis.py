@@ -113,13 +113,16 @@ def roundtrip_tree(tree: Any, codec: base.Codec, key: jax.Array | None = None) -
   return jax.tree.unflatten(treedef, [codec.roundtrip(leaf, k) for leaf, k in zip(leaves, keys)])
 
 
+def _relative_rms(decoded: Any, tree: Any) -> jax.Array:
+  error = sum(jnp.sum((d - x.astype(jnp.float32)) ** 2)
+              for d, x in zip(jax.tree.leaves(decoded), jax.tree.leaves(tree)))
+  norm = sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in jax.tree.leaves(tree))
+  return jnp.sqrt(error / norm)
+
+
 def relative_rms_error(tree: Any, codec: base.Codec, key: jax.Array | None = None) -> float:
   """``||decode(encode(Δ)) - Δ|| / ||Δ||`` over the whole tree (2-norms)."""
-  decoded = jax.jit(roundtrip_tree, static_argnums=1)(tree, codec, key)
-  error = sum(float(jnp.sum((d - x) ** 2)) for d, x in zip(jax.tree.leaves(decoded),
-                                                           jax.tree.leaves(tree)))
-  norm = sum(float(jnp.sum(x.astype(jnp.float32) ** 2)) for x in jax.tree.leaves(tree))
-  return float(np.sqrt(error / norm))
+  return float(jax.jit(lambda t, k: _relative_rms(roundtrip_tree(t, codec, k), t))(tree, key))
 
 
 def error_table(tree: Any, names: Sequence[str] = tuple(registry.CODECS),
@@ -142,16 +145,32 @@ def error_table(tree: Any, names: Sequence[str] = tuple(registry.CODECS),
   sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(tree)]
   total = sum(sizes)
   largest = max(sizes)
+  variants = {}  # (codec name, column) -> codec
+  for name in names:
+    for block in list(block_sizes) + ["per_tensor"]:
+      size = largest if block == "per_tensor" else block
+      variants[name, str(block)] = registry.get_codec(name, block_size=size)
+    if key is not None:
+      variants[name, f"{block_sizes[0]}_stochastic"] = registry.get_codec(
+          name, block_size=block_sizes[0], rounding="stochastic")
+
+  # One program for the whole table: compiling each variant apart costs more
+  # than running them.
+  @jax.jit
+  def all_errors(tree, key):
+    keys = jax.random.split(key, len(variants)) if key is not None else [None] * len(variants)
+    return {f"{name}|{column}": _relative_rms(roundtrip_tree(tree, codec, k), tree)
+            for ((name, column), codec), k in zip(variants.items(), keys)}
+
+  errors = jax.device_get(all_errors(tree, key))
   rows = []
   for name in names:
     row: dict[str, Any] = {"codec": name, "bits_per_value": {}, "relative_rms": {}}
-    for block in list(block_sizes) + ["per_tensor"]:
-      codec = registry.get_codec(name, block_size=largest if block == "per_tensor" else block)
-      wire = sum(codec.wire_bytes(n) for n in sizes)
-      row["bits_per_value"][str(block)] = 8 * wire / total
-      row["relative_rms"][str(block)] = relative_rms_error(tree, codec)
-    if key is not None:
-      codec = registry.get_codec(name, block_size=block_sizes[0], rounding="stochastic")
-      row["relative_rms"][f"{block_sizes[0]}_stochastic"] = relative_rms_error(tree, codec, key)
+    for (codec_name, column), codec in variants.items():
+      if codec_name != name:
+        continue
+      row["relative_rms"][column] = float(errors[f"{name}|{column}"])
+      if not column.endswith("_stochastic"):
+        row["bits_per_value"][column] = 8 * sum(codec.wire_bytes(n) for n in sizes) / total
     rows.append(row)
   return rows
