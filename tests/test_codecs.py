@@ -108,11 +108,14 @@ INPUTS = _inputs()
 @pytest.mark.parametrize("name", NAMES)
 def test_roundtrip_within_format_bound(name, rounding):
   codec = codecs.get_codec(name, block_size=32, rounding=rounding)
+  # Stochastic rounding compiles slower: its cases are the ones where it differs.
+  inputs = INPUTS if rounding == "nearest" else {
+      label: INPUTS[label] for label in ("wide_range", "zeros", "denormal", "huge")}
   # One compiled program for all inputs: compiling per input dominates the time.
   all_decoded = jax.jit(lambda xs, key: {label: codec.roundtrip(x, jax.random.fold_in(key, i))
                                          for i, (label, x) in enumerate(sorted(xs.items()))})(
-                                             INPUTS, jax.random.key(3, impl="rbg"))
-  for label, x in INPUTS.items():
+                                             inputs, jax.random.key(3, impl="rbg"))
+  for label, x in inputs.items():
     decoded = np.asarray(all_decoded[label])
     assert decoded.shape == x.shape and decoded.dtype == np.float32, label
     error = np.abs(decoded.astype(np.float64) - x)

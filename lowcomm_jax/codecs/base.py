@@ -287,10 +287,11 @@ class Codec(abc.ABC):
                                   interpret=interpret, rows_per_step=rows_per_step)
     return flat_from_blocks(x_blocks, num_elements).reshape(encoded.shape)
 
-  def roundtrip(self, x: jax.Array, key: jax.Array | None = None, **kwargs) -> jax.Array:
-    """``decode(encode(x))``: what the receiver sees."""
-    return self.decode(self.encode(x, key, **kwargs), **{
-        k: v for k, v in kwargs.items() if k in ("use_pallas", "interpret", "rows_per_step")})
+  def roundtrip(self, x: jax.Array, key: jax.Array | None = None, *, use_pallas: bool = False,
+                interpret: bool | None = None, rows_per_step: int | None = None) -> jax.Array:
+    """``decode(encode(x))``: what the receiver sees (float32, shape of ``x``)."""
+    options = dict(use_pallas=use_pallas, interpret=interpret, rows_per_step=rows_per_step)
+    return self.decode(self.encode(x, key, **options), **options)
 
 
 class NonFiniteError(ValueError):
