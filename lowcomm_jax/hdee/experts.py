@@ -1,0 +1,423 @@
+"""HDEE experts: seed models, expert chains trained by chained Trainer runs, and their log-probs.
+
+An expert chain (PAPERS.md 4.1) starts from a seed model of its size and
+trains on its domains in turn; each domain is one `lowcomm_jax.train.Trainer`
+run whose ``init_from`` is the previous run's workdir, so an expert continues
+from its own previous checkpoint with a fresh optimizer, as in the reference
+code. Nothing is communicated between experts: every run is an ordinary
+single-model job, and same-size experts could run as separate jobs on separate
+machines.
+
+Workdirs under a root folder::
+
+  seeds/<size>/                       seed model of size S, M or L
+  experts/<chain>_<size>_<steps>/<k>_<domain>/   iteration k of one chain
+
+A chain's workdir names its size and steps per domain rather than the
+setting, so settings that train a chain identically share its runs (the
+moderate chain is M at the base steps in all three settings, which is why the
+paper reports ties on its domains). Each setting is still charged the full
+compute of every run it uses. A run whose workdir holds a ``summary.json`` is
+finished and is skipped; an interrupted one resumes from its checkpoint.
+
+Seed text. The paper pretrains its seeds on OpenWebText, broad text that is
+none of its domains' test sets. This machine has no corpus outside the 16
+domains, so the seed trains on `SEED_CORPUS`: equal-sized samples of the
+*training* splits of the domains the chains will visit (evenly spaced chunks,
+so a sorted corpus is not read from its start only). It never reads a
+validation or test split, nor any held-out domain, so every test score is on
+unseen text and the held-out domains measure transfer. The price, compared
+with the paper, is that the seed has already seen a little of each expert's
+domain; the experts then specialize on far more of it.
+
+Example::
+
+  setup = experts.ExpertSetup(model_size="tiny", seed_steps=8)
+  plans = experts.make_plans(setup, steps_per_domain=4, chains=domains.REFERENCE_CHAINS)
+  workdirs = experts.train_plan(setup, plans["homogeneous"], "runs/hdee")
+  expert = experts.load_expert(workdirs["hard"])
+  log_probs_BxT = experts.token_log_probs(expert, windows_BxT1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from lowcomm_jax import config as config_lib
+from lowcomm_jax.data import corpora
+from lowcomm_jax.data import pipeline
+from lowcomm_jax.hdee import domains as domains_lib
+from lowcomm_jax.hdee import plan as plan_lib
+from lowcomm_jax.models import config as model_config
+from lowcomm_jax.train import checkpoint
+from lowcomm_jax.train import trainer as trainer_lib
+
+SEED_CORPUS = "hdee_seed_mix"
+# Bytes of each training domain in the seed mix, cut into chunks of this size (small chunks
+# so that the Trainer's 2% held-out documents are never an empty set).
+SEED_BYTES_PER_DOMAIN = 1 << 19
+SEED_CHUNK_BYTES = 1 << 12
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSetup:
+  """Everything about expert training that is not the plan.
+
+  Attributes:
+    model_size: the preset the S/M/L experts derive from (M is the preset;
+      S and L change only the feed-forward width, `plan.ffn_widths`).
+    seq_len: tokens per training and evaluation sequence (bytes).
+    batch_size: sequences per optimizer step.
+    seed_steps: optimizer steps of each seed model on `SEED_CORPUS`.
+    seed_learning_rate: peak learning rate of the seed runs.
+    domain_learning_rate: peak learning rate of every expert run; lower than
+      the seed's, as the paper's 6e-5 is to its seed's 6e-4 (we use 1/3, since
+      our runs are far shorter).
+    domain_warmup_steps: linear warm-up of every expert run.
+    seed: parameter init and data order.
+    seed_domains: training domains sampled into the seed corpus; empty means
+      the domains of the chains being trained.
+  """
+
+  model_size: str = "small"
+  seq_len: int = 128
+  batch_size: int = 16
+  seed_steps: int = 300
+  seed_learning_rate: float = 3e-3
+  domain_learning_rate: float = 1e-3
+  domain_warmup_steps: int = 10
+  seed: int = 0
+  seed_domains: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    model_config.get_model_config(self.model_size)  # ValueError naming the presets.
+    for name in ("seq_len", "batch_size", "seed_steps"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"ExpertSetup.{name} must be >= 1, got {getattr(self, name)}")
+    for name in self.seed_domains:
+      domains_lib.get_domain(name)
+
+  @property
+  def tokens_per_step(self) -> int:
+    return self.seq_len * self.batch_size
+
+  def ffn_widths(self) -> dict[str, int]:
+    """Feed-forward width of S, M and L."""
+    return plan_lib.ffn_widths(model_config.PRESETS[self.model_size].d_ff)
+
+  def model(self, size: str) -> model_config.ModelConfig:
+    """The model config of size S, M or L."""
+    if size not in plan_lib.SIZE_NAMES:
+      raise ValueError(f"unknown expert size {size!r}; allowed: {', '.join(plan_lib.SIZE_NAMES)}")
+    return model_config.get_model_config(self.model_size, d_ff=self.ffn_widths()[size])
+
+  def flops_per_token(self, size: str) -> float:
+    """Training FLOPs per token of size S, M or L (the model's FLOPs formula)."""
+    return model_config.flops_per_token(self.model(size), self.seq_len)
+
+
+def make_plans(setup: ExpertSetup, steps_per_domain: int,
+               chains: Mapping[str, Sequence[str]]) -> dict[str, plan_lib.Plan]:
+  """The three settings' plans at the homogeneous budget of `steps_per_domain`.
+
+  Raises:
+    ValueError: `steps_per_domain` below the plan's step multiple (4, so that
+      1.25x and 0.75x are whole), or an unknown domain.
+  """
+  if steps_per_domain < 4 or steps_per_domain % 4:
+    raise ValueError(f"steps_per_domain must be a positive multiple of 4 (so that the "
+                     f"heterogeneous 1.25x and 0.75x are whole steps), got {steps_per_domain}")
+  budget = plan_lib.budget_for_steps(steps_per_domain, setup.flops_per_token,
+                                     setup.tokens_per_step, chains)
+  return plan_lib.make_plans(budget, setup.flops_per_token, setup.tokens_per_step, chains)
+
+
+# ---------------------------------------------------------------------------
+# Seed corpus
+# ---------------------------------------------------------------------------
+
+
+def seed_documents(domain_names: Sequence[str]) -> list[tuple[str, str]]:
+  """Evenly spaced chunks of the training splits of `domain_names` (see the module docstring)."""
+  docs = []
+  for name in domain_names:
+    if domains_lib.get_domain(name).held_out:
+      raise ValueError(f"the seed corpus may not read held-out domain {name!r}")
+    stream = domains_lib.domain_bytes(name, "train")
+    count = max(1, min(len(stream) // SEED_CHUNK_BYTES, SEED_BYTES_PER_DOMAIN // SEED_CHUNK_BYTES))
+    starts = np.linspace(0, max(len(stream) - SEED_CHUNK_BYTES, 0), count).astype(np.int64)
+    for i, start in enumerate(starts):
+      chunk = stream[start:start + SEED_CHUNK_BYTES].tobytes()
+      docs.append((f"{name}/{i}", chunk.decode("utf-8", errors="replace")))
+  return docs
+
+
+def seed_corpus_name(domain_names: Sequence[str]) -> str:
+  """Registers the seed mix of `domain_names` as a corpus the Trainer can read; returns its name.
+
+  The name lists the domains, so seeds of different mixes never share a
+  workdir. `lowcomm_jax.data.corpora.CORPORA` is the Trainer's registry of
+  named corpora (`data.corpus`); a mix is not one of its built-in kinds, so
+  it is added here, in every process that trains or loads a seed.
+  """
+  names = tuple(sorted(set(domain_names)))
+  if not names:
+    raise ValueError("the seed corpus needs at least one training domain")
+  corpus = f"{SEED_CORPUS}:{'+'.join(names)}"
+  corpora.CORPORA.setdefault(corpus, functools.partial(seed_documents, names))
+  return corpus
+
+
+def _register_seed_corpus_of(workdir: pathlib.Path) -> None:
+  """Re-registers the seed corpus a run (or the seed of its chain) was trained on."""
+  saved = json.loads((workdir / "config.json").read_text())["config"]
+  corpus = saved["data"]["corpus"]
+  if corpus.startswith(SEED_CORPUS + ":"):
+    seed_corpus_name(corpus.split(":", 1)[1].split("+"))
+  if saved.get("init_from"):
+    _register_seed_corpus_of(pathlib.Path(saved["init_from"]))
+
+
+# ---------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------
+
+
+def run_config(setup: ExpertSetup, size: str, corpus: str, num_steps: int, learning_rate: float,
+               warmup_steps: int, init_from: str | pathlib.Path = "") -> ml_collections.ConfigDict:
+  """The Trainer config of one seed or expert run."""
+  c = config_lib.default_config()
+  c.seed = setup.seed
+  c.num_steps = num_steps
+  c.model.size = setup.model_size
+  c.model.d_ff = setup.model(size).d_ff
+  c.init_from = str(init_from)
+  c.data.corpus = corpus
+  c.data.seq_len = setup.seq_len
+  c.data.batch_size = setup.batch_size
+  c.optimizer.learning_rate = learning_rate
+  c.optimizer.warmup_steps = warmup_steps
+  c.mesh.data = 1  # One device per expert: experts are independent jobs, not a data-parallel one.
+  c.eval.every = num_steps
+  c.eval.num_batches = 4
+  c.checkpoint.every = num_steps
+  c.checkpoint.keep = 1
+  c.log_every = max(1, num_steps // 4)
+  c.progress_bar = False
+  return c
+
+
+@functools.lru_cache(maxsize=1)
+def _peak_flops() -> float:
+  # Measured once per process instead of once per run; it only feeds the MFU metric.
+  return trainer_lib.measure_peak_flops()
+
+
+def train_run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
+  """Trains one run, or returns the summary of the finished run already in `workdir`.
+
+  Raises:
+    ValueError: `workdir` holds a run of a different config.
+  """
+  workdir = pathlib.Path(workdir).absolute()
+  summary_path = workdir / "summary.json"
+  if summary_path.exists():
+    checkpoint.check_workdir(workdir, config_lib.fingerprint(config))
+    return json.loads(summary_path.read_text())
+  config.hardware.peak_flops_per_device = _peak_flops()
+  return trainer_lib.Trainer(config, workdir).run()
+
+
+def seed_workdir(root: str | pathlib.Path, size: str) -> pathlib.Path:
+  return pathlib.Path(root).absolute() / "seeds" / size
+
+
+def train_seed(setup: ExpertSetup, size: str, root: str | pathlib.Path,
+               seed_domains: Sequence[str]) -> pathlib.Path:
+  """Trains (or finds) the seed model of `size`; returns its workdir."""
+  corpus = seed_corpus_name(setup.seed_domains or seed_domains)
+  config = run_config(setup, size, corpus, setup.seed_steps, setup.seed_learning_rate,
+                      warmup_steps=min(30, setup.seed_steps // 10))
+  workdir = seed_workdir(root, size)
+  train_run(config, workdir)
+  return workdir
+
+
+def chain_workdirs(root: str | pathlib.Path, chain: plan_lib.ChainPlan) -> list[pathlib.Path]:
+  """The workdir of each iteration of `chain`, in training order."""
+  steps = "-".join(str(s) for s in sorted(set(chain.steps_per_domain)))
+  folder = pathlib.Path(root).absolute() / "experts" / f"{chain.chain}_{chain.size}_{steps}steps"
+  return [folder / f"{k}_{name}" for k, name in enumerate(chain.domains, start=1)]
+
+
+def train_chain(setup: ExpertSetup, chain: plan_lib.ChainPlan, root: str | pathlib.Path,
+                seed_domains: Sequence[str]) -> list[pathlib.Path]:
+  """Trains one expert over its chain of domains; returns each iteration's workdir.
+
+  Iteration 1 starts from the seed of the chain's size, iteration k from
+  iteration k - 1's final parameters (a fresh optimizer each time).
+  """
+  init_from = train_seed(setup, chain.size, root, seed_domains)
+  workdirs = chain_workdirs(root, chain)
+  for name, steps, workdir in zip(chain.domains, chain.steps_per_domain, workdirs):
+    config = run_config(setup, chain.size, f"domain:{name}", steps, setup.domain_learning_rate,
+                        setup.domain_warmup_steps, init_from)
+    train_run(config, workdir)
+    init_from = workdir
+  return workdirs
+
+
+def plan_domains(plan: plan_lib.Plan) -> list[str]:
+  return sorted({name for chain in plan.chains for name in chain.domains})
+
+
+def train_plan(setup: ExpertSetup, plan: plan_lib.Plan,
+               root: str | pathlib.Path) -> dict[str, pathlib.Path]:
+  """Trains every chain of a plan; returns ``{chain: workdir of its final expert}``."""
+  if setup.model_size not in model_config.PRESETS:
+    raise ValueError(f"unknown model size {setup.model_size!r}")
+  return {chain.chain: train_chain(setup, chain, root, plan_domains(plan))[-1]
+          for chain in plan.chains}
+
+
+def run_flops(workdir: str | pathlib.Path) -> float:
+  """Training FLOPs a finished run spent: the FLOPs formula x the tokens it trained."""
+  summary = json.loads((pathlib.Path(workdir) / "summary.json").read_text())
+  c = summary["config"]
+  cfg = model_config.get_model_config(c["model"]["size"], d_ff=c["model"]["d_ff"] or
+                                      model_config.PRESETS[c["model"]["size"]].d_ff)
+  return model_config.flops_per_token(cfg, c["data"]["seq_len"]) * summary["tokens"]
+
+
+def spent_flops(plan: plan_lib.Plan, root: str | pathlib.Path) -> dict[str, float]:
+  """``{chain: FLOPs spent by its runs}`` of a trained plan (seeds excluded, as in the paper)."""
+  return {chain.chain: sum(run_flops(w) for w in chain_workdirs(root, chain))
+          for chain in plan.chains}
+
+
+# ---------------------------------------------------------------------------
+# Inference
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Expert:
+  """A trained model ready for inference.
+
+  Attributes:
+    name: a label (the chain, or "parameter average").
+    graphdef: the model's `nnx.GraphDef`.
+    params: its parameters (a pure dict).
+  """
+
+  name: str
+  graphdef: Any
+  params: Any
+
+
+def load_expert(workdir: str | pathlib.Path, name: str = "") -> Expert:
+  """The final parameters of a finished run."""
+  workdir = pathlib.Path(workdir).absolute()
+  if not (workdir / "summary.json").exists():
+    raise ValueError(f"{workdir} holds no finished run (no summary.json)")
+  _register_seed_corpus_of(workdir)
+  trainer = trainer_lib.Trainer(config_lib.load_run_config(workdir), workdir)
+  state = trainer.restore_latest()
+  params = trainer.algorithm.eval_params(state.params, state.opt_state)
+  return Expert(name or workdir.parent.name, trainer.graphdef, params)
+
+
+def average_parameters(experts: Sequence[Expert], name: str = "parameter average") -> Expert:
+  """One model whose parameters are the mean of the experts' (they must share a shape).
+
+  Raises:
+    ValueError: no experts, or experts of different shapes (sizes S/M/L).
+  """
+  if not experts:
+    raise ValueError("average_parameters needs at least one expert")
+  shapes = [jax.tree.map(jnp.shape, e.params) for e in experts]
+  if any(s != shapes[0] for s in shapes[1:]):
+    raise ValueError("average_parameters needs experts of one size; got "
+                     f"{[e.name for e in experts]} with different parameter shapes")
+  params = jax.tree.map(lambda *leaves: sum(leaves) / len(leaves), *[e.params for e in experts])
+  return Expert(name, experts[0].graphdef, params)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _token_log_probs(graphdef, params, windows_BxT1):
+  logits_BxTxV = nnx.merge(graphdef, params)(windows_BxT1[:, :-1])
+  log_probs_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(log_probs_BxTxV, windows_BxT1[:, 1:, None], axis=-1)[..., 0]
+
+
+def token_log_probs(expert: Expert, windows_BxT1: np.ndarray, batch_size: int = 32) -> np.ndarray:
+  """``log p(x_t | x_<t)`` of each next token of windows [B, T + 1]: a [B, T] float32 array.
+
+  The layout `lowcomm_jax.hdee.ensemble` mixes: stack experts on a new axis 0.
+  """
+  windows_BxT1 = np.asarray(windows_BxT1, np.int32)
+  if windows_BxT1.ndim != 2 or windows_BxT1.shape[1] < 2:
+    raise ValueError(f"windows_BxT1 must be [batch, time + 1] with time >= 1, "
+                     f"got shape {windows_BxT1.shape}")
+  return np.concatenate([np.asarray(_token_log_probs(expert.graphdef, expert.params,
+                                                     windows_BxT1[i:i + batch_size]))
+                         for i in range(0, len(windows_BxT1), batch_size)])
+
+
+def domain_windows(name: str, split: str, seq_len: int, count: int) -> np.ndarray:
+  """`count` windows [count, seq_len + 1] spread evenly over one split of a domain, in text order."""
+  if count < 1:
+    raise ValueError(f"count must be >= 1, got {count}")
+  tokens = np.asarray(domains_lib.domain_bytes(name, split))
+  return pipeline.eval_batches(tokens, seq_len, count, 1)[0]
+
+
+def expert_log_probs(expert: Expert, names: Sequence[str], seq_len: int, validation_count: int,
+                     test_count: int) -> dict[str, dict[str, np.ndarray]]:
+  """``{domain: {"validation": [N, T], "test": [B, T]}}`` per-token log-probs of one expert."""
+  return {name: {split: token_log_probs(expert, domain_windows(name, split, seq_len, count))
+                 for split, count in (("validation", validation_count), ("test", test_count))}
+          for name in names}
+
+
+def save_log_probs(path: pathlib.Path, log_probs: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  arrays = {f"{name}/{split}": value for name, splits in log_probs.items()
+            for split, value in splits.items()}
+  tmp = path.with_suffix(".tmp.npz")
+  np.savez(tmp, **arrays)
+  tmp.replace(path)  # Atomic: an interrupted write never leaves a half file to be trusted.
+
+
+def load_log_probs(path: pathlib.Path) -> dict[str, dict[str, np.ndarray]]:
+  out: dict[str, dict[str, np.ndarray]] = {}
+  with np.load(path) as arrays:
+    for key in arrays.files:
+      name, split = key.split("/")
+      out.setdefault(name, {})[split] = arrays[key]
+  return out
+
+
+def cached_log_probs(path: pathlib.Path, make_expert: Callable[[], Expert], names: Sequence[str],
+                     seq_len: int, validation_count: int, test_count: int
+                     ) -> dict[str, dict[str, np.ndarray]]:
+  """`expert_log_probs`, read from `path` when an earlier run already wrote them for these windows."""
+  if path.exists():
+    cached = load_log_probs(path)
+    if set(names) <= set(cached) and all(
+        cached[n]["validation"].shape == (validation_count, seq_len)
+        and cached[n]["test"].shape == (test_count, seq_len) for n in names):
+      return {n: cached[n] for n in names}
+  log_probs = expert_log_probs(make_expert(), names, seq_len, validation_count, test_count)
+  save_log_probs(path, log_probs)
+  return log_probs
