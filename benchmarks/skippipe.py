@@ -83,6 +83,7 @@ def run_setup(name, topo, placement, config, sim_config, blind_seeds,
   # Planning on uniform costs ties everywhere, so its searches are cut
   # short: any load-feasible paths will do for a network-blind baseline.
   blind_budget = scheduler.SearchBudget(root_orderings=2, max_solutions=1,
+                                        max_cbs_nodes=30,
                                         max_path_expansions=2000)
   blind = [_timed(baselines.network_blind_schedule, topo, placement, streams,
                   seed=seed, budget=blind_budget)

@@ -1,1 +1,35 @@
-"""lowcomm_jax.skippipe."""
+"""SkipPipe (arXiv 2502.19913): topology, placement, path scheduler, simulator.
+
+Modules, one concept each:
+  topology     clusters, the reference's cost model and presets
+  placement    node-to-stage placement search (step 1)
+  paths        SkipConfig limits, MicrobatchPath / Schedule / Task, path rules
+  search       best-first search for one micro-batch's path (step 2)
+  scheduler    conflict-based search over all paths (step 3)
+  baselines    full pipeline (DT-FM) and network-blind skipping
+  constraints  an independent checker of CC and TC
+  simulator    event-driven iteration simulator
+  gantt        Gantt charts, link-cost heat maps, placement plots
+
+Typical use::
+
+  from lowcomm_jax import skippipe
+  topo = skippipe.topology.gcp_12_regions()
+  placed = skippipe.placement.optimize_placement(topo, seed=0)
+  schedule = skippipe.scheduler.skippipe_schedule(topo, placed)
+  stage_paths = schedule.stage_paths()      # int[k] per micro-batch
+  result = skippipe.simulator.simulate_iteration(topo, placed, schedule)
+"""
+
+from lowcomm_jax.skippipe import baselines
+from lowcomm_jax.skippipe import constraints
+from lowcomm_jax.skippipe import gantt
+from lowcomm_jax.skippipe import paths
+from lowcomm_jax.skippipe import placement
+from lowcomm_jax.skippipe import scheduler
+from lowcomm_jax.skippipe import search
+from lowcomm_jax.skippipe import simulator
+from lowcomm_jax.skippipe import topology
+from lowcomm_jax.skippipe.paths import MicrobatchPath, Schedule, SkipConfig
+from lowcomm_jax.skippipe.scheduler import SearchBudget, skippipe_schedule
+from lowcomm_jax.skippipe.simulator import SimulationConfig, simulate_iteration

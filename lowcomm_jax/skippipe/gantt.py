@@ -9,10 +9,8 @@ backward. Gaps are idle time.
 from __future__ import annotations
 
 import matplotlib
-
-matplotlib.use("Agg")  # files only; notebooks still display returned figures
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 _COLORS = {"F": "#4c72b0", "L": "#dd8452", "B": "#55a868"}
 _LABELS = {"F": "forward", "L": "loss", "B": "backward"}
