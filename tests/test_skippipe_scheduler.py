@@ -7,6 +7,7 @@ import pytest
 
 from lowcomm_jax.skippipe import baselines
 from lowcomm_jax.skippipe import constraints
+from lowcomm_jax.skippipe import inputs
 from lowcomm_jax.skippipe import paths
 from lowcomm_jax.skippipe import placement as placement_lib
 from lowcomm_jax.skippipe import scheduler
@@ -32,7 +33,7 @@ def _random_case(seed, streams=False):
                               microbatches_per_data_node=per_node,
                               paths_per_data_node=1 if streams else per_node)
     try:
-      scheduler.check_inputs(topo, placement, config)
+      inputs.check_inputs(topo, placement, config)
       break
     except ValueError:
       if per_node == 1:

@@ -5,6 +5,8 @@ Modules, one concept each:
   placement    node-to-stage placement search (step 1)
   paths        SkipConfig limits, MicrobatchPath / Schedule / Task, path rules
   search       best-first search for one micro-batch's path (step 2)
+  inputs       input checks (placement, loads the stages can take)
+  conflicts    conflicts between agents (load, memory, collisions)
   scheduler    conflict-based search over all paths (step 3)
   baselines    full pipeline (DT-FM) and network-blind skipping
   constraints  an independent checker of CC and TC
@@ -22,8 +24,10 @@ Typical use::
 """
 
 from lowcomm_jax.skippipe import baselines
+from lowcomm_jax.skippipe import conflicts
 from lowcomm_jax.skippipe import constraints
 from lowcomm_jax.skippipe import gantt
+from lowcomm_jax.skippipe import inputs
 from lowcomm_jax.skippipe import paths
 from lowcomm_jax.skippipe import placement
 from lowcomm_jax.skippipe import scheduler

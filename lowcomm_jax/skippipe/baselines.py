@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from lowcomm_jax.skippipe import inputs
 from lowcomm_jax.skippipe import paths as paths_lib
 from lowcomm_jax.skippipe import scheduler
 from lowcomm_jax.skippipe.topology import Topology
@@ -40,7 +41,7 @@ def full_pipeline_schedule(topology: Topology, placement,
     The `Schedule` (all releases at 0; memory limits admission in the
     simulator).
   """
-  placement = scheduler.validate_placement(topology, placement)
+  placement = inputs.validate_placement(topology, placement)
   num_pipelines = min(len(nodes) for nodes in placement)
   total = total_microbatches or (len(placement[0])
                                  * config.microbatches_per_data_node)

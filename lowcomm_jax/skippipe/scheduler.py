@@ -16,14 +16,27 @@ removes the conflicts between them, in the paper's order of phases:
    either the later agent avoids the earlier one's window or the reverse.
 
 Phases 2 and 3 run only when `collision_aware` is set; without them this is
-the paper's "SkipPipe without TC2". The constraint tree is searched greedily
-(fewest conflicts first, then makespan: the GCBS variant), and while
-searching, agents avoid nodes others have already filled (a conflict
-avoidance table). Each conflict-free solution is scored with the iteration
-simulator; the search stops after `max_solutions` of them, when one beats the
-first by `early_stop_ratio` (the reference's 0.88), or when the budget ends,
-in which case the best partial solution is finished by always constraining
-the later agent.
+the paper's "SkipPipe without TC2". An agent may carry a stream of several
+micro-batches down one path (`SkipConfig.paths_per_data_node`; the
+reference plans one path per data node).
+
+Roots: for a few agent orders (slowest-alone first, wave order, seeded
+shuffles) the agents are planned one after another, each avoiding nodes the
+earlier ones filled (a conflict avoidance table) and, when collision-aware,
+waiting for their tasks and memory (prioritized planning). The constraint
+tree then orders its nodes by phase: nodes with only timing conflicts are
+dived into greedily (fewest conflicts, then makespan: GCBS), the others
+best-first by makespan, so cheap load-feasible assignments come first.
+Every conflict-free solution is compacted (waits that stale constraints
+left are removed, keeping each node's order) and scored with the iteration
+simulator. The search stops after `max_solutions` solutions, when one beats
+the first by `early_stop_ratio` (the reference's 0.88), or when the budget
+ends, in which case the best partial solution is finished by always
+constraining one agent per conflict. When collision-aware, the
+load-balanced paths timed by simply waiting on collisions in arrival order
+(the simulator's timeline: collision-free and within memory by
+construction) are scored too as a warm start, and the fastest candidate is
+returned; `stats["chosen"]` names which kind won.
 """
 
 from __future__ import annotations
@@ -38,6 +51,9 @@ import numpy as np
 from lowcomm_jax.skippipe import paths as paths_lib
 from lowcomm_jax.skippipe import search
 from lowcomm_jax.skippipe import simulator
+from lowcomm_jax.skippipe.conflicts import find_conflicts
+from lowcomm_jax.skippipe.inputs import check_inputs
+from lowcomm_jax.skippipe.inputs import load_caps
 from lowcomm_jax.skippipe.topology import Topology
 
 # Extra cost (seconds-equivalent) of visiting a node other agents have filled.
@@ -71,128 +87,6 @@ class SearchBudget:
   max_repairs: int = 3000
   root_orderings: int = 8
   seed: int = 0
-
-
-def validate_placement(topology: Topology, placement) -> list[np.ndarray]:
-  """Checks that `placement` assigns every node to exactly one stage."""
-  placement = [np.asarray(nodes, np.int64) for nodes in placement]
-  if len(placement) != topology.num_stages:
-    raise ValueError(f"placement: expected {topology.num_stages} stages (one "
-                     f"per entry of stage_sizes), got {len(placement)}.")
-  for s, nodes in enumerate(placement):
-    if len(nodes) != topology.stage_sizes[s]:
-      raise ValueError(f"placement: stage {s} must hold stage_sizes[{s}] = "
-                       f"{topology.stage_sizes[s]} nodes, got {len(nodes)}.")
-  flat = np.concatenate(placement)
-  if sorted(flat.tolist()) != list(range(topology.num_nodes)):
-    raise ValueError(f"placement: every node 0..{topology.num_nodes - 1} must "
-                     f"appear exactly once, got {sorted(flat.tolist())}.")
-  return placement
-
-
-def load_caps(topology: Topology, placement, config: paths_lib.SkipConfig
-              ) -> np.ndarray:
-  """int[N]: paths a node may be on per iteration (memory x num_waves)."""
-  del placement
-  return np.asarray(topology.memory, np.int64) * config.num_waves
-
-
-def check_inputs(topology: Topology, placement, config: paths_lib.SkipConfig
-                 ) -> list[np.ndarray]:
-  """All input checks of the schedulers; returns the validated placement."""
-  config.validate(topology.num_stages, topology.stage_sizes, topology.memory)
-  placement = validate_placement(topology, placement)
-  caps = load_caps(topology, placement, config)
-  streams = len(placement[0]) * config.paths_per_data_node
-  # Each stream of `stream_length` micro-batches visits k-1 distinct stages;
-  # stage s can take at most min(its stream slots, all streams). Summed over
-  # stages this must cover streams x (k-1) (a flow / Hall-type bound that is
-  # also sufficient when stages are free to choose).
-  slots = [int((caps[nodes] // config.stream_length).sum())
-           for nodes in placement[1:]]
-  supply = sum(min(slot, streams) for slot in slots)
-  demand = streams * (config.path_length - 1)
-  if demand > supply:
-    raise ValueError(
-        f"microbatches_per_data_node: {len(placement[0])} data nodes x "
-        f"{config.microbatches_per_data_node} micro-batches need "
-        f"{demand * config.stream_length} stage visits (path_length - 1 = "
-        f"{config.path_length - 1} each), but stages 1..{topology.num_stages - 1}"
-        f" can take at most {supply * config.stream_length} (nodes x memory x "
-        f"num_waves, and each micro-batch visits a stage once); lower "
-        f"microbatches_per_data_node or path_length.")
-  return placement
-
-
-@dataclasses.dataclass(frozen=True)
-class _Conflict:
-  kind: str               # "load", "memory" or "overlap"
-  node: int
-  agents: tuple           # load: agents on the node; else (first, second)
-  windows: tuple = ()     # per agent in `agents`: the window to forbid
-
-
-def find_conflicts(plans, caps, memory, collision_aware: bool,
-                   stream_length: int = 1) -> list[_Conflict]:
-  """Every conflict between agents' plans, load conflicts first.
-
-  Agent a carries micro-batches a * stream_length ... (a + 1) *
-  stream_length - 1; conflicts inside one agent's stream cannot occur
-  (`search.plan_stream` avoids them).
-  """
-  conflicts = []
-  visitors: dict[int, list[int]] = {}
-  for agent, plan in enumerate(plans):
-    for node in plan.nodes[1:]:
-      visitors.setdefault(node, []).append(agent)
-  for node, agents in sorted(visitors.items()):
-    excess = -(-(len(agents) * stream_length - caps[node]) // stream_length)
-    conflicts += [_Conflict("load", node, tuple(agents))] * max(excess, 0)
-  if not collision_aware:
-    return conflicts
-  temporal = []
-  by_node: dict[int, list[paths_lib.Task]] = {}
-  for plan in plans:
-    for task in plan.tasks:
-      by_node.setdefault(task.node, []).append(task)
-  for node, tasks in by_node.items():
-    tasks.sort(key=lambda t: (t.start, t.microbatch))
-    for i, first in enumerate(tasks):       # sweep: overlapping pairs
-      for second in tasks[i + 1:]:
-        if second.start >= first.end:
-          break
-        later, earlier = (second.microbatch // stream_length,
-                          first.microbatch // stream_length)
-        if later != earlier:
-          temporal.append((second.start, _Conflict(
-              "overlap", node, (later, earlier),
-              ((first.start, first.end), (second.start, second.end)))))
-    temporal += _memory_conflicts(node, tasks, int(memory[node]),
-                                  stream_length)
-  temporal.sort(key=lambda item: (item[0], item[1].kind, item[1].agents))
-  return conflicts + [c for _, c in temporal]
-
-
-def _memory_conflicts(node, tasks, memory, stream_length):
-  """Instants where more micro-batches hold activations on `node` than
-  `memory`; the newcomer's agent must wait for another agent's release."""
-  hold: dict[int, list[float]] = {}
-  for task in tasks:
-    span = hold.setdefault(task.microbatch, [task.start, task.end])
-    span[0], span[1] = min(span[0], task.start), max(span[1], task.end)
-  spans = sorted((start, end, agent) for agent, (start, end) in hold.items())
-  found, active = [], []
-  for start, end, microbatch in spans:
-    active = [(e, m) for e, m in active if e > start]
-    agent = microbatch // stream_length
-    others = [e for e, m in active if m // stream_length != agent]
-    if len(active) >= memory and others:
-      # The newcomer may not hold the node from its arrival until another
-      # agent's first holder frees a slot.
-      found.append((start, _Conflict("memory", node, (agent,),
-                                     ((start, min(others)),))))
-    active.append((end, microbatch))
-  return found
 
 
 def _agents(placement, config):
