@@ -81,11 +81,6 @@ def encode(codec, x, key=None):
   return codec.encode(x, key)
 
 
-def bits_of(array):
-  """The raw bytes of an array, so NaNs compare equal bit for bit."""
-  return np.ascontiguousarray(np.asarray(array)).view(np.uint8)
-
-
 # ------------------------------------------------------------------ inputs
 def _inputs():
   rng = np.random.default_rng(0)

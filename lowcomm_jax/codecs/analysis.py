@@ -11,6 +11,7 @@ the Python standard library's ``json`` package, present on every install.
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any, Sequence
 
@@ -31,15 +32,10 @@ __all__ = [
 
 
 def _stdlib_bytes() -> np.ndarray:
-  folder = pathlib.Path(json_module_file()).parent
+  """The bytes of the stdlib ``json`` package's sources: real text on every install."""
+  folder = pathlib.Path(json.__file__).parent
   text = b"".join(path.read_bytes() for path in sorted(folder.glob("*.py")))
   return np.frombuffer(text, np.uint8)
-
-
-def json_module_file() -> str:
-  """Path of the stdlib ``json`` package (the text the stand-in model reads)."""
-  import json  # pylint: disable=import-outside-toplevel
-  return json.__file__
 
 
 def _init_mlp(key: jax.Array, context: int, embed: int, hidden: int) -> dict[str, jax.Array]:

@@ -15,7 +15,11 @@ a lossy codec the error is the mean of the senders' quantization errors plus
 the error of quantizing the mean once more.
 
 Call it under a bound axis: ``jax.vmap(..., axis_name=...)`` (simulated
-replicas on one device) or ``jax.shard_map`` over a mesh axis.
+replicas on one device) or ``jax.shard_map`` over a mesh axis. With
+``use_pallas=True`` in interpret mode (CPU) inside ``shard_map``, pass
+``check_vma=False``: jax 0.10.2's Pallas interpreter replays the kernel
+without the varying-axis annotations and the check rejects it. The default
+jnp path has no such restriction.
 """
 
 from __future__ import annotations
