@@ -30,12 +30,8 @@ _QUICK = flags.DEFINE_bool("quick", False, "Tiny model and a few steps: a smoke 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  import jax  # pylint: disable=g-import-not-at-top
-  # Runs of one size and step count compile the same programs; a persistent cache compiles
-  # them once per experiment instead of once per run.
-  jax.config.update("jax_compilation_cache_dir", f"{_WORKDIR.value}/jax_cache")
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   from lowcomm_jax.hdee import experiment, experts  # pylint: disable=g-import-not-at-top
+  experts.enable_compilation_cache(f"{_WORKDIR.value}/jax_cache")
 
   if _QUICK.value:
     setup = experts.ExpertSetup(model_size="tiny", seq_len=64, batch_size=8, seed_steps=8)

@@ -374,6 +374,35 @@ def token_log_probs(expert: Expert, windows_BxT1: np.ndarray, batch_size: int = 
                          for i in range(0, len(windows_BxT1), batch_size)])
 
 
+def document_log_probs(expert: Expert, tokens: np.ndarray, window: int) -> np.ndarray:
+  """Per-token log-probs [len(tokens) - 1] of a long 1-D token stream, read `window` tokens at a time.
+
+  Consecutive windows overlap by one token, so every token after the first is
+  scored once; the context restarts at each window (the model's positions are
+  limited to its ``max_seq_len``).
+  """
+  tokens = np.asarray(tokens, np.int32)
+  if tokens.ndim != 1 or len(tokens) < window + 1:
+    raise ValueError(f"tokens must be 1-D with at least window + 1 = {window + 1} entries, "
+                     f"got shape {tokens.shape}")
+  count = (len(tokens) - 1) // window
+  windows_BxT1 = np.stack([tokens[i * window:(i + 1) * window + 1] for i in range(count)])
+  return token_log_probs(expert, windows_BxT1).reshape(-1)
+
+
+def enable_compilation_cache(path: str | pathlib.Path) -> None:
+  """Keeps compiled programs in `path`, so runs of one size and step count compile once.
+
+  Every expert run builds its own Trainer, whose jitted steps are new
+  functions; without a persistent cache each run would compile them again.
+  Takes effect even after earlier compilations in this process.
+  """
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
+  compilation_cache.set_cache_dir(str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  compilation_cache.reset_cache()  # The cache is set up once per process; redo it with `path`.
+
+
 def domain_windows(name: str, split: str, seq_len: int, count: int) -> np.ndarray:
   """`count` windows [count, seq_len + 1] spread evenly over one split of a domain, in text order."""
   if count < 1:
