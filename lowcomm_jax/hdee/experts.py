@@ -59,7 +59,6 @@ from lowcomm_jax.data import pipeline
 from lowcomm_jax.hdee import domains as domains_lib
 from lowcomm_jax.hdee import plan as plan_lib
 from lowcomm_jax.models import config as model_config
-from lowcomm_jax.train import checkpoint
 from lowcomm_jax.train import trainer as trainer_lib
 
 SEED_CORPUS = "hdee_seed_mix"
@@ -232,10 +231,28 @@ def train_run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) ->
   workdir = pathlib.Path(workdir).absolute()
   summary_path = workdir / "summary.json"
   if summary_path.exists():
-    checkpoint.check_workdir(workdir, config_lib.fingerprint(config))
+    _check_finished_run(workdir, config)
     return json.loads(summary_path.read_text())
   config.hardware.peak_flops_per_device = _peak_flops()
   return trainer_lib.Trainer(config, workdir).run()
+
+
+def _check_finished_run(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+  """Raises unless the finished run in `workdir` was trained with `config`.
+
+  Config keys added to the code after the run was trained count as their
+  defaults, so a new option that the run never had does not make it look
+  like a different run (the Trainer's own resume check is strict about that).
+  """
+  as_json = lambda d: json.loads(json.dumps(d, default=str))
+  saved = json.loads((workdir / "config.json").read_text())["fingerprint"]
+  defaults = as_json(config_lib.fingerprint(config_lib.default_config()))
+  current = as_json(config_lib.fingerprint(config))
+  differing = sorted(k for k in current if saved.get(k, defaults.get(k)) != current[k])
+  if differing:
+    details = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in differing[:8])
+    raise ValueError(f"workdir {workdir} holds a run of another config ({details}); "
+                     "use a new --workdir or the same settings to resume")
 
 
 def seed_workdir(root: str | pathlib.Path, size: str) -> pathlib.Path:
