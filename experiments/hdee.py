@@ -23,6 +23,7 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Bytes per sequence.")
 _VALIDATION = flags.DEFINE_integer("validation_sequences", 32,
                                    "Validation windows per domain (cached prior, best expert).")
 _TEST = flags.DEFINE_integer("test_sequences", 64, "Test windows per domain that are scored.")
+_SEED = flags.DEFINE_integer("seed", 0, "Parameter init and data order of every run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny model and a few steps: a smoke run of a minute "
                            "or two (overrides the sizes and steps above).")
 
@@ -34,11 +35,13 @@ def main(argv):
   experts.enable_compilation_cache(f"{_WORKDIR.value}/jax_cache")
 
   if _QUICK.value:
-    setup = experts.ExpertSetup(model_size="tiny", seq_len=64, batch_size=8, seed_steps=8)
+    setup = experts.ExpertSetup(model_size="tiny", seq_len=64, batch_size=8, seed_steps=8,
+                                seed=_SEED.value)
     steps, validation, test = 4, 4, 8
   else:
     setup = experts.ExpertSetup(model_size=_MODEL.value, seq_len=_SEQ_LEN.value,
-                                batch_size=_BATCH.value, seed_steps=_SEED_STEPS.value)
+                                batch_size=_BATCH.value, seed_steps=_SEED_STEPS.value,
+                                seed=_SEED.value)
     steps, validation, test = _STEPS.value, _VALIDATION.value, _TEST.value
   results = experiment.run_experiment(_WORKDIR.value, setup, steps,
                                       validation_sequences=validation, test_sequences=test)
