@@ -117,9 +117,9 @@ def run_experiment(root: str | pathlib.Path, setup: experts_lib.ExpertSetup, ste
                                           for w in final[s].values()])))
 
   table = {}
+  chain_of = {d: c for c, ds in chains.items() for d in ds}
   for name in eval_domains:
     domain = domains_lib.get_domain(name)
-    chain_of = {d: c for c, ds in chains.items() for d in ds}
     row = {"held_out": domain.held_out,
            "role": "held out" if domain.held_out else chain_of.get(name, "not trained")}
     for setting, plan in plans.items():
