@@ -63,6 +63,12 @@ def default_config() -> ml_collections.ConfigDict:
       staggered=True,  # fragment p syncs at offset (p+1)·H/P; False: all at the same step
       overlap_steps=0,  # τ: inner steps a fragment's all-reduce overlaps before it is applied
       merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied
+      codec="none",  # none (float32 all-reduce) | e3m0 | e2m1 | int4 | int8 | bf16 | fp32 (compressed mean)
+      codec_block_size=1024,  # values per absmax scale in the codec
+      codec_rounding="nearest",  # nearest | stochastic
+      error_feedback=False,  # add each replica's quantization residual to its next outer gradient
+      nonfinite="raise",  # NaN/inf in an averaged outer gradient: raise (stop, naming the fragment)
+                          # | skip (refuse that fragment's outer step, restart it from φ, log it)
   ))
   c.outer_optimizer = ml_collections.ConfigDict(dict(
       name="nesterov",  # nesterov | sgd | adam, applied to the outer gradient Δ = φ − θ
@@ -145,12 +151,26 @@ def validate(c: ml_collections.ConfigDict) -> None:
                "diloco.num_fragments/overlap_steps/merge_alpha",
                "1/0/0 for algorithm=diloco (use algorithm=streaming_diloco)",
                (d.num_fragments, d.overlap_steps, d.merge_alpha))
-    from lowcomm_jax.optim import schedule  # pylint: disable=g-import-not-at-top
-    num_rows = c.diloco.num_fragments
+    from lowcomm_jax.optim import schedule, streaming  # pylint: disable=g-import-not-at-top
+    num_rows = streaming.count_fragments(c.diloco.num_fragments, c.diloco.non_block_fragment)
     schedule.make_schedule(num_rows, c.diloco.sync_every, c.diloco.overlap_steps,
                            c.diloco.merge_alpha, c.diloco.staggered)
+    _require(c.diloco.codec == "none" or c.diloco.codec in _codec_names(), "diloco.codec",
+             f"none or one of {_codec_names()}", c.diloco.codec)
+    if c.diloco.codec != "none":
+      from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
+      codecs.get_codec(c.diloco.codec, c.diloco.codec_block_size, c.diloco.codec_rounding)
+    _require(not c.diloco.error_feedback or c.diloco.codec != "none", "diloco.error_feedback",
+             "False unless diloco.codec is set", c.diloco.error_feedback)
+    _require(c.diloco.nonfinite in ("raise", "skip"), "diloco.nonfinite", "raise or skip",
+             c.diloco.nonfinite)
     _require(c.outer_optimizer.name in ("nesterov", "sgd", "adam"), "outer_optimizer.name",
              "nesterov, sgd or adam", c.outer_optimizer.name)  # axis names and sizes; the device count is checked later
+
+
+def _codec_names() -> list[str]:
+  from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
+  return list(codecs.CODECS)
 
 
 def load_run_config(workdir) -> ml_collections.ConfigDict:

@@ -28,3 +28,28 @@ def mean(tree, axis_name: str, name: str = "mean"):
   payload = tree_bytes(tree)
   ledger.record(name, "all_reduce", payload, ledger.ring_factor(m) * payload, m)
   return jax.tree.map(lambda x: lax.pmean(x, axis_name), tree)
+
+
+def compressed_mean(tree, axis_name: str, codec, name: str = "compressed mean", key=None,
+                    residual=None):
+  """Mean over `axis_name` with codec-encoded traffic and float32 accumulation.
+
+  Reduce-scatter of encoded chunks (all_to_all), decode, float32 sum, re-encode, all_gather
+  (`lowcomm_jax.codecs.compressed_mean`). Each worker sends 2(M−1)/M × the encoded tree,
+  codes and scales counted exactly.
+
+  Args:
+    residual: the previous error-feedback residual (same structure), or None for no feedback.
+
+  Returns:
+    The mean, or (mean, new residual) when `residual` is given.
+  """
+  from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
+  m = axis_size(axis_name)
+  payload = sum(codec.wire_bytes(x.size) for x in jax.tree.leaves(tree))
+  ledger.record(name, "all_to_all+all_gather", payload,
+                codecs.compressed_mean_wire_bytes(tree, codec, m), m)
+  if residual is None:
+    return codecs.compressed_mean(tree, axis_name, codec, m, key=key)
+  corrected = jax.tree.map(lambda g, r: g + r, tree, residual)
+  return codecs.compressed_mean(corrected, axis_name, codec, m, key=key, return_residual=True)

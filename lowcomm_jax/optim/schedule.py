@@ -47,7 +47,8 @@ def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
     raise ValueError(f"diloco.num_fragments (P) must be >= 1, got {num_fragments}")
   if staggered and sync_every % num_fragments:
     raise ValueError(f"diloco.sync_every (H={sync_every}) must be divisible by the number of "
-                     f"fragments (P={num_fragments}) for a staggered schedule")
+                     f"fragments (P={num_fragments}, counting the non-block fragment) for a "
+                     "staggered schedule")
   stride = sync_every // num_fragments if staggered else sync_every
   if overlap_steps < 0 or (overlap_steps and overlap_steps >= stride):
     raise ValueError(f"diloco.overlap_steps (τ={overlap_steps}) must be >= 0 and smaller than "

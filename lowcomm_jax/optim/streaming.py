@@ -41,6 +41,8 @@ class StreamingDiLoCoState(NamedTuple):
   outer_params: Any  # φ: the global parameters, float32
   outer_states: tuple  # one outer optimizer state per fragment
   in_flight: tuple  # per fragment: its averaged outer gradient while in flight (τ ≥ 1), else ()
+  residuals: tuple  # per fragment: this replica's error-feedback residual (codec + feedback), else ()
+  nonfinite: jax.Array  # int32[F]: outer steps refused because the averaged Δ held NaN or inf
 
 
 FragmentsArg = int | Callable[[Any], tuple[frag_lib.Fragment, ...]]
@@ -51,14 +53,18 @@ class StreamingDiLoCo:
 
   def __init__(self, inner, outer, schedule: schedule_lib.FragmentSchedule,
                fragments: Callable[[Any], tuple[frag_lib.Fragment, ...]],
-               axis_name: str = mesh_lib.REPLICA):
+               axis_name: str = mesh_lib.REPLICA, codec=None, error_feedback: bool = False):
     check_transformation(inner, "inner optimizer")
     check_transformation(outer, "outer optimizer")
+    if error_feedback and codec is None:
+      raise ValueError("diloco.error_feedback needs a lossy diloco.codec (e3m0, e2m1, int4, int8, bf16)")
     self.inner, self.outer, self.schedule, self.axis_name = inner, outer, schedule, axis_name
+    self.codec, self.error_feedback = codec, error_feedback
     self._fragments = fragments
     self.phases, self._table, self._s0 = schedule_lib.phase_table(schedule)
     self.state_axes = StreamingDiLoCoState(count=None, inner_state=0, outer_params=None,
-                                           outer_states=None, in_flight=None)
+                                           outer_states=None, in_flight=None, residuals=0,
+                                           nonfinite=None)
 
   def fragments(self, params) -> tuple[frag_lib.Fragment, ...]:
     frags = self._fragments(params)
@@ -78,14 +84,18 @@ class StreamingDiLoCo:
     outer_states = tuple(self.outer.init(frag_lib.extract(f, outer_params)) for f in frags)
     in_flight = tuple([jnp.zeros_like(v) for v in frag_lib.extract(f, outer_params)]
                       if self.schedule.delay[p] else () for p, f in enumerate(frags))
+    residuals = tuple([jnp.zeros_like(v) for v in frag_lib.extract(f, outer_params)]
+                      if self.error_feedback else () for f in frags)
     return StreamingDiLoCoState(jnp.zeros((), jnp.int32), self.inner.init(params), outer_params,
-                                outer_states, in_flight)
+                                outer_states, in_flight, residuals,
+                                jnp.zeros((len(frags),), jnp.int32))
 
   def init_replicated(self, params, num_replicas: int):
     """(params_R, state): every replica starts from `params`, with its own inner optimizer state."""
     state = self.init(params)
     stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape), t)
-    return stack(params), state._replace(inner_state=stack(state.inner_state))
+    return stack(params), state._replace(inner_state=stack(state.inner_state),
+                                         residuals=stack(state.residuals))
 
   def update(self, grads, state: StreamingDiLoCoState, params, phase=None):
     if phase is not None:
@@ -96,35 +106,53 @@ class StreamingDiLoCo:
     branches = [functools.partial(self._apply, ph) for ph in self.phases]
     return jax.lax.switch(branch, branches, grads, state, params)
 
-  def _reduce(self, p: int, frag, outer_params, local_params):
+  def _reduce(self, p: int, frag, outer_params, local_params, residuals: list, count):
+    """mean_m(φ_p − θ_{m,p}) over replicas, through the codec when one is set."""
     delta = [g.astype(jnp.float32) - l.astype(jnp.float32)
              for g, l in zip(frag_lib.extract(frag, outer_params), frag_lib.extract(frag, local_params))]
-    return comm.mean(delta, self.axis_name, name=f"fragment {p}")
+    if self.codec is None:
+      return comm.mean(delta, self.axis_name, name=f"fragment {p}")
+    key = None
+    if self.codec.rounding == "stochastic":  # the same bits on every replica and run, fresh per sync
+      key = jax.random.fold_in(jax.random.key(p), count)
+    if not self.error_feedback:
+      return comm.compressed_mean(delta, self.axis_name, self.codec, f"fragment {p}", key=key)
+    mean, residuals[p] = comm.compressed_mean(delta, self.axis_name, self.codec, f"fragment {p}",
+                                              key=key, residual=residuals[p])
+    return mean
 
   def _apply(self, phase: schedule_lib.Phase, grads, state: StreamingDiLoCoState, params):
     frags = self.fragments(params)
-    in_flight = list(state.in_flight)
+    in_flight, residuals = list(state.in_flight), list(state.residuals)
     # Overlapped sends read the parameters entering this step, so they do not wait for its backward.
     for p in phase.send:
       if self.schedule.delay[p]:
-        in_flight[p] = self._reduce(p, frags[p], state.outer_params, params)
+        in_flight[p] = self._reduce(p, frags[p], state.outer_params, params, residuals, state.count)
     inner_updates, inner_state = self.inner.update(grads, state.inner_state, params)
     local = optax.apply_updates(params, inner_updates)
-    blocking = {p: self._reduce(p, frags[p], state.outer_params, local)
+    blocking = {p: self._reduce(p, frags[p], state.outer_params, local, residuals, state.count)
                 for p in phase.send if not self.schedule.delay[p]}
     outer_params, outer_states = state.outer_params, list(state.outer_states)
+    nonfinite = state.nonfinite
     for p in phase.receive:
       mean_delta = blocking[p] if p in blocking else in_flight[p]
-      global_p = frag_lib.extract(frags[p], outer_params)
-      outer_updates, outer_states[p] = self.outer.update(mean_delta, outer_states[p], global_p)
-      global_p = optax.apply_updates(global_p, outer_updates)
+      old_global_p = frag_lib.extract(frags[p], outer_params)
+      outer_updates, new_outer_state = self.outer.update(mean_delta, outer_states[p], old_global_p)
+      # A NaN or inf in the averaged outer gradient never reaches φ: the outer step of this
+      # fragment is refused (φ_p and its outer state kept), the replicas restart the fragment
+      # from φ_p, and state.nonfinite[p] counts it (the Trainer raises on it by default).
+      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for d in mean_delta]))
+      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+      outer_states[p] = keep(new_outer_state, outer_states[p])
+      global_p = keep(optax.apply_updates(old_global_p, outer_updates), old_global_p)
+      nonfinite = nonfinite.at[p].add(jnp.where(finite, 0, 1))
       alpha = float(self.schedule.alpha[p])
-      merged = [(alpha * l.astype(jnp.float32) + (1 - alpha) * g).astype(l.dtype)
+      merged = [jnp.where(finite, alpha * l.astype(jnp.float32) + (1 - alpha) * g, g).astype(l.dtype)
                 for l, g in zip(frag_lib.extract(frags[p], local), global_p)]
       outer_params = frag_lib.insert(frags[p], outer_params, global_p)
       local = frag_lib.insert(frags[p], local, merged)
     new_state = StreamingDiLoCoState(state.count + 1, inner_state, outer_params, tuple(outer_states),
-                                     tuple(in_flight))
+                                     tuple(in_flight), tuple(residuals), nonfinite)
     return jax.tree.map(lambda n, o: n - o, local, params), new_state
 
 
@@ -140,7 +168,8 @@ def streaming_diloco(inner: optax.GradientTransformation,
                      outer: optax.GradientTransformation | None = None,
                      sync_every: int = 100, fragments: FragmentsArg = 1, overlap_steps: int = 0,
                      merge_alpha: float = 0.0, staggered: bool = True, fragment_pattern: str = "strided",
-                     non_block_fragment: str = "own", axis_name: str = mesh_lib.REPLICA) -> StreamingDiLoCo:
+                     non_block_fragment: str = "own", axis_name: str = mesh_lib.REPLICA,
+                     codec=None, error_feedback: bool = False) -> StreamingDiLoCo:
   """Streaming DiLoCo (arXiv 2501.18512).
 
   Args:
@@ -153,15 +182,23 @@ def streaming_diloco(inner: optax.GradientTransformation,
     merge_alpha: α, weight of the local parameters when the global fragment is merged in.
     staggered: offsets p·H/P (True) or every fragment at the same step (False).
     axis_name: the bound replica axis.
+    codec: None for a float32 all-reduce (`lax.pmean`), or a codec name / `lowcomm_jax.codecs`
+      Codec: outer gradients travel encoded through a compressed mean that accumulates in float32.
+    error_feedback: keep each replica's quantization residual per fragment and add it to that
+      fragment's next outer gradient (needs a codec).
   """
   outer = outer if outer is not None else outer_nesterov()
   resolve = _resolve_fragments(fragments, fragment_pattern, non_block_fragment)
-  num_rows = _count_fragments(fragments, non_block_fragment)
+  num_rows = count_fragments(fragments, non_block_fragment)
   schedule = schedule_lib.make_schedule(num_rows, sync_every, overlap_steps, merge_alpha, staggered)
-  return StreamingDiLoCo(inner, outer, schedule, resolve, axis_name)
+  if isinstance(codec, str):
+    from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
+    codec = codecs.get_codec(codec)
+  return StreamingDiLoCo(inner, outer, schedule, resolve, axis_name, codec, error_feedback)
 
 
-def _count_fragments(fragments: FragmentsArg, non_block: str) -> int:
+def count_fragments(fragments: FragmentsArg, non_block: str) -> int:
+  """Rows of the schedule: 1 for the whole model, else P block fragments (+1 when non_block="own")."""
   if callable(fragments):
     raise ValueError("with a callable fragment rule, build the schedule with "
                      "schedule.make_schedule and construct StreamingDiLoCo directly")

@@ -16,7 +16,7 @@ import jax
 import ml_collections
 import optax
 
-from lowcomm_jax import optim
+from lowcomm_jax import codecs, optim
 from lowcomm_jax.train import step as step_lib
 
 
@@ -68,5 +68,7 @@ def make_algorithm(config: ml_collections.ConfigDict, num_replicas: int) -> Algo
       inner, make_outer_optimizer(config.outer_optimizer), sync_every=d.sync_every,
       fragments=d.num_fragments, overlap_steps=d.overlap_steps, merge_alpha=d.merge_alpha,
       staggered=d.staggered, fragment_pattern=d.fragment_pattern,
-      non_block_fragment=d.non_block_fragment)
+      non_block_fragment=d.non_block_fragment,
+      codec=None if d.codec == "none" else codecs.get_codec(d.codec, d.codec_block_size, d.codec_rounding),
+      error_feedback=d.error_feedback)
   return Algorithm(config.algorithm, tx, tx.state_axes, num_replicas)

@@ -75,8 +75,9 @@ class Trainer:
     abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     abstract_params = abstract_params.to_pure_dict()
-    if self.algorithm.phased:
-      self.algorithm.tx.fragments(abstract_params)  # a fragment rule that misses parameters fails here
+    self.fragment_names, self._nonfinite_seen = [], {}
+    if self.algorithm.phased:  # a fragment rule that misses parameters fails here, before compute
+      self.fragment_names = [f.name for f in self.algorithm.tx.fragments(abstract_params)]
     self.axes = llama.logical_axes(abstract_model)
     self.param_specs = sharding.param_specs(self.axes, abstract_params, self.rules, self.mesh)
     self.param_shardings = sharding.named(self.mesh, self.param_specs)
@@ -241,6 +242,8 @@ class Trainer:
       for it, s in zip(data_iters, data_state["replicas"]):
         it.set_state(s)
       sent_bytes, peak_sync_bytes = data_state["sent_bytes"], data_state["peak_sync_bytes"]
+      if self.algorithm.phased:  # refusals before the checkpoint were already reported
+        self._nonfinite_seen = dict(enumerate(np.asarray(state.opt_state.nonfinite).tolist()))
       print(f"resumed from {ckpt.directory}/{start}", flush=True)
 
     stop = c.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, c.num_steps)
@@ -252,9 +255,12 @@ class Trainer:
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     for step in range(start + 1, stop + 1):
-      program, entries = self.program(self.algorithm.phase_at(step), state)
+      phase = self.algorithm.phase_at(step)
+      program, entries = self.program(phase, state)
       batch = jax.device_put(np.stack([next(it) for it in data_iters]), self.batch_sharding())
       state, step_metrics = program(state, batch)
+      if phase is not None and phase.receive:
+        self._check_nonfinite(state, step, phase)
       step_bytes = sum(e.sent_bytes for e in entries)
       sent_bytes += step_bytes
       peak_sync_bytes = max(peak_sync_bytes, step_bytes)
@@ -290,6 +296,22 @@ class Trainer:
     self.final_state = state
     self.final_data_state = [it.get_state() for it in data_iters]
     return summary
+
+  def _check_nonfinite(self, state, step: int, phase) -> None:
+    """Applies diloco.nonfinite after a step that applied fragments: raise, or log and go on."""
+    counts = np.asarray(jax.device_get(state.opt_state.nonfinite))
+    bad = [p for p in phase.receive if counts[p] > self._nonfinite_seen.get(p, 0)]
+    for p in bad:
+      self._nonfinite_seen[p] = int(counts[p])
+    if not bad:
+      return
+    names = ", ".join(f"fragment {p} ({self.fragment_names[p]})" for p in bad)
+    message = (f"step {step}: the averaged outer gradient of {names} holds NaN or inf; its outer "
+               "step was refused and φ kept")
+    if self.config.diloco.nonfinite == "raise":
+      from lowcomm_jax.codecs import NonFiniteError  # pylint: disable=g-import-not-at-top
+      raise NonFiniteError(message + " (set diloco.nonfinite=skip to go on)")
+    print("warning: " + message, flush=True)
 
   def _comm_summary(self, steps, sent_bytes, peak_sync_bytes) -> dict:
     if self.algorithm.name == "dp":
