@@ -41,6 +41,17 @@ def runs() -> dict[str, dict]:
     for h in (10, 50, 100):
       table[f"diloco M={m} H={h}"] = {"algorithm": "diloco", "num_replicas": m, "diloco.sync_every": h,
                                       "mesh.data": 1, "_m": m}
+  # Streaming DiLoCo at M = 2, H = 60 (divisible by P + 1 rows: the `small` model has 6 layers, so
+  # P ∈ {2, 3} block fragments plus the non-block fragment), against DiLoCo at the same H.
+  table["diloco M=2 H=60"] = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 60,
+                              "mesh.data": 1, "_m": 2}
+  for p, tau, alpha, codec in ((2, 0, 0.0, "none"), (2, 1, 0.5, "none"), (3, 0, 0.0, "none"),
+                               (3, 1, 0.5, "none"), (3, 2, 0.5, "none"), (3, 1, 0.0, "none"),
+                               (3, 1, 0.5, "e3m0")):
+    name = f"streaming M=2 H=60 P={p} τ={tau} α={alpha}" + (f" {codec}" if codec != "none" else "")
+    table[name] = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 60,
+                   "diloco.num_fragments": p, "diloco.overlap_steps": tau, "diloco.merge_alpha": alpha,
+                   "diloco.codec": codec, "mesh.data": 1, "_m": 2}
   return table
 
 
@@ -70,7 +81,8 @@ def main(argv):
   for name, changes in runs().items():
     if _ONLY.value and _ONLY.value not in name:
       continue
-    workdir = pathlib.Path(_WORKDIR.value) / name.replace(" ", "_").replace("=", "")
+    workdir = pathlib.Path(_WORKDIR.value) / (name.replace(" ", "_").replace("=", "")
+                                               .replace("τ", "tau").replace("α", "alpha"))
     print(f"== {name}", flush=True)
     summary = Trainer(make_config(changes), workdir).run()
     curve = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -79,17 +91,21 @@ def main(argv):
                      "bytes_per_worker": summary["bytes_sent_per_worker"]["total"],
                      "peak_bytes_per_sync": summary["bytes_sent_per_worker"]["peak_per_sync"],
                      "wall_time_s": summary["wall_time_s"],
+                     "bits_per_param_per_step": summary["bytes_sent_per_worker"]["bits_per_param_per_step"],
                      "eval_curve": [(r["step"], r["eval_loss"]) for r in curve if "eval_loss" in r]}
   for r in results.values():
     base = results.get(f"dp M={r['replicas']}")
     if base:
       r["loss_ratio_to_dp"] = r["final_eval_loss"] / base["final_eval_loss"]
       r["bits_ratio_to_dp"] = r["bytes_per_worker"] / base["bytes_per_worker"]
+      r["peak_ratio_to_dp"] = r["peak_bytes_per_sync"] / base["peak_bytes_per_sync"]
   rows = sorted(results.values(), key=lambda r: (r["replicas"], r["algorithm"] != "dp", r["name"]))
-  print(f"\n{'run':<34}{'tokens':>10}{'eval loss':>11}{'vs dp':>8}{'MB/worker':>11}{'bits vs dp':>12}")
+  print(f"\n{'run':<44}{'tokens':>10}{'eval loss':>11}{'vs dp':>8}{'MB/worker':>11}{'bits vs dp':>12}"
+        f"{'peak MB':>9}")
   for r in rows:
-    print(f"{r['name']:<34}{r['tokens']:>10}{r['final_eval_loss']:>11.4f}{r.get('loss_ratio_to_dp', 0):>8.3f}"
-          f"{r['bytes_per_worker'] / 1e6:>11.2f}{r.get('bits_ratio_to_dp', 0):>12.4f}")
+    print(f"{r['name']:<44}{r['tokens']:>10}{r['final_eval_loss']:>11.4f}{r.get('loss_ratio_to_dp', 0):>8.3f}"
+          f"{r['bytes_per_worker'] / 1e6:>11.2f}{r.get('bits_ratio_to_dp', 0):>12.4f}"
+          f"{r['peak_bytes_per_sync'] / 1e6:>9.3f}")
   _RESULTS.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"steps": _STEPS.value, "runs": rows}, indent=1))
   fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
@@ -97,7 +113,7 @@ def main(argv):
     for r in rows:
       if r["replicas"] == m and r["eval_curve"]:
         steps, losses = zip(*r["eval_curve"])
-        ax.plot(steps, losses, "o-" if r["algorithm"] == "dp" else ".-", label=r["name"])
+        ax.plot(steps, losses, "o-" if r["algorithm"] == "dp" else ".-", label=r["name"], lw=1)
     ax.set_title(f"M = {m}")
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
