@@ -21,7 +21,8 @@ ALGORITHMS = ("dp", "diloco", "streaming_diloco")
 
 # Keys that may change when a run is resumed: they do not change the trajectory.
 RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "checkpoint.every",
-                "checkpoint.keep", "hardware.peak_flops_per_device", "progress_bar")
+                "checkpoint.keep", "hardware.peak_flops_per_device", "hardware.step_seconds",
+                "network", "progress_bar")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -86,7 +87,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.progress_bar = True  # a tqdm bar on a terminal; plain log lines otherwise
   c.hardware = ml_collections.ConfigDict(dict(
       peak_flops_per_device=0.0,  # for MFU; 0 measures a float32 matmul on the first device
+      step_seconds=0.0,  # compute seconds per step for the virtual clock; 0: as measured in the run
   ))
+  # Virtual clock: "" (off), a preset (datacenter, cross_region, internet, home) or
+  # "<bandwidth>,<latency>" such as "1Gbit,50ms"; summary.json then reports the run's wall time on
+  # that network from the ledger's bytes and the algorithm's overlap (lowcomm_jax.sim.clock).
+  c.network = ""
   return c
 
 
@@ -137,7 +143,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     section, name = key.split(".") if "." in key else (None, key)
     value = c[section][name] if section else c[name]
     _require(value >= 1, key, ">= 1", value)
-  mesh_lib.mesh_shape(c.mesh.to_dict(), 10**9)
+  if c.network:
+    from lowcomm_jax.sim import network  # pylint: disable=g-import-not-at-top
+    network.parse_network(c.network)
+  _require(c.hardware.step_seconds >= 0, "hardware.step_seconds", ">= 0", c.hardware.step_seconds)
+  mesh_lib.mesh_shape(c.mesh.to_dict(), 10**9)  # axis names and sizes; devices are checked later
   if c.algorithm == "dp":
     _require(c.num_replicas == 1 and c.mesh.replica == 1, "num_replicas and mesh.replica",
              "1 for algorithm=dp (use diloco for replicas)", (c.num_replicas, c.mesh.replica))

@@ -198,6 +198,54 @@ class Trainer:
       self._programs[phase] = (compiled, ledger.entries)
     return self._programs[phase]
 
+  def phase_entries(self, phase, state) -> list:
+    """The ledger entries of a phase's program, traced (not compiled) when not compiled yet."""
+    if phase in self._programs:
+      return self._programs[phase][1]
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    ledger = comm.Ledger()
+    with ledger.recording():
+      jax.jit(self.step_fn(phase), in_shardings=(shardings, self.batch_sharding())).trace(
+          state, jax.ShapeDtypeStruct((self.config.num_replicas, self.config.data.batch_size,
+                                       self.config.data.seq_len + 1), jnp.int32))
+    return ledger.entries
+
+  def comm_events(self, num_steps: int, state) -> list:
+    """The run's collectives as `sim.clock.CommEvent`s (0-based clock steps).
+
+    A blocking reduce taken after step t (τ = 0) is issued at clock step t−1 and consumed at t.
+    An overlapped reduce is issued from the parameters entering step s, i.e. ready when step s−1
+    ends: clock step s−2, consumed τ steps later (s−2+1+τ). Data parallel's gradient all-reduce is
+    counted as blocking every step (its overlap with the backward is not modelled).
+    """
+    from lowcomm_jax.sim import clock  # pylint: disable=g-import-not-at-top
+    if not self.algorithm.phased:
+      workers = self.mesh.shape[mesh_lib.DATA]
+      if workers == 1:
+        return []
+      return [clock.CommEvent(s, s + 1, 4 * self.num_params, "all_reduce", workers)
+              for s in range(num_steps - 1)]
+    events, delay = [], self.algorithm.tx.schedule.delay
+    for step in range(1, num_steps + 1):
+      phase = self.algorithm.phase_at(step)
+      if not phase.send:
+        continue
+      by_name = {e.name: e for e in self.phase_entries(phase, state)}
+      for p in phase.send:
+        entry, tau = by_name[f"fragment {p}"], int(delay[p])
+        issued = step - 2 if tau else step - 1
+        if issued + 1 + tau <= num_steps:  # a result consumed after the last step is never waited for
+          events.append(clock.CommEvent(issued, issued + 1 + tau, entry.payload_bytes, "all_reduce",
+                                        entry.num_workers))
+    return events
+
+  def simulated_wall_time(self, num_steps: int, step_seconds: float, state) -> float:
+    """Wall time of `num_steps` steps of `step_seconds` on `config.network` (sim.clock)."""
+    from lowcomm_jax.sim import clock  # pylint: disable=g-import-not-at-top
+    timeline = clock.simulate_run(step_seconds, self.comm_events(num_steps, state),
+                                  self.config.network, num_steps=num_steps)
+    return timeline.wall_seconds
+
   def eval_fn(self):
     graphdef, algorithm = self.graphdef, self.algorithm
 
@@ -291,6 +339,11 @@ class Trainer:
     tokens_per_s = timed_steps * tokens_per_step / timed_seconds if timed_seconds else float("nan")
     summary = self._summary(stop, eval_loss, wall, tokens_per_s, flops_per_token, peak,
                             sent_bytes, peak_sync_bytes)
+    if c.network:
+      step_seconds = c.hardware.step_seconds or tokens_per_step / tokens_per_s
+      summary["network"] = c.network
+      summary["simulated_step_seconds"] = step_seconds
+      summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
     if stop == c.num_steps:
       (self.workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     self.final_state = state
