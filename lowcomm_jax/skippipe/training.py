@@ -170,9 +170,15 @@ def make_optimizer(learning_rate: float, num_steps: int, warmup_steps: int = 0,
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation,
                seed: int = 0) -> tuple[nnx.GraphDef, TrainState]:
   """A fresh Decoder's graphdef and its training state (pure-dict params)."""
-  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(seed)), nnx.Param)
-  params = nnx.to_pure_dict(params)
-  return graphdef, TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+  graphdef = nnx.split(nnx.eval_shape(lambda: llama.Decoder(cfg, nnx.Rngs(seed))), nnx.Param)[0]
+  params = _init_params(cfg, seed)
+  return graphdef, TrainState(params, jax.jit(tx.init)(params), jnp.zeros((), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_params(cfg: ModelConfig, seed: int):
+  # One compiled program instead of hundreds of eager ops, which take seconds to dispatch on CPU.
+  return nnx.to_pure_dict(nnx.state(llama.Decoder(cfg, nnx.Rngs(seed)), nnx.Param))
 
 
 def make_path_train_step(graphdef, tx: optax.GradientTransformation, num_stages: int,
