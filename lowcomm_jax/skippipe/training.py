@@ -304,8 +304,8 @@ def train_along_paths(cfg: ModelConfig, train_tokens: np.ndarray, stage_paths, *
 
   Returns:
     dict with "graphdef", "params", "train_loss" [steps], "eval" [(step, loss)],
-    "seconds" (training wall time without the first, compiling step) and
-    "compile_seconds".
+    "seconds" (wall time after the first, compiling step, periodic evals
+    included) and "compile_seconds" (the first step).
   """
   from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
 
