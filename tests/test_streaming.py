@@ -192,3 +192,40 @@ def test_a_fragment_rule_that_misses_parameters_is_refused():
                                          schedule_lib.make_schedule(1, 4), partial)
   with pytest.raises(ValueError, match=r"uncovered: \['blocks/b', 'blocks/w', 'head'\]"):
     tx.init(params)
+
+
+def test_e3m0_codec_sends_about_an_eighth_of_the_bits(tmp_path):
+  from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
+  c = streaming_config(num_steps=6, **{"diloco.overlap_steps": 0, "diloco.codec": "e3m0"})
+  trainer = Trainer(c, tmp_path)
+  summary = trainer.run()
+  params = jax.tree.map(lambda x: x[0], trainer.final_state.params)
+  codec = codecs.get_codec("e3m0", block_size=1024)
+  expected = sum(codecs.compressed_mean_wire_bytes(frag_lib.extract(f, params), codec, 2)
+                 for f in trainer.algorithm.tx.fragments(params))  # each fragment once in 6 steps
+  sent = summary["bytes_sent_per_worker"]
+  assert sent["total"] == expected
+  fp32_bits = 32 * comm.ring_factor(2) / 6  # a float32 ring all-reduce of everything once per 6 steps
+  assert 0.12 < sent["bits_per_param_per_step"] / fp32_bits < 0.135
+
+
+def test_nonfinite_outer_gradient_never_reaches_the_global_params(tmp_path):
+  params, xs, loss_fn = layered_problem(replicas=2, steps=4)
+  poisoned = xs.at[1, 1].set(jnp.nan)  # replica 1's second batch
+  tx = lowcomm_jax.streaming_diloco(optax.sgd(0.1), lowcomm_jax.outer_nesterov(), sync_every=2)
+  params_r, state = run_replicas(tx, params, poisoned[:2], loss_fn)  # one round, refused
+  assert int(state.nonfinite[0]) == 1
+  for g in jax.tree.leaves(state.outer_params):
+    assert np.isfinite(g).all()
+  # The refused round restarts every replica from φ, which still holds the initial parameters.
+  for g, p, r in zip(jax.tree.leaves(state.outer_params), jax.tree.leaves(params), jax.tree.leaves(params_r)):
+    np.testing.assert_array_equal(g, p)
+    np.testing.assert_allclose(r, np.broadcast_to(p, r.shape), atol=1e-6)
+  _, state = run_replicas(tx, params, poisoned, loss_fn)  # the next round is clean and applied
+  assert int(state.nonfinite[0]) == 1
+  assert any(not np.array_equal(g, p) for g, p in zip(jax.tree.leaves(state.outer_params), jax.tree.leaves(params)))
+  c = streaming_config(num_steps=6, **{"optimizer.learning_rate": 1e30, "optimizer.grad_clip": 0.0,
+                                       "diloco.overlap_steps": 0})
+  with pytest.raises(lowcomm_jax.codecs.NonFiniteError, match=r"step \d+: the averaged outer gradient of "
+                     r"fragment \d \(blocks strided \d\) holds NaN or inf"):
+    Trainer(c, tmp_path / "raise").run()
