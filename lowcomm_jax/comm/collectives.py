@@ -53,3 +53,22 @@ def compressed_mean(tree, axis_name: str, codec, name: str = "compressed mean", 
     return codecs.compressed_mean(tree, axis_name, codec, m, key=key)
   corrected = jax.tree.map(lambda g, r: g + r, tree, residual)
   return codecs.compressed_mean(corrected, axis_name, codec, m, key=key, return_residual=True)
+
+
+def group_mean(tree, axis_name: str, groups, name: str = "group mean"):
+  """Mean of every leaf within static groups of replicas, by point-to-point exchange only.
+
+  `groups` is an int array [num_groups, n] partitioning the replicas. For r = 1..n−1 every member
+  sends its values to the member r places further round its group (`lax.ppermute` with a static
+  permutation), so each worker sends (n−1) × the payload and no collective spans the whole axis.
+  """
+  groups = [list(map(int, g)) for g in groups]
+  n = len(groups[0])
+  payload = tree_bytes(tree)
+  ledger.record(name, "ppermute", payload, (n - 1) * payload, n)
+  total = tree
+  for shift in range(1, n):
+    perm = [(g[a], g[(a + shift) % n]) for g in groups for a in range(n)]
+    received = jax.tree.map(lambda x, p=perm: lax.ppermute(x, axis_name, p), tree)
+    total = jax.tree.map(jnp.add, total, received)
+  return jax.tree.map(lambda x: x / n, total)

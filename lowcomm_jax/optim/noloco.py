@@ -1,0 +1,143 @@
+"""NoLoCo (arXiv 2506.10911): outer steps by gossip in small random groups, with no all-reduce.
+
+Each replica i keeps fast weights θ_i, slow weights φ_i and an outer momentum δ_i. Every H inner
+steps the replicas are split into random groups of n (pairs by default); the split is drawn from a
+seed that every replica shares, so all agree without talking. Inside a group the peers exchange φ_j
+and Δ_j = φ_j − θ_j with static permutations (`lax.ppermute`), and each replica applies
+(PAPERS.md 2.3, heavy-ball form):
+
+  δ_i ← α·δ_i − β·mean_G(Δ) − γ·(φ_i − mean_G(φ));   φ_i ← φ_i + δ_i;   θ_i ← φ_i
+
+α is the outer momentum, β the outer learning rate and γ pulls φ_i toward its group's mean. With one
+group of all M replicas and γ = 0 this is DiLoCo with heavy-ball outer momentum.
+
+Groupings come from a pool of `num_groupings` random partitions drawn from the seed; outer step k
+uses pool entry hash(seed, k) (`grouping_index`), so groupings vary from step to step, are reproducible, and a run
+compiles at most `num_groupings` + 1 programs whatever its length.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lowcomm_jax import comm, mesh as mesh_lib
+from lowcomm_jax.optim.outer import check_transformation
+
+
+class NoLoCoState(NamedTuple):
+  count: jax.Array  # int32[]: inner steps taken (same on every replica)
+  inner_state: Any  # per replica
+  slow: Any  # φ_i, float32, per replica
+  momentum: Any  # δ_i, float32, per replica
+
+
+class NoLoCoPhase(NamedTuple):
+  """A step's program: `grouping` is the pool index of the outer step's partition, or None."""
+
+  grouping: int | None = None
+
+
+def groupings(num_replicas: int, group_size: int, num_groupings: int, seed: int) -> np.ndarray:
+  """The pool: int[num_groupings, M // n, n], each entry a partition of the replicas into groups."""
+  rng = np.random.default_rng(seed)
+  return np.stack([rng.permutation(num_replicas).reshape(-1, group_size) for _ in range(num_groupings)])
+
+
+class NoLoCo:
+  """init/update like an optax transformation under a bound replica axis, plus its phases."""
+
+  def __init__(self, inner, num_replicas: int, sync_every: int, group_size: int = 2,
+               momentum: float = 0.5, learning_rate: float = 0.7, gamma: float = 0.7, seed: int = 0,
+               num_groupings: int = 16, axis_name: str = mesh_lib.REPLICA):
+    check_transformation(inner, "inner optimizer")
+    if int(sync_every) != sync_every or sync_every < 1:
+      raise ValueError(f"noloco.sync_every (H) must be an integer >= 1, got {sync_every!r}")
+    if group_size < 2 or num_replicas % group_size:
+      raise ValueError(f"noloco.group_size must be >= 2 and divide num_replicas={num_replicas}, "
+                       f"got {group_size}")
+    if num_groupings < 1:
+      raise ValueError(f"noloco.num_groupings must be >= 1, got {num_groupings}")
+    self.inner, self.num_replicas, self.sync_every = inner, num_replicas, int(sync_every)
+    self.group_size, self.momentum, self.learning_rate, self.gamma = group_size, momentum, learning_rate, gamma
+    self.seed, self.axis_name = seed, axis_name
+    self.pool = groupings(num_replicas, group_size, num_groupings, seed)
+    self.state_axes = NoLoCoState(count=None, inner_state=0, slow=0, momentum=0)
+
+  def grouping_index(self, outer_step):
+    """Pool index of outer step k (0-based): a multiplicative hash of (seed, k) modulo the pool size.
+
+    The same on every replica and for every run with this seed; it varies with k. Works on Python
+    ints (the host's phase) and on uint32 arrays (the traced `update`) with identical results.
+    """
+    if isinstance(outer_step, int):
+      return ((outer_step * 2654435761 + self.seed * 40503 + 12345) % 2**32 >> 7) % len(self.pool)
+    k = outer_step.astype(jnp.uint32)
+    mixed = k * jnp.uint32(2654435761) + jnp.uint32((self.seed * 40503 + 12345) % 2**32)
+    return ((mixed >> 7) % len(self.pool)).astype(jnp.int32)
+
+  def phase_at(self, step: int) -> NoLoCoPhase:
+    if step % self.sync_every:
+      return NoLoCoPhase()
+    return NoLoCoPhase(self.grouping_index(step // self.sync_every - 1))
+
+  def groups_at(self, step: int) -> np.ndarray | None:
+    """The groups of the outer step taken after inner step `step` (1-based), or None."""
+    phase = self.phase_at(step)
+    return None if phase.grouping is None else self.pool[phase.grouping]
+
+  def init(self, params) -> NoLoCoState:
+    slow = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    return NoLoCoState(jnp.zeros((), jnp.int32), self.inner.init(params), slow,
+                       jax.tree.map(jnp.zeros_like, slow))
+
+  def init_replicated(self, params, num_replicas: int):
+    if num_replicas != self.num_replicas:
+      raise ValueError(f"num_replicas={num_replicas} but NoLoCo was built for {self.num_replicas}")
+    state = self.init(params)
+    stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape), t)
+    return stack(params), state._replace(inner_state=stack(state.inner_state), slow=stack(state.slow),
+                                         momentum=stack(state.momentum))
+
+  def eval_params(self, state: NoLoCoState):
+    """The replicas' mean slow weights (there is no global model; each replica has its own φ_i)."""
+    return jax.tree.map(lambda x: x.mean(0), state.slow)
+
+  def update(self, grads, state: NoLoCoState, params, phase=None):
+    if phase is not None:
+      return self._apply(NoLoCoPhase(*phase).grouping, grads, state, params)
+    s = state.count + 1
+    k = jnp.maximum(s // self.sync_every - 1, 0)
+    branch = jnp.where(s % self.sync_every == 0, 1 + self.grouping_index(k), 0)
+    branches = [functools.partial(self._apply, None)] + [
+        functools.partial(self._apply, g) for g in range(len(self.pool))]
+    return jax.lax.switch(branch, branches, grads, state, params)
+
+  def _apply(self, grouping, grads, state: NoLoCoState, params):
+    inner_updates, inner_state = self.inner.update(grads, state.inner_state, params)
+    local = optax.apply_updates(params, inner_updates)
+    slow, momentum = state.slow, state.momentum
+    if grouping is not None:
+      delta = jax.tree.map(lambda s, l: s - l.astype(jnp.float32), slow, local)
+      group_slow, group_delta = comm.group_mean((slow, delta), self.axis_name, self.pool[grouping],
+                                                name="noloco exchange")
+      momentum = jax.tree.map(
+          lambda d, gd, s, gs: self.momentum * d - self.learning_rate * gd - self.gamma * (s - gs),
+          momentum, group_delta, slow, group_slow)
+      slow = jax.tree.map(jnp.add, slow, momentum)
+      local = jax.tree.map(lambda s, l: s.astype(l.dtype), slow, local)
+    new_state = NoLoCoState(state.count + 1, inner_state, slow, momentum)
+    return jax.tree.map(lambda n, o: n - o, local, params), new_state
+
+
+def noloco(inner: optax.GradientTransformation, num_replicas: int, sync_every: int = 50,
+           group_size: int = 2, momentum: float = 0.5, learning_rate: float = 0.7, gamma: float = 0.7,
+           seed: int = 0, num_groupings: int = 16, axis_name: str = mesh_lib.REPLICA) -> NoLoCo:
+  """NoLoCo's optimizer (defaults from the reference code: α 0.5, β = γ = 0.7, n = 2, H = 50)."""
+  return NoLoCo(inner, num_replicas, sync_every, group_size, momentum, learning_rate, gamma, seed,
+                num_groupings, axis_name)
