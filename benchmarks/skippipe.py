@@ -233,6 +233,24 @@ def main(argv):
                    placement_search_s=placement_s, reference_s=REFERENCE_S,
                    rows=rows), f, indent=1)
   print(f"wrote {_OUT.value} and {png}")
+  _print_training_comparison()
+
+
+def _print_training_comparison() -> None:
+  """The training half of the benchmark, from `experiments/skippipe.py`'s results file."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "skippipe_training.json")
+  if not os.path.exists(path):
+    print("no training results yet: run python experiments/skippipe.py")
+    return
+  with open(path) as f:
+    result = json.load(f)
+  print(f"\ntraining at equal steps ({result['command']}):")
+  print(f"{'trained on':<16}{'eval loss, all stages':>22}{'ppl, all':>10}{'ppl, half model':>17}{'half vs all':>13}")
+  for name in ("skippipe", "full"):
+    r = result[name]
+    print(f"{name:<16}{r['eval_loss_all_layers']:>22.4f}{r['eval_ppl_all_layers']:>10.2f}"
+          f"{r['half_model_ppl_mean']:>17.2f}{r['half_model_ppl_increase_pct']:>12.1f}%")
+  print(f"skip-trained vs full-trained eval loss: {result['skip_vs_full_eval_loss_pct']:+.1f}%")
 
 
 if __name__ == "__main__":
