@@ -229,3 +229,17 @@ def test_nonfinite_outer_gradient_never_reaches_the_global_params(tmp_path):
   with pytest.raises(lowcomm_jax.codecs.NonFiniteError, match=r"step \d+: the averaged outer gradient of "
                      r"fragment \d \(blocks strided \d\) holds NaN or inf"):
     Trainer(c, tmp_path / "raise").run()
+
+
+def test_regex_fragment_table():
+  params, xs, loss_fn = layered_problem(replicas=2, steps=4)
+  rules = [(r"blocks/w", 0), (r"blocks/.*", 1), (r".*", 2)]
+  frags = frag_lib.rule_fragments(params, rules)
+  assert [dict(f.leaves) for f in frags] == [{"blocks/w": None}, {"blocks/b": None}, {"head": None}]
+  tx = lowcomm_jax.optim.StreamingDiLoCo(optax.sgd(0.1), optax.sgd(1.0),
+                                         schedule_lib.make_schedule(3, 6), lambda p: frag_lib.rule_fragments(p, rules))
+  run_replicas(tx, params, xs, loss_fn)
+  with pytest.raises(ValueError, match=r"rules \['emb.*'\] match no parameter"):
+    frag_lib.rule_fragments(params, [("emb.*", 0), (".*", 1)])
+  with pytest.raises(ValueError, match=r"leave parameters uncovered: \['head'\]"):
+    frag_lib.rule_fragments(params, [("blocks/.*", 0)])

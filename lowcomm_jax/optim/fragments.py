@@ -123,3 +123,36 @@ def check_cover(fragments: tuple[Fragment, ...], params) -> None:
   if uncovered or twice:
     raise ValueError(f"fragments must cover every parameter exactly once; uncovered: {uncovered}, "
                      f"covered more than once: {twice}")
+
+
+def rule_fragments(params, rules) -> tuple[Fragment, ...]:
+  """Fragments from a regex table, big_vision style: `[(regex, fragment_index), ...]`.
+
+  Each parameter path ("blocks/attn/wq") goes, whole, to the fragment of the first rule whose regex
+  matches it (`re.fullmatch`). A rule that matches no parameter, or a parameter that no rule
+  matches, is an error naming them. Usable as `streaming_diloco(..., fragments=lambda p:
+  rule_fragments(p, rules))` with a schedule of `max(index) + 1` rows.
+  """
+  import re  # pylint: disable=g-import-not-at-top
+  compiled = [(re.compile(pattern), int(index)) for pattern, index in rules]
+  leaves: dict[int, list] = {}
+  used = [False] * len(compiled)
+  unmatched = []
+  for path in flatten(params):
+    for i, (regex, index) in enumerate(compiled):
+      if regex.fullmatch(path):
+        leaves.setdefault(index, []).append((path, None))
+        used[i] = True
+        break
+    else:
+      unmatched.append(path)
+  idle = [rules[i][0] for i, u in enumerate(used) if not u]
+  if idle:
+    raise ValueError(f"diloco fragment rules {idle} match no parameter")
+  if unmatched:
+    raise ValueError(f"diloco fragment rules leave parameters uncovered: {unmatched}")
+  count = max(leaves) + 1
+  missing = [i for i in range(count) if i not in leaves]
+  if missing:
+    raise ValueError(f"diloco fragment rules give no parameter to fragments {missing}")
+  return tuple(Fragment(f"rule fragment {i}", tuple(leaves[i])) for i in range(count))
