@@ -2,8 +2,9 @@
 
 One module fixture runs the whole experiment once on three one-domain chains
 (two portable domains and the small KJV Bible) and a held-out domain; the
-tests read its runs. A persistent compilation cache in the fixture's folder
-lets runs of the same size and step count compile their programs once.
+tests read its runs. A persistent compilation cache (the session's from
+conftest.py, else one in the fixture's folder) lets runs of the same size and
+step count compile their programs once.
 """
 
 import json
@@ -36,7 +37,8 @@ def compile_cache(tmp_path_factory):
   previous_optimizations = jax.config.values["jax_disable_most_optimizations"]
   # Tiny models run a few steps: XLA's optimization passes would cost more than they save.
   jax.config.update("jax_disable_most_optimizations", True)
-  compilation_cache.set_cache_dir(str(tmp_path_factory.mktemp("jax_cache")))
+  if not previous:  # conftest.py normally sets a session-wide cache; otherwise use our own
+    compilation_cache.set_cache_dir(str(tmp_path_factory.mktemp("jax_cache")))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   compilation_cache.reset_cache()  # re-read the settings at the next compile
   yield
