@@ -46,9 +46,10 @@ class Checkpointer:
     self.manager.close()
 
 
-def check_workdir(workdir: pathlib.Path, fingerprint: dict) -> bool:
+def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | None = None) -> bool:
   """Raises if `workdir` holds a run of another config; returns whether it holds a run at all.
 
+  A key the saved run does not know (added to the config since) counts as its default value.
   Reads only: an existing run directory is never changed by a refused start.
   """
   saved = pathlib.Path(workdir) / "config.json"
@@ -56,6 +57,8 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict) -> bool:
     return False
   previous = json.loads(saved.read_text())["fingerprint"]
   current = json.loads(json.dumps(fingerprint, default=str))
+  for key, value in json.loads(json.dumps(defaults or {}, default=str)).items():
+    previous.setdefault(key, value)
   differing = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
   if differing:
     details = ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in differing[:8])

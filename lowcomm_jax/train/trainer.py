@@ -71,7 +71,8 @@ class Trainer:
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     self.rules = sharding.rules_for(config.sharding.layout)
     self.algorithm = algorithms.make_algorithm(config, config.num_replicas)
-    self.resuming = checkpoint.check_workdir(self.workdir, config_lib.fingerprint(config))
+    self.resuming = checkpoint.check_workdir(self.workdir, config_lib.fingerprint(config),
+                                             config_lib.fingerprint(config_lib.default_config()))
     abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     abstract_params = abstract_params.to_pure_dict()
@@ -113,13 +114,15 @@ class Trainer:
 
   def restore_latest(self) -> step_lib.TrainState:
     """The train state of this workdir's latest checkpoint."""
-    template = self.init_state()
+    abstract = jax.eval_shape(self._init_fn, self._abstract_params())
+    shardings = self.state_shardings(abstract)
+    template = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            abstract, shardings)
     ckpt = checkpoint.Checkpointer(self.workdir, self.config.checkpoint.keep)
     step = ckpt.latest_step()
     if step is None:
       raise ValueError(f"{self.workdir} has no checkpoint to restore")
-    state, _ = ckpt.restore(step, jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template))
+    state, _ = ckpt.restore(step, template)
     ckpt.close()
     return state
 
