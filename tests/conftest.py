@@ -13,3 +13,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "lowcomm-jax-test-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import pytest  # pylint: disable=wrong-import-position
+
+# The small Debian corpora the tests read (the fetch command covers the rest).
+DEBIAN_TEST_SOURCES = ("austen", "bible_kjv", "jargon", "fortunes", "r_manuals")
+
+
+@pytest.fixture(scope="session")
+def cache_dir():
+  """The corpora cache with the small Debian sources fetched once per session (skip if impossible)."""
+  from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
+  try:
+    return debian.ensure_fetched(DEBIAN_TEST_SOURCES)
+  except debian.FetchError as error:
+    pytest.skip(f"Debian corpora cannot be fetched here: {error}")

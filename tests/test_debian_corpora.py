@@ -13,15 +13,7 @@ import pytest
 from lowcomm_jax.data import debian
 
 # Small sources only, to keep the suite fast; the fetch command covers the rest.
-_TEST_SOURCES = ("austen", "bible_kjv", "jargon", "fortunes", "r_manuals")
-
-
-@pytest.fixture(scope="session")
-def cache_dir():
-  try:
-    return debian.ensure_fetched(_TEST_SOURCES)
-  except debian.FetchError as error:
-    pytest.skip(f"Debian corpora cannot be fetched here: {error}")
+from conftest import DEBIAN_TEST_SOURCES as _TEST_SOURCES  # pylint: disable=g-bad-import-order
 
 
 def test_fetched_sources_read_known_text(cache_dir):

@@ -10,16 +10,8 @@ from lowcomm_jax.data import tokenizer
 from lowcomm_jax.hdee import domains
 
 # Small Debian domains only (fetched once into the cache folder) plus a portable one.
-_DEBIAN_DOMAINS = ("bible_kjv", "austen", "jargon", "fortunes", "r_manuals")
+from conftest import DEBIAN_TEST_SOURCES as _DEBIAN_DOMAINS  # pylint: disable=g-bad-import-order
 _PORTABLE_DOMAINS = ("licenses",)
-
-
-@pytest.fixture(scope="session")
-def cache_dir():
-  try:
-    return debian.ensure_fetched(_DEBIAN_DOMAINS)
-  except debian.FetchError as error:
-    pytest.skip(f"Debian corpora cannot be fetched here: {error}")
 
 
 def test_registry_has_three_chains_of_training_domains_and_held_out_ones():
