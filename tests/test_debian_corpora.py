@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lowcomm_jax.data import debian
+from lowcomm_jax.data import debian, debian_readers
 
 # Small sources only, to keep the suite fast; the fetch command covers the rest.
 from conftest import DEBIAN_TEST_SOURCES as _TEST_SOURCES  # pylint: disable=g-bad-import-order
@@ -58,11 +58,11 @@ def test_unknown_source_lists_the_allowed_ones():
 
 
 def test_dictd_base64_numbers_and_roff_stripping():
-  assert debian._dictd_number("BC") == 1 * 64 + 2
-  assert debian._dictd_number("5I") == 57 * 64 + 8
+  assert debian_readers._dictd_number("BC") == 1 * 64 + 2
+  assert debian_readers._dictd_number("5I") == 57 * 64 + 8
   source = (".TH X 1\n.SH name\nx \\- do \\fBthings\\fR\n.PP\nmore\\(emtext\nand\n"
             ".BR kill (2)\n.\\\" a comment\n.nf\na\n  b\n.fi\n")
-  assert debian.strip_roff(source) == (
+  assert debian_readers.strip_roff(source) == (
       "NAME\n\nx - do things\n\nmore--text and kill(2)\n\na\n  b\n")
 
 
