@@ -141,8 +141,8 @@ class Trainer:
         step=False)
     flat_specs = {llama.path_name(k): s for k, s in jax.tree_util.tree_flatten_with_path(
         self.param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
-    shapes = {llama.path_name(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(
-        jax.tree.map(lambda s: s, self._abstract_params()))[0]}
+    shapes = {llama.path_name(k): v.shape
+              for k, v in jax.tree_util.tree_flatten_with_path(self._abstract_params())[0]}
 
     def sharding_of(key_path, leaf, is_batched):
       name = llama.path_name(key_path)
