@@ -36,11 +36,15 @@ _RESULTS = pathlib.Path(__file__).parent / "results"
 def runs() -> dict[str, dict]:
   """name -> config changes. Data-parallel at M sets the baseline of every run with M replicas."""
   table = {}
-  for m in (2, 4):
+  for m in (2, 4, 8):
     table[f"dp M={m}"] = {"algorithm": "dp", "mesh.data": m, "data.batch_size": 8 * m, "_m": m}
-    for h in (10, 50, 100):
+    for h in (10, 50, 100) if m < 8 else (100,):
       table[f"diloco M={m} H={h}"] = {"algorithm": "diloco", "num_replicas": m, "diloco.sync_every": h,
                                       "mesh.data": 1, "_m": m}
+  # NoLoCo in pairs at H = 50 against DiLoCo at H = 100, the paper's settings (PAPERS.md 2.5).
+  for m in (4, 8):
+    table[f"noloco M={m} H=50"] = {"algorithm": "noloco", "num_replicas": m, "noloco.sync_every": 50,
+                                   "mesh.data": 1, "_m": m}
   # Streaming DiLoCo at M = 2, H = 60 (divisible by P + 1 rows: the `small` model has 6 layers, so
   # P ∈ {2, 3} block fragments plus the non-block fragment), against DiLoCo at the same H.
   table["diloco M=2 H=60"] = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 60,
@@ -83,6 +87,8 @@ def main(argv):
       continue
     workdir = pathlib.Path(_WORKDIR.value) / (name.replace(" ", "_").replace("=", "")
                                                .replace("τ", "tau").replace("α", "alpha"))
+    if name in results and (workdir / "summary.json").exists():
+      continue  # finished: a resumed Trainer would take no step and evaluate nothing
     print(f"== {name}", flush=True)
     summary = Trainer(make_config(changes), workdir).run()
     curve = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -93,6 +99,10 @@ def main(argv):
                      "wall_time_s": summary["wall_time_s"],
                      "bits_per_param_per_step": summary["bytes_sent_per_worker"]["bits_per_param_per_step"],
                      "eval_curve": [(r["step"], r["eval_loss"]) for r in curve if "eval_loss" in r]}
+    if changes["algorithm"] == "noloco":  # no global model: the replicas' losses and their spread
+      results[name]["final_eval_loss_replicas"] = summary["final_eval_loss_replicas"]
+      results[name]["weight_spread_curve"] = [(r["step"], r["weight_spread"]) for r in curve
+                                              if "weight_spread" in r]
   for r in results.values():
     base = results.get(f"dp M={r['replicas']}")
     if base:
@@ -108,8 +118,8 @@ def main(argv):
           f"{r['peak_bytes_per_sync'] / 1e6:>9.3f}")
   _RESULTS.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"steps": _STEPS.value, "runs": rows}, indent=1))
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-  for ax, m in zip(axes, (2, 4)):
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
+  for ax, m in zip(axes, (2, 4, 8)):
     for r in rows:
       if r["replicas"] == m and r["eval_curve"]:
         steps, losses = zip(*r["eval_curve"])

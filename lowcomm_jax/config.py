@@ -17,7 +17,7 @@ from lowcomm_jax.data import corpora
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax import sharding
 
-ALGORITHMS = ("dp", "diloco", "streaming_diloco")
+ALGORITHMS = ("dp", "diloco", "streaming_diloco", "noloco")
 
 # Keys that may change when a run is resumed: they do not change the trajectory.
 RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "checkpoint.every",
@@ -28,7 +28,8 @@ RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # dp: synchronous data parallel (one gradient all-reduce per step); diloco: M replicas (mesh.replica)
-  # train alone for H steps, then an outer step; streaming_diloco: fragments, overlap τ, merge α.
+  # train alone for H steps, then an outer step; streaming_diloco: fragments, overlap τ, merge α;
+  # noloco: outer steps by gossip in random groups of replicas, no all-reduce (the `noloco` section).
   c.algorithm = "dp"
   c.num_replicas = 1  # M: model replicas (workers); mesh.replica devices hold them, M/mesh.replica each
   c.seed = 0  # parameter init and data order.
@@ -70,6 +71,16 @@ def default_config() -> ml_collections.ConfigDict:
       error_feedback=False,  # add each replica's quantization residual to its next outer gradient
       nonfinite="raise",  # NaN/inf in an averaged outer gradient: raise (stop, naming the fragment)
                           # | skip (refuse that fragment's outer step, restart it from φ, log it)
+  ))
+  c.noloco = ml_collections.ConfigDict(dict(  # PAPERS.md 2.3; defaults from the paper's code
+      sync_every=50,  # H: inner steps between two gossip outer steps
+      group_size=2,  # n: replicas per random group (2: pairs); must divide num_replicas
+      outer_learning_rate=0.7,  # β: step along the group-mean outer gradient
+      outer_momentum=0.5,  # α: heavy-ball momentum of δ
+      gamma=0.7,  # γ: pull of φ_i toward its group's mean slow weights
+      num_groupings=16,  # random partitions drawn from `seed`; bounds the compiled programs
+      codec="none",  # none (float32) | a diloco.codec name: the outer gradients' wire format
+      codec_block_size=1024,  # values per absmax scale in the codec
   ))
   c.outer_optimizer = ml_collections.ConfigDict(dict(
       name="nesterov",  # nesterov | sgd | adam, applied to the outer gradient Δ = φ − θ
@@ -151,6 +162,23 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.algorithm == "dp":
     _require(c.num_replicas == 1 and c.mesh.replica == 1, "num_replicas and mesh.replica",
              "1 for algorithm=dp (use diloco for replicas)", (c.num_replicas, c.mesh.replica))
+  elif c.algorithm == "noloco":
+    n = c.noloco
+    _require(c.num_replicas >= 2, "num_replicas", ">= 2 for algorithm=noloco (gossip needs peers)",
+             c.num_replicas)
+    _require(n.group_size >= 2 and c.num_replicas % n.group_size == 0, "noloco.group_size",
+             f">= 2 and a divisor of num_replicas={c.num_replicas}", n.group_size)
+    _require(c.mesh.replica in (1, c.num_replicas), "mesh.replica",
+             f"1 (replicas simulated on shared devices) or num_replicas={c.num_replicas} "
+             "(one replica per device group) for algorithm=noloco", c.mesh.replica)
+    _require(int(n.sync_every) == n.sync_every and n.sync_every >= 1, "noloco.sync_every",
+             "an integer >= 1", n.sync_every)
+    _require(n.num_groupings >= 1, "noloco.num_groupings", ">= 1", n.num_groupings)
+    _require(n.codec == "none" or n.codec in _codec_names(), "noloco.codec",
+             f"none or one of {_codec_names()}", n.codec)
+    if n.codec != "none":
+      from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
+      codecs.get_codec(n.codec, n.codec_block_size)
   else:
     _require(c.num_replicas >= 1, "num_replicas", ">= 1 (the number of DiLoCo workers M)", c.num_replicas)
     _require(c.mesh.replica >= 1 and c.num_replicas % c.mesh.replica == 0, "mesh.replica",

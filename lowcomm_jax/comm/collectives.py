@@ -55,20 +55,31 @@ def compressed_mean(tree, axis_name: str, codec, name: str = "compressed mean", 
   return codecs.compressed_mean(corrected, axis_name, codec, m, key=key, return_residual=True)
 
 
-def group_mean(tree, axis_name: str, groups, name: str = "group mean"):
+def group_mean(tree, axis_name: str, groups, name: str = "group mean", codec=None):
   """Mean of every leaf within static groups of replicas, by point-to-point exchange only.
 
   `groups` is an int array [num_groups, n] partitioning the replicas. For r = 1..n−1 every member
   sends its values to the member r places further round its group (`lax.ppermute` with a static
   permutation), so each worker sends (n−1) × the payload and no collective spans the whole axis.
+
+  With a `codec` (`lowcomm_jax.codecs`), each member sends its leaves encoded and averages the
+  decoded values, its own included, so every member of a group gets the same mean; the payload is
+  the codec's wire bytes (codes and scales).
   """
   groups = [list(map(int, g)) for g in groups]
   n = len(groups[0])
-  payload = tree_bytes(tree)
+  if codec is None:
+    payload, sent = tree_bytes(tree), tree
+    decode = lambda t: t
+  else:
+    from lowcomm_jax.codecs import EncodedTensor  # pylint: disable=g-import-not-at-top
+    payload = sum(codec.wire_bytes(x.size) for x in jax.tree.leaves(tree))
+    sent = jax.tree.map(codec.encode, tree)
+    decode = lambda t: jax.tree.map(codec.decode, t, is_leaf=lambda x: isinstance(x, EncodedTensor))
   ledger.record(name, "ppermute", payload, (n - 1) * payload, n)
-  total = tree
+  total = decode(sent)
   for shift in range(1, n):
     perm = [(g[a], g[(a + shift) % n]) for g in groups for a in range(n)]
-    received = jax.tree.map(lambda x, p=perm: lax.ppermute(x, axis_name, p), tree)
-    total = jax.tree.map(jnp.add, total, received)
+    received = jax.tree.map(lambda x, p=perm: lax.ppermute(x, axis_name, p), sent)
+    total = jax.tree.map(jnp.add, total, decode(received))
   return jax.tree.map(lambda x: x / n, total)

@@ -54,7 +54,7 @@ class NoLoCo:
 
   def __init__(self, inner, num_replicas: int, sync_every: int, group_size: int = 2,
                momentum: float = 0.5, learning_rate: float = 0.7, gamma: float = 0.7, seed: int = 0,
-               num_groupings: int = 16, axis_name: str = mesh_lib.REPLICA):
+               num_groupings: int = 16, axis_name: str = mesh_lib.REPLICA, codec=None):
     check_transformation(inner, "inner optimizer")
     if int(sync_every) != sync_every or sync_every < 1:
       raise ValueError(f"noloco.sync_every (H) must be an integer >= 1, got {sync_every!r}")
@@ -65,7 +65,7 @@ class NoLoCo:
       raise ValueError(f"noloco.num_groupings must be >= 1, got {num_groupings}")
     self.inner, self.num_replicas, self.sync_every = inner, num_replicas, int(sync_every)
     self.group_size, self.momentum, self.learning_rate, self.gamma = group_size, momentum, learning_rate, gamma
-    self.seed, self.axis_name = seed, axis_name
+    self.seed, self.axis_name, self.codec = seed, axis_name, codec
     self.pool = groupings(num_replicas, group_size, num_groupings, seed)
     self.state_axes = NoLoCoState(count=None, inner_state=0, slow=0, momentum=0)
 
@@ -124,8 +124,10 @@ class NoLoCo:
     slow, momentum = state.slow, state.momentum
     if grouping is not None:
       delta = jax.tree.map(lambda s, l: s - l.astype(jnp.float32), slow, local)
-      group_slow, group_delta = comm.group_mean((slow, delta), self.axis_name, self.pool[grouping],
-                                                name="noloco exchange")
+      groups = self.pool[grouping]
+      group_slow = comm.group_mean(slow, self.axis_name, groups, name="noloco slow weights")
+      group_delta = comm.group_mean(delta, self.axis_name, groups, name="noloco outer gradient",
+                                    codec=self.codec)
       momentum = jax.tree.map(
           lambda d, gd, s, gs: self.momentum * d - self.learning_rate * gd - self.gamma * (s - gs),
           momentum, group_delta, slow, group_slow)
@@ -137,7 +139,12 @@ class NoLoCo:
 
 def noloco(inner: optax.GradientTransformation, num_replicas: int, sync_every: int = 50,
            group_size: int = 2, momentum: float = 0.5, learning_rate: float = 0.7, gamma: float = 0.7,
-           seed: int = 0, num_groupings: int = 16, axis_name: str = mesh_lib.REPLICA) -> NoLoCo:
-  """NoLoCo's optimizer (defaults from the reference code: α 0.5, β = γ = 0.7, n = 2, H = 50)."""
+           seed: int = 0, num_groupings: int = 16, axis_name: str = mesh_lib.REPLICA,
+           codec=None) -> NoLoCo:
+  """NoLoCo's optimizer (defaults from the reference code: α 0.5, β = γ = 0.7, n = 2, H = 50).
+
+  `codec` (a `lowcomm_jax.codecs.Codec`, e.g. `get_codec("e3m0")`) encodes the outer gradients Δ on
+  the wire; slow weights φ always travel in float32 (quantizing them would move the model itself).
+  """
   return NoLoCo(inner, num_replicas, sync_every, group_size, momentum, learning_rate, gamma, seed,
-                num_groupings, axis_name)
+                num_groupings, axis_name, codec)

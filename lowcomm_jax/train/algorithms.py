@@ -4,7 +4,8 @@ Every algorithm runs the same step: per replica (vmapped over the `replica`
 axis) a forward/backward and `tx.update`. Data parallel is one replica with
 the inner optimizer as `tx`; DiLoCo and Streaming DiLoCo are M replicas with
 `lowcomm_jax.streaming_diloco` as `tx`, whose phase (which fragment is sent or
-applied) is read on the host for each step.
+applied) is read on the host for each step. NoLoCo is M replicas with
+`lowcomm_jax.noloco` as `tx`, whose phase is the outer step's random grouping.
 """
 
 from __future__ import annotations
@@ -28,8 +29,19 @@ class Algorithm:
   num_replicas: int
 
   @property
-  def phased(self) -> bool:
+  def streaming(self) -> bool:
+    """The DiLoCo family: fragments, a global φ, all-reduced outer gradients."""
     return isinstance(self.tx, optim.StreamingDiLoCo)
+
+  @property
+  def gossip(self) -> bool:
+    """NoLoCo: a φ_i per replica, averaged in random groups by point-to-point exchange."""
+    return isinstance(self.tx, optim.NoLoCo)
+
+  @property
+  def phased(self) -> bool:
+    """Whether each step's static phase is read on the host and passed to `tx.update`."""
+    return self.streaming or self.gossip
 
   def phase_at(self, step: int):
     """The static phase of inner step `step` (1-based); None for algorithms without phases."""
@@ -43,9 +55,12 @@ class Algorithm:
     return params_r, jax.vmap(self.tx.init)(params_r)
 
   def eval_params(self, params_r, opt_state):
-    """Parameters to evaluate: the global φ for the DiLoCo family, replica 0 otherwise."""
-    if self.phased:
+    """Parameters to evaluate: the global φ for the DiLoCo family, the replicas' mean slow weights
+    for NoLoCo (which has no global model), replica 0 otherwise."""
+    if self.streaming:
       return opt_state.outer_params
+    if self.gossip:
+      return self.tx.eval_params(opt_state)
     return jax.tree.map(lambda x: x[0], params_r)
 
 
@@ -63,6 +78,13 @@ def make_algorithm(config: ml_collections.ConfigDict, num_replicas: int) -> Algo
   inner = step_lib.make_optimizer(config.optimizer, config.num_steps)
   if config.algorithm == "dp":
     return Algorithm("dp", inner, 0, num_replicas)
+  if config.algorithm == "noloco":
+    n = config.noloco
+    tx = optim.noloco(inner, num_replicas, sync_every=n.sync_every, group_size=n.group_size,
+                      momentum=n.outer_momentum, learning_rate=n.outer_learning_rate, gamma=n.gamma,
+                      seed=config.seed, num_groupings=n.num_groupings,
+                      codec=None if n.codec == "none" else codecs.get_codec(n.codec, n.codec_block_size))
+    return Algorithm("noloco", tx, tx.state_axes, num_replicas)
   d = config.diloco
   tx = optim.streaming_diloco(
       inner, make_outer_optimizer(config.outer_optimizer), sync_every=d.sync_every,

@@ -77,7 +77,7 @@ class Trainer:
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     abstract_params = abstract_params.to_pure_dict()
     self.fragment_names, self._nonfinite_seen = [], {}
-    if self.algorithm.phased:  # a fragment rule that misses parameters fails here, before compute
+    if self.algorithm.streaming:  # a fragment rule that misses parameters fails here, before compute
       self.fragment_names = [f.name for f in self.algorithm.tx.fragments(abstract_params)]
     self.axes = llama.logical_axes(abstract_model)
     self.param_specs = sharding.param_specs(self.axes, abstract_params, self.rules, self.mesh)
@@ -175,8 +175,11 @@ class Trainer:
       updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
       return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
-    replicas = jax.vmap(per_replica, in_axes=(0, axes, 0), out_axes=(0, axes, 0, 0),
-                        axis_name=mesh_lib.REPLICA)
+    if self.algorithm.gossip and self.mesh.shape[mesh_lib.REPLICA] > 1:
+      replicas = self._one_replica_per_device(per_replica, axes)
+    else:
+      replicas = jax.vmap(per_replica, in_axes=(0, axes, 0), out_axes=(0, axes, 0, 0),
+                          axis_name=mesh_lib.REPLICA)
 
     def train_step(state: step_lib.TrainState, batch_r):
       params_r, opt_state, loss_r, grad_norm_r = replicas(state.params, state.opt_state, batch_r)
@@ -185,6 +188,28 @@ class Trainer:
               {"loss": loss_r, "grad_norm": grad_norm_r})
 
     return train_step
+
+  def _one_replica_per_device(self, per_replica, axes):
+    """`per_replica` under `jax.shard_map` over the `replica` mesh axis, one replica per slice.
+
+    NoLoCo's `lax.ppermute` must stay a collective-permute between devices: under `jax.vmap` on
+    replica-sharded inputs, XLA's partitioner lowers the batched permutation to an all-gather over
+    the whole axis. The inner axes (data, tensor) stay automatic inside the map.
+    """
+    lead = P(mesh_lib.REPLICA)
+    state_specs = jax.tree.map(lambda a: P() if a is None else lead, axes, is_leaf=lambda a: a is None)
+    mapped = jax.tree.map(lambda a: a is not None, axes, is_leaf=lambda a: a is None)
+
+    def on_slice(params, opt_state, batch):
+      take = lambda m, t: jax.tree.map(lambda x: x[0], t) if m else t
+      put = lambda m, t: jax.tree.map(lambda x: x[None], t) if m else t
+      per_leaf = lambda f, t: jax.tree.map(f, mapped, t, is_leaf=lambda a: isinstance(a, bool))
+      params, opt_state, loss, grad_norm = per_replica(
+          take(True, params), per_leaf(take, opt_state), take(True, batch))
+      return put(True, params), per_leaf(put, opt_state), loss[None], grad_norm[None]
+
+    return jax.shard_map(on_slice, mesh=self.mesh, in_specs=(lead, state_specs, lead),
+                         out_specs=(lead, state_specs, lead, lead), axis_names={mesh_lib.REPLICA})
 
   def program(self, phase, state):
     """The compiled step of a phase and the ledger entries its collectives recorded (cached)."""
@@ -222,6 +247,11 @@ class Trainer:
     counted as blocking every step (its overlap with the backward is not modelled).
     """
     from lowcomm_jax.sim import clock  # pylint: disable=g-import-not-at-top
+    if self.algorithm.gossip:  # each outer step's exchange blocks the step after it
+      return [clock.CommEvent(step - 1, step, e.payload_bytes, "gossip", e.num_workers)
+              for step in range(1, num_steps)
+              if self.algorithm.phase_at(step).grouping is not None
+              for e in self.phase_entries(self.algorithm.phase_at(step), state)]
     if not self.algorithm.phased:
       workers = self.mesh.shape[mesh_lib.DATA]
       if workers == 1:
@@ -250,17 +280,35 @@ class Trainer:
     return timeline.wall_seconds
 
   def eval_fn(self):
+    """(state, batch) -> {"eval_loss": loss of the evaluated parameters, ...}.
+
+    NoLoCo has no global model: "eval_loss" is the replicas' mean slow weights and
+    "eval_loss_replica_<i>" each replica's own current weights θ_i.
+    """
     graphdef, algorithm = self.graphdef, self.algorithm
 
     def eval_loss(state, batch):
       params = algorithm.eval_params(state.params, state.opt_state)
-      return step_lib.lm_loss(graphdef, params, batch)
+      losses = {"eval_loss": step_lib.lm_loss(graphdef, params, batch)}
+      if algorithm.gossip:
+        per_replica = jax.vmap(lambda p: step_lib.lm_loss(graphdef, p, batch))(state.params)
+        losses.update({f"eval_loss_replica_{i}": per_replica[i] for i in range(algorithm.num_replicas)})
+      return losses
 
     return jax.jit(eval_loss, in_shardings=(None, NamedSharding(self.mesh, P(mesh_lib.DATA, None))))
 
-  def evaluate(self, eval_step, state, eval_batches: np.ndarray) -> float:
-    losses = [eval_step(state, b) for b in eval_batches]
-    return float(np.mean(jax.device_get(losses)))
+  def evaluate(self, eval_step, state, eval_batches: np.ndarray) -> dict:
+    losses = jax.device_get([eval_step(state, b) for b in eval_batches])
+    return {k: float(np.mean([l[k] for l in losses])) for k in losses[0]}
+
+  @staticmethod
+  @jax.jit
+  def weight_spread(slow_r) -> jax.Array:
+    """RMS distance of the replicas' slow weights from their mean, per parameter:
+    sqrt(Σ_i ‖φ_i − φ̄‖² / (M · N)). A diagnostic outside the step (its mean is an all-reduce)."""
+    leaves = jax.tree.leaves(slow_r)
+    squares = sum(jnp.sum((x - x.mean(0)) ** 2) for x in leaves)
+    return jnp.sqrt(squares / sum(x.size for x in leaves))
 
   def data_iterators(self, tokens):
     c = self.config
@@ -293,7 +341,7 @@ class Trainer:
       for it, s in zip(data_iters, data_state["replicas"]):
         it.set_state(s)
       sent_bytes, peak_sync_bytes = data_state["sent_bytes"], data_state["peak_sync_bytes"]
-      if self.algorithm.phased:  # refusals before the checkpoint were already reported
+      if self.algorithm.streaming:  # refusals before the checkpoint were already reported
         self._nonfinite_seen = dict(enumerate(np.asarray(state.opt_state.nonfinite).tolist()))
       print(f"resumed from {ckpt.directory}/{start}", flush=True)
 
@@ -302,7 +350,7 @@ class Trainer:
     tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
     flops_per_token = model_config.flops_per_token(self.model_cfg, c.data.seq_len)
     peak = c.hardware.peak_flops_per_device or measure_peak_flops()
-    timed_steps, timed_seconds, eval_loss = 0, 0.0, None
+    timed_steps, timed_seconds, eval_loss, eval_losses = 0, 0.0, None, {}
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     for step in range(start + 1, stop + 1):
@@ -310,15 +358,17 @@ class Trainer:
       program, entries = self.program(phase, state)
       batch = jax.device_put(np.stack([next(it) for it in data_iters]), self.batch_sharding())
       state, step_metrics = program(state, batch)
-      if phase is not None and phase.receive:
+      logged = {}
+      if self.algorithm.streaming and phase.receive:
         self._check_nonfinite(state, step, phase)
+      if self.algorithm.gossip and phase.grouping is not None:
+        logged["weight_spread"] = float(self.weight_spread(state.opt_state.slow))
       step_bytes = sum(e.sent_bytes for e in entries)
       sent_bytes += step_bytes
       peak_sync_bytes = max(peak_sync_bytes, step_bytes)
       window_steps += 1
-      logged = {}
       if step % c.log_every == 0 or step == stop:
-        logged = {k: float(np.mean(v)) for k, v in jax.device_get(step_metrics).items()}
+        logged.update({k: float(np.mean(v)) for k, v in jax.device_get(step_metrics).items()})
         elapsed = time.perf_counter() - window_start
         if step - window_steps > start:  # the window holding the first step (compiles) is not timed
           timed_steps += window_steps
@@ -327,8 +377,9 @@ class Trainer:
         logged["mfu"] = logged["tokens_per_s"] * flops_per_token / (peak * self.mesh.devices.size)
         window_start, window_steps = time.perf_counter(), 0
       if step % c.eval.every == 0 or step == c.num_steps:
-        eval_loss = self.evaluate(eval_step, state, eval_batches)
-        logged["eval_loss"] = eval_loss
+        eval_losses = self.evaluate(eval_step, state, eval_batches)
+        eval_loss = eval_losses["eval_loss"]
+        logged.update(eval_losses)
         window_start = time.perf_counter()
       if logged:
         writer.write(step, logged)
@@ -342,6 +393,10 @@ class Trainer:
     tokens_per_s = timed_steps * tokens_per_step / timed_seconds if timed_seconds else float("nan")
     summary = self._summary(stop, eval_loss, wall, tokens_per_s, flops_per_token, peak,
                             sent_bytes, peak_sync_bytes)
+    if self.algorithm.gossip:  # no global model: each replica's loss and how far apart they are
+      summary["final_eval_loss_replicas"] = [eval_losses.get(f"eval_loss_replica_{i}")
+                                             for i in range(c.num_replicas)]
+      summary["final_weight_spread"] = float(self.weight_spread(state.opt_state.slow))
     if c.network:
       step_seconds = c.hardware.step_seconds or tokens_per_step / tokens_per_s
       summary["network"] = c.network

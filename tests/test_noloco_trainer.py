@@ -1,0 +1,109 @@
+"""NoLoCo in the Trainer: one replica per device equals simulated replicas, HLO, ledger, resume."""
+
+import jax
+import numpy as np
+import pytest
+
+from lowcomm_jax import codecs, config as config_lib, hlo
+from lowcomm_jax.train import Trainer
+from test_train import read_metrics, tiny_config
+
+M, H = 4, 5
+
+
+def noloco_config(**changes):
+  base = {"algorithm": "noloco", "num_replicas": M, "noloco.sync_every": H, "num_steps": 4 * H,
+          "data.batch_size": 4, "data.seq_len": 32, "mesh.data": 1}
+  return tiny_config(**{**base, **changes})
+
+
+def collective_kinds(compiled) -> set:
+  return {line.split("=")[1].split("(")[0].split()[-1] for line in hlo.collectives(compiled.as_text())}
+
+
+def test_replica_per_device_equals_simulated_replicas_and_logs_spread_and_replica_losses(tmp_path):
+  # (b) shard_map over 4 devices, one replica each, against (a) 4 replicas vmapped on one device.
+  on_devices = Trainer(noloco_config(**{"mesh.replica": M, "eval.every": H}), tmp_path / "devices",
+                       devices=jax.devices()[:M])
+  simulated = Trainer(noloco_config(**{"mesh.replica": 1, "eval.every": H}), tmp_path / "one",
+                      devices=jax.devices()[:1])
+  a, b = on_devices.run(), simulated.run()
+  for x, y in zip(jax.tree.leaves(on_devices.final_state), jax.tree.leaves(simulated.final_state)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(a["final_eval_loss_replicas"], b["final_eval_loss_replicas"], rtol=1e-5)
+
+  # The replicas differ (no global average), and the logged spread is the RMS distance from the mean.
+  slow = [np.asarray(x) for x in jax.tree.leaves(on_devices.final_state.opt_state.slow)]
+  expected = np.sqrt(sum(((x - x.mean(0)) ** 2).sum() for x in slow) / sum(x.size for x in slow))
+  assert expected > 0
+  np.testing.assert_allclose(a["final_weight_spread"], expected, rtol=1e-5)
+  metrics = read_metrics(tmp_path / "devices")
+  assert [m["step"] for m in metrics if "weight_spread" in m] == [H, 2 * H, 3 * H, 4 * H]
+  np.testing.assert_allclose(metrics[-1]["weight_spread"], expected, rtol=1e-5)
+  # Seed 0 pairs {0,2},{1,3} three times, then {1,2},{0,3}: only then do all four replicas differ.
+  assert len(set(a["final_eval_loss_replicas"])) == M
+  # The mean model's loss is logged next to each replica's.
+  assert {"eval_loss", *(f"eval_loss_replica_{i}" for i in range(M))} <= set(metrics[-1])
+
+  # Bytes per worker: each outer step sends φ and Δ (float32) to its one peer.
+  syncs, n = 4, on_devices.num_params
+  assert a["bytes_sent_per_worker"]["total"] == syncs * 2 * 4 * n
+  assert a["bytes_sent_per_worker"]["peak_per_sync"] == 2 * 4 * n
+
+
+def test_compiled_steps_have_no_all_reduce_only_peer_permutations(tmp_path):
+  trainer = Trainer(noloco_config(**{"mesh.replica": M}), tmp_path, devices=jax.devices()[:M])
+  state = trainer.init_state()
+  local, _ = trainer.program(trainer.algorithm.phase_at(1), state)
+  assert collective_kinds(local) == set()
+  sync, entries = trainer.program(trainer.algorithm.phase_at(H), state)
+  assert collective_kinds(sync) and collective_kinds(sync) <= {"collective-permute",
+                                                               "collective-permute-start"}
+  # Every permutation pairs devices of one group of the step's grouping, in both directions.
+  groups = {frozenset(map(int, g)) for g in trainer.algorithm.tx.groups_at(H)}
+  for line in hlo.collectives(sync.as_text()):
+    pairs = line.split("source_target_pairs={")[1].split("}}")[0].strip("{}").split("},{")
+    for pair in pairs:
+      src, dst = map(int, pair.split(","))
+      assert frozenset((src, dst)) in groups
+  assert [(e.name, e.sent_bytes) for e in entries] == [
+      ("noloco slow weights", 4 * trainer.num_params), ("noloco outer gradient", 4 * trainer.num_params)]
+
+
+def test_codec_sends_encoded_outer_gradients(tmp_path):
+  trainer = Trainer(noloco_config(**{"noloco.codec": "e3m0", "noloco.codec_block_size": 256}), tmp_path)
+  state = trainer.init_state()
+  entries = trainer.phase_entries(trainer.algorithm.phase_at(H), state)
+  codec = codecs.get_codec("e3m0", 256)
+  wire = sum(codec.wire_bytes(x.size) for x in jax.tree.leaves(trainer.init_params()))
+  assert [e.sent_bytes for e in entries] == [4 * trainer.num_params, wire]
+  assert wire < 4 * trainer.num_params / 6  # 4 bits and a scale per 256 values
+
+
+def test_resume_is_bit_identical(tmp_path):
+  c = noloco_config(**{"checkpoint.every": H + 2})
+  full = Trainer(c, tmp_path / "full")
+  full.run()
+  first = Trainer(noloco_config(stop_at_step=H + 2, **{"checkpoint.every": H + 2}), tmp_path / "resumed")
+  first.run()
+  second = Trainer(c, tmp_path / "resumed")
+  assert second.resuming
+  second.run()
+  for a, b in zip(jax.tree.leaves(full.final_state), jax.tree.leaves(second.final_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  spreads = lambda w: [m["weight_spread"] for m in read_metrics(w) if "weight_spread" in m]
+  assert spreads(tmp_path / "full") == spreads(tmp_path / "resumed")
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"noloco.group_size": 3}, "noloco.group_size must be >= 2 and a divisor of num_replicas=4, got 3"),
+    ({"noloco.group_size": 1}, "noloco.group_size must be >= 2"),
+    ({"mesh.replica": 2}, "mesh.replica must be 1 .* or num_replicas=4"),
+    ({"num_replicas": 1, "noloco.group_size": 1}, "num_replicas must be >= 2 for algorithm=noloco"),
+    ({"noloco.codec": "fp3"}, "noloco.codec must be none or one of"),
+])
+def test_bad_input_is_named_before_anything_is_written(tmp_path, changes, message):
+  with pytest.raises(ValueError, match=message):
+    Trainer(noloco_config(**changes), tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+  config_lib.validate(noloco_config())  # the base config itself is valid
