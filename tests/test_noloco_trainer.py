@@ -68,6 +68,11 @@ def test_compiled_steps_have_no_all_reduce_only_peer_permutations(tmp_path):
       assert frozenset((src, dst)) in groups
   assert [(e.name, e.sent_bytes) for e in entries] == [
       ("noloco slow weights", 4 * trainer.num_params), ("noloco outer gradient", 4 * trainer.num_params)]
+  # The virtual clock sees one pairwise exchange of both tensors per outer step, blocking the next step.
+  events = trainer.comm_events(3 * H, state)
+  assert [(e.issued_step, e.consumed_step, e.kind, e.num_workers) for e in events] == [
+      (s - 1, s, "gossip", 2) for s in (H, H, 2 * H, 2 * H)]
+  assert [e.payload_bytes for e in events] == [4 * trainer.num_params] * 4
 
 
 def test_codec_sends_encoded_outer_gradients(tmp_path):
