@@ -68,12 +68,7 @@ def make_config(changes: dict):
   c.checkpoint.every = 100
   c.log_every = 20
   c.progress_bar = False
-  for key, value in changes.items():
-    if key.startswith("_"):
-      continue
-    section, _, name = key.rpartition(".")
-    (c[section] if section else c)[name] = value
-  return c
+  return config_lib.override(c, {k: v for k, v in changes.items() if not k.startswith("_")})
 
 
 def main(argv):

@@ -107,6 +107,25 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
+# The run sizes the experiment configs share: `small` (their default variants) and `tiny`.
+RUN_SIZES = {
+    "small": {"model.size": "small", "num_steps": 600, "data.seq_len": 128, "data.batch_size": 16,
+              "eval.every": 200, "checkpoint.every": 200},
+    "tiny": {"model.size": "tiny", "num_steps": 200, "eval.every": 100},
+}
+
+
+def override(c: ml_collections.ConfigDict, changes: dict) -> ml_collections.ConfigDict:
+  """Sets dotted keys ("noloco.sync_every": 10) in place and returns `c`; unknown keys raise."""
+  for key, value in changes.items():
+    section, _, name = key.rpartition(".")
+    target = c[section] if section else c
+    if name not in target:
+      raise ValueError(f"unknown config key {key!r}; see lowcomm_jax/config.py for the allowed keys")
+    target[name] = value
+  return c
+
+
 def _flatten(c, prefix="") -> dict:
   out = {}
   for k, v in c.items():

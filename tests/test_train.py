@@ -31,10 +31,7 @@ def tiny_config(**changes):
   c.log_every = 1
   c.progress_bar = False
   c.hardware.peak_flops_per_device = 1e10
-  for key, value in changes.items():
-    section, _, name = key.rpartition(".")
-    (c[section] if section else c)[name] = value
-  return c
+  return config_lib.override(c, changes)
 
 
 def read_metrics(workdir):

@@ -27,18 +27,11 @@ def get_config(variant: str = ""):
   c.outer_optimizer.learning_rate = 0.7
   c.outer_optimizer.momentum = 0.9
   if variant in ("", "default", "small"):
-    c.model.size = "small"
-    c.num_steps = 600
+    config_lib.override(c, config_lib.RUN_SIZES["small"])
     c.diloco.sync_every = 50
-    c.data.seq_len = 128
-    c.data.batch_size = 16
-    c.eval.every = 200
-    c.checkpoint.every = 200
   elif variant == "tiny":
-    c.model.size = "tiny"
-    c.num_steps = 200
+    config_lib.override(c, config_lib.RUN_SIZES["tiny"])
     c.diloco.sync_every = 10
-    c.eval.every = 100
   else:
     raise ValueError(f"config variant must be '', 'default', 'small' or 'tiny', got {variant!r}")
   return c

@@ -17,17 +17,10 @@ def get_config(variant: str = ""):
   c = config_lib.default_config()
   c.algorithm = "dp"
   if variant in ("", "default"):
-    c.model.size = "small"
-    c.num_steps = 600
-    c.data.seq_len = 128
-    c.data.batch_size = 16
+    config_lib.override(c, config_lib.RUN_SIZES["small"])
     c.optimizer.learning_rate = 3e-3
-    c.eval.every = 200
-    c.checkpoint.every = 200
   elif variant == "tiny":
-    c.model.size = "tiny"
-    c.num_steps = 200
-    c.eval.every = 100
+    config_lib.override(c, config_lib.RUN_SIZES["tiny"])
   else:
     raise ValueError(f"config variant must be '', 'default' or 'tiny', got {variant!r}")
   return c

@@ -36,20 +36,13 @@ def get_config(variant: str = ""):
   c.noloco.outer_momentum = 0.5
   c.noloco.gamma = 0.7
   if variant in ("", "default", "small", "fp4"):
-    c.model.size = "small"
-    c.num_steps = 600
+    config_lib.override(c, config_lib.RUN_SIZES["small"])
     c.noloco.sync_every = 50
-    c.data.seq_len = 128
-    c.data.batch_size = 16
-    c.eval.every = 200
-    c.checkpoint.every = 200
     if variant == "fp4":
       c.noloco.codec = "e3m0"
   elif variant == "tiny":
-    c.model.size = "tiny"
-    c.num_steps = 200
+    config_lib.override(c, config_lib.RUN_SIZES["tiny"])
     c.noloco.sync_every = 10
-    c.eval.every = 100
   else:
     raise ValueError(f"config variant must be '', 'default', 'small', 'fp4' or 'tiny', got {variant!r}")
   return c

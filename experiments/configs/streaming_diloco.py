@@ -31,22 +31,15 @@ def get_config(variant: str = ""):
   c.diloco.overlap_steps = 1
   c.diloco.merge_alpha = 0.5
   if variant in ("", "default", "small", "fp4"):
-    c.model.size = "small"
-    c.num_steps = 600
+    config_lib.override(c, config_lib.RUN_SIZES["small"])
     c.diloco.sync_every = 60
     c.diloco.num_fragments = 3
-    c.data.seq_len = 128
-    c.data.batch_size = 16
-    c.eval.every = 200
-    c.checkpoint.every = 200
     if variant == "fp4":
       c.diloco.codec = "e3m0"
   elif variant == "tiny":
-    c.model.size = "tiny"
-    c.num_steps = 200
+    config_lib.override(c, config_lib.RUN_SIZES["tiny"])
     c.diloco.sync_every = 12
     c.diloco.num_fragments = 2
-    c.eval.every = 100
   else:
     raise ValueError(f"config variant must be '', 'default', 'small', 'fp4' or 'tiny', got {variant!r}")
   return c
