@@ -5,7 +5,8 @@ iteration out in time: each micro-batch runs forward along its path, returns
 to its stage-0 node for the loss, and runs backward along the reversed path;
 every hop pays the link cost. A node computes one task at a time, so tasks
 that reach a busy node wait (the collisions SkipPipe's TC2 avoids); waiting
-tasks are served in arrival order. A micro-batch enters the pipeline only
+tasks are served in arrival order (or losses and backwards first, with
+`backward_first`). A micro-batch enters the pipeline only
 when every node on its path has a free activation slot (TC1 memory), and
 frees each slot when its backward on that node ends; reserving all slots at
 once makes the simulation deadlock-free. After the last backward of a stage,
@@ -39,10 +40,14 @@ class SimulationConfig:
     task_gap_s: a node stays busy this long after each task (the reference
       simulator uses 0.13 s for host-side work; 0 for an idealised node).
     include_allreduce: add the intra-stage data-parallel all-reduce.
+    backward_first: a node serves waiting losses and backwards before
+      waiting forwards (one-forward-one-backward order); False serves all in
+      arrival order.
   """
 
   task_gap_s: float = 0.0
   include_allreduce: bool = True
+  backward_first: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +152,9 @@ def simulate_iteration(topology: Topology, placement, schedule,
         waiting.sort()
       elif kind == _ARRIVE:
         m = payload
-        node = task_lists[m][next_task[m]][0]
-        heapq.heappush(queues[node], (now, m))
+        node, _, task_kind, _ = task_lists[m][next_task[m]]
+        rank = int(not (config.backward_first and task_kind != paths_lib.FORWARD))
+        heapq.heappush(queues[node], (rank, now, m))
         touched.add(node)
       elif kind == _NODE_FREE:
         touched.add(payload)
@@ -168,7 +174,7 @@ def simulate_iteration(topology: Topology, placement, schedule,
     for node in sorted(touched):
       if running[node] or free_at[node] > now or not queues[node]:
         continue
-      _, m = heapq.heappop(queues[node])
+      _, _, m = heapq.heappop(queues[node])
       _, stage, task_kind, duration = task_lists[m][next_task[m]]
       executed.append(paths_lib.Task(m, node, stage, task_kind, now,
                                      now + duration))

@@ -1,0 +1,19 @@
+"""Pipeline parallelism over a (replica, stage) mesh: SkipPipe schedules and NoLoCo's random routing.
+
+Modules, one concept each:
+  routing    routes through the grid: full pipeline, SkipPipe paths, NoLoCo's random routing
+  ticks      a schedule compiled into ticks (op, micro-batch, destination per device), validated
+  stages     the decoder cut into stages, the grid parameter layout, the sequential reference
+  executor   runs a tick table with `jax.shard_map`, one `lax.ppermute` per direction per tick
+  bubble     busy/idle ticks: planned, measured, and the SkipPipe simulator's prediction
+  combined   NoLoCo or DiLoCo across replicas with the pipeline inside each step
+"""
+
+from lowcomm_jax.parallel import bubble
+from lowcomm_jax.parallel import executor
+from lowcomm_jax.parallel import routing
+from lowcomm_jax.parallel import stages
+from lowcomm_jax.parallel import ticks
+from lowcomm_jax.parallel.executor import PipelineExecutor, PipelineResult
+from lowcomm_jax.parallel.routing import Route
+from lowcomm_jax.parallel.ticks import TickTable, compile_ticks
