@@ -19,7 +19,11 @@ same busy and idle ticks:
   and frees the slot when its backward there ends.
 
 Each tick's transfers must be one static permutation per direction (`lax.ppermute`): a device can
-receive at most one activation and one gradient per tick. `validate` checks that, and that every
+receive at most one activation and one gradient per tick. Routes that are permutations at every
+boundary in lock step (full pipelines, NoLoCo's random routing) never contend; SkipPipe's paths can
+(two paths entering one node in the same tick). By default the later device's op then waits a tick
+(a port conflict the continuous-time simulator does not model, so there the plan can be longer than
+its prediction); `on_collision="raise"` rejects the schedule instead. `validate` checks that, and that every
 micro-batch's ops follow its route in time order, and raises one ValueError naming the tick, the
 device and the micro-batches before anything is compiled.
 """
@@ -156,7 +160,8 @@ def check_routes(routes: Sequence[Route], num_stages: int, num_replicas: int) ->
 
 
 def compile_ticks(routes: Sequence[Route], num_stages: int, num_replicas: int,
-                  order: str = "gpipe", memory: int | None = None) -> TickTable:
+                  order: str = "gpipe", memory: int | None = None,
+                  on_collision: str = "wait") -> TickTable:
   """List-schedules `routes` into a validated `TickTable` (see the module docstring).
 
   Args:
@@ -166,6 +171,9 @@ def compile_ticks(routes: Sequence[Route], num_stages: int, num_replicas: int,
     order: "gpipe" (ready ops in arrival order) or "1f1b" (losses and backwards first).
     memory: micro-batches whose activations a device holds at once; default: all of them for
       "gpipe", S for "1f1b".
+    on_collision: "wait" (an op whose message would reach a device that already receives one of
+      the same direction in that tick waits, and the device takes its next ready op or idles) or
+      "raise" (keep the simulator's policy and reject such a schedule).
 
   Raises:
     ValueError: a bad option or route, or a schedule whose transfers collide (two micro-batches sent
@@ -173,6 +181,8 @@ def compile_ticks(routes: Sequence[Route], num_stages: int, num_replicas: int,
   """
   if order not in ORDERS:
     raise ValueError(f"order must be one of {list(ORDERS)}, got {order!r}")
+  if on_collision not in ("wait", "raise"):
+    raise ValueError(f"on_collision must be 'wait' or 'raise', got {on_collision!r}")
   routes = check_routes(routes, num_stages, num_replicas)
   if memory is None:
     memory = len(routes) if order == "gpipe" else num_stages
@@ -200,16 +210,22 @@ def compile_ticks(routes: Sequence[Route], num_stages: int, num_replicas: int,
     op_row = np.zeros(num_devices, np.int8)
     mb_row = np.full(num_devices, -1, np.int32)
     send_row = np.full(num_devices, -1, np.int32)
+    ports: set[tuple[bool, int]] = set()  # (is activation, destination) already receiving this tick
     for d in range(num_devices):
       ready = [m for m in range(len(routes)) if arrived[m] is not None and arrived[m] <= t
                and next_task[m] < len(tasks[m]) and tasks[m][next_task[m]][0] == d]
-      if not ready:
-        continue
       def key(m):
         rank = 0 if order == "1f1b" and tasks[m][next_task[m]][1] != FORWARD else 1
         return (rank, arrived[m], m)
-      m = min(ready, key=key)
-      op_row[d], mb_row[d], send_row[d] = tasks[m][next_task[m]][1], m, dests[m][next_task[m]]
+      for m in sorted(ready, key=key):
+        op, dest = tasks[m][next_task[m]][1], dests[m][next_task[m]]
+        port = (op == FORWARD, dest)
+        if dest >= 0 and port in ports and on_collision == "wait":
+          continue  # its message would meet another at `dest` this tick: try the next ready op
+        if dest >= 0:
+          ports.add(port)
+        op_row[d], mb_row[d], send_row[d] = op, m, dest
+        break
     for d in np.nonzero(op_row)[0]:
       m = int(mb_row[d])
       if op_row[d] == BACKWARD:
