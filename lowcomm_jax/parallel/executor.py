@@ -8,6 +8,8 @@ device reads its own op and micro-batch from the table and runs one of
        | L: loss, ∂loss/∂x, ∂loss/∂(final norm, head)  (on the origin, stage 0)
        | B: recompute layers(x_in) and pull ∂/∂x back through it  (stage 0: into the embedding)
 
+
+
 (a `lax.switch` on a per-device index: only the taken branch runs), then the tick's two static
 permutations move the activations forward and the gradients backward. Ticks with the same pair of
 permutations share one branch of a second `lax.switch`, so compile time grows with the number of
@@ -36,8 +38,8 @@ from lowcomm_jax.parallel.stages import StageFunctions
 
 GRID = P(mesh_lib.REPLICA, mesh_lib.STAGE)  # leaves [R, S, ...]: one slice per device
 _AXES = (mesh_lib.REPLICA, mesh_lib.STAGE)  # device index r·S + s in ppermute and axis_index
-# Branches of the per-device switch; counters use the same indices.
-_IDLE, _F, _L, _B, _F0, _B0 = range(6)
+# Branches of the per-device switch (the tick table's op codes); counters use the same indices.
+_IDLE, _F, _L, _B = ticks_lib.IDLE, ticks_lib.FORWARD, ticks_lib.LOSS, ticks_lib.BACKWARD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +75,7 @@ def grid_mesh(table: ticks_lib.TickTable, devices=None):
 
 def make_pipeline_grads(stage_fns: StageFunctions, table: ticks_lib.TickTable, mesh,
                         loss_scale: float) -> Callable:
-  """A jitted (grid params, batch [M, B, T+1]) → (loss, grid grads, busy counts int[R, S, 6]).
+  """A jitted (grid params, batch [M, B, T+1]) → (loss, grid grads, op counts int[R, S, 4]).
 
   The table is validated here, before anything is traced. The batch is replicated on every device
   (stage-0 devices read their micro-batches' tokens; the origin reads the targets for the loss).
@@ -103,17 +105,19 @@ def make_pipeline_grads(stage_fns: StageFunctions, table: ticks_lib.TickTable, m
     def branches(m, act, grad, grads, loss, counts):
       tokens, targets = batch_MxBxT1[m, :, :-1], batch_MxBxT1[m, :, 1:]
       outer = {k: v for k, v in params.items() if k != "blocks"}
-      nothing = jnp.zeros(act_shape[1:], stage_fns.dtype)
+
+      def stage_input(o, x):
+        # Stage 0 starts from the tokens (F and B on stage 0 are always a route's first and last);
+        # one branch for every stage keeps a single copy of the layers in the program. The
+        # embedding's gradient through the unselected side is exactly zero.
+        return jnp.where(first_stage, stage_fns.embed(o, tokens), x)
 
       def idle():
-        return nothing, grads, loss, counts.at[_IDLE].add(1)
+        return jnp.zeros(act_shape[1:], stage_fns.dtype), grads, loss, counts.at[_IDLE].add(1)
 
       def forward():
-        return stage_fns.layers(params["blocks"], act[m]), grads, loss, counts.at[_F].add(1)
-
-      def forward_first():
-        y = stage_fns.layers(params["blocks"], stage_fns.embed(outer, tokens))
-        return y, grads, loss, counts.at[_F0].add(1)
+        y = stage_fns.layers(params["blocks"], stage_input(outer, act[m]))
+        return y, grads, loss, counts.at[_F].add(1)
 
       def loss_op():
         value, (g_outer, g_x) = jax.value_and_grad(
@@ -121,32 +125,25 @@ def make_pipeline_grads(stage_fns: StageFunctions, table: ticks_lib.TickTable, m
         return g_x.astype(stage_fns.dtype), add(grads, {**zeros, **g_outer}), loss + value, counts.at[_L].add(1)
 
       def backward():
-        _, pull = jax.vjp(stage_fns.layers, params["blocks"], act[m])
-        g_blocks, g_x = pull(grad[m])
-        return g_x, add(grads, {**zeros, "blocks": g_blocks}), loss, counts.at[_B].add(1)
+        _, pull = jax.vjp(lambda blocks, o, x: stage_fns.layers(blocks, stage_input(o, x)),
+                          params["blocks"], outer, act[m])
+        g_blocks, g_outer, g_x = pull(grad[m])
+        return g_x, add(grads, {**g_outer, "blocks": g_blocks}), loss, counts.at[_B].add(1)
 
-      def backward_first():
-        _, pull = jax.vjp(lambda blocks, o: stage_fns.layers(blocks, stage_fns.embed(o, tokens)),
-                          params["blocks"], outer)
-        g_blocks, g_outer = pull(grad[m])
-        return nothing, add(grads, {**zeros, **g_outer, "blocks": g_blocks}), loss, counts.at[_B0].add(1)
-
-      return [idle, forward, loss_op, backward, forward_first, backward_first]
+      return [idle, forward, loss_op, backward]
 
     def tick(carry, xs):
       act, grad, grads, loss, counts = carry
       op_row, mb_row, recv_act_row, recv_grad_row, pattern = xs
       op, m = op_row[me], mb_row[me]
-      branch = jnp.where(first_stage & (op == ticks_lib.FORWARD), _F0,
-                         jnp.where(first_stage & (op == ticks_lib.BACKWARD), _B0, op))
-      msg, grads, loss, counts = lax.switch(branch, branches(m, act, grad, grads, loss, counts))
+      msg, grads, loss, counts = lax.switch(op, branches(m, act, grad, grads, loss, counts))
       act_in, grad_in = transfer(pattern, msg)
       act = _store(act, recv_act_row[me], act_in)
       grad = _store(grad, recv_grad_row[me], grad_in)
       return (act, grad, grads, loss, counts), None
 
     carry = (jnp.zeros(act_shape, stage_fns.dtype), jnp.zeros(act_shape, stage_fns.dtype), zeros,
-             jnp.zeros((), jnp.float32), jnp.zeros((6,), jnp.int32))
+             jnp.zeros((), jnp.float32), jnp.zeros((4,), jnp.int32))
     xs = (op_TxD, mb_TxD, recv_act_TxD, recv_grad_TxD, jnp.asarray(pattern_T))
     (_, _, grads, loss, counts), _ = lax.scan(tick, carry, xs)
     expand = lambda x: x[None, None]
@@ -182,7 +179,7 @@ class PipelineExecutor:
     if np.ndim(batch_MxBxT1) != 3 or np.shape(batch_MxBxT1)[0] != self.table.num_microbatches:
       raise ValueError(f"batch: expected int tokens [num_microbatches={self.table.num_microbatches}, "
                        f"B, T + 1], got shape {np.shape(batch_MxBxT1)}")
-    loss_RS, grads, counts_RSx6 = self._fn(grid_params, jnp.asarray(batch_MxBxT1))
-    counts = np.asarray(counts_RSx6).reshape(self.table.num_devices, 6)
+    loss_RS, grads, counts_RSx4 = self._fn(grid_params, jnp.asarray(batch_MxBxT1))
+    counts = np.asarray(counts_RSx4).reshape(self.table.num_devices, 4)
     busy = counts[:, 1:].sum(1)
     return PipelineResult(loss_RS.sum(), grads, busy, counts[:, _IDLE], self.table.num_ticks)

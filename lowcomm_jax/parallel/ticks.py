@@ -76,6 +76,8 @@ class TickTable:
     microbatch: int32[T, D], the micro-batch of that op (-1 when idle).
     send: int32[T, D], the device that op's output goes to (-1: none).
     order: the policy that built it ("gpipe", "1f1b" or "manual").
+    port_waits: ops the compiler held back a tick because their message would have met another at
+      the same device (0: the plan follows the simulator's policy exactly).
   """
 
   num_stages: int
@@ -85,6 +87,7 @@ class TickTable:
   microbatch: np.ndarray
   send: np.ndarray
   order: str = "manual"
+  port_waits: int = 0
 
   @property
   def num_ticks(self) -> int:
@@ -197,7 +200,7 @@ def compile_ticks(routes: Sequence[Route], num_stages: int, num_replicas: int,
   arrived = [None] * len(routes)  # tick at which the next task became ready; None: not admitted
   waiting = list(range(len(routes)))
   ops, mbs, sends = [], [], []
-  t = 0
+  t = port_waits = 0
   while any(n < len(ts) for n, ts in zip(next_task, tasks)):
     still = []
     for m in waiting:  # admission in micro-batch order, as the simulator's
@@ -221,6 +224,7 @@ def compile_ticks(routes: Sequence[Route], num_stages: int, num_replicas: int,
         op, dest = tasks[m][next_task[m]][1], dests[m][next_task[m]]
         port = (op == FORWARD, dest)
         if dest >= 0 and port in ports and on_collision == "wait":
+          port_waits += 1
           continue  # its message would meet another at `dest` this tick: try the next ready op
         if dest >= 0:
           ports.add(port)
@@ -239,7 +243,7 @@ def compile_ticks(routes: Sequence[Route], num_stages: int, num_replicas: int,
     if t > 4 * sum(len(ts) for ts in tasks) + 4:
       raise RuntimeError("compile_ticks made no progress; this is a bug")
   table = TickTable(num_stages, num_replicas, routes, np.stack(ops), np.stack(mbs), np.stack(sends),
-                    order)
+                    order, port_waits)
   validate(table)
   return table
 
