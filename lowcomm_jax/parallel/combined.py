@@ -200,7 +200,8 @@ def train(c, log: Callable[[str], None] = print, on_metrics: Callable[[dict], No
     if step == 1:
       jax.block_until_ready(grid)
       compile_s = time.perf_counter() - started
-    row = {"step": step, "tokens": step * tokens_per_step, "loss": float(result.loss) / r}
+    row = {"step": step, "tokens": step * tokens_per_step, "loss": float(result.loss) / r,
+           "wall_s": time.perf_counter() - started}
     if step % c.eval.every == 0 or step == c.num_steps:
       replicas = stages.from_grid(grid)
       losses = evaluate(replicas)
