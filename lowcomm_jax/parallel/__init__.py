@@ -6,6 +6,7 @@ Modules, one concept each:
   stages     the decoder cut into stages, the grid parameter layout, the sequential reference
   executor   runs a tick table with `jax.shard_map`, one `lax.ppermute` per direction per tick
   bubble     busy/idle ticks: planned, measured, and the SkipPipe simulator's prediction
+  plots      a tick table drawn as a grid
   combined   NoLoCo or DiLoCo across replicas with the pipeline inside each step
 """
 
