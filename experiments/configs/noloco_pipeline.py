@@ -10,7 +10,9 @@ Variants (`--config=experiments/configs/noloco_pipeline.py:<variant>`):
   momentum 0.3: the paper's DiLoCo baseline), at equal tokens.
 - fixed: NoLoCo with fixed routing (replica r → replica r), to see what random routing does.
 - quick: 20 steps, for a smoke run.
-Measured figures (eval loss, time) are in the README's Pipelines section.
+Measured (`python benchmarks/pipeline.py`, one seed, 2 busy CPU cores): final eval loss 2.366
+(default), 2.327 (diloco), 2.345 (fixed); 40-100 s per run, 5-12 s of it compiling. quick: not
+measured beyond running (eval loss 5.04 after 20 steps).
 """
 
 from lowcomm_jax.parallel import combined
