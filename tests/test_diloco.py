@@ -163,7 +163,7 @@ def test_run_reports_bytes_and_evaluates_the_global_params(tmp_path):
   for g, p in zip(jax.tree.leaves(state.opt_state.outer_params), jax.tree.leaves(state.params)):
     np.testing.assert_allclose(np.asarray(p), np.broadcast_to(np.asarray(g), p.shape), rtol=1e-5, atol=1e-7)
   eval_loss = trainer.evaluate(trainer.eval_fn(), state, __import__("lowcomm_jax.data.pipeline", fromlist=["x"])
-                               .eval_batches(trainer_eval_tokens(c), c.data.seq_len, 8, 4))
+                               .eval_batches(trainer_eval_tokens(c), c.data.seq_len, 8, 4))["eval_loss"]
   assert eval_loss == pytest.approx(summary["final_eval_loss"], rel=1e-6)
 
 
