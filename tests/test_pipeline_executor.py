@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 
 import lowcomm_jax
+from lowcomm_jax import hlo
 from lowcomm_jax.models import get_model_config, llama
 from lowcomm_jax.parallel import bubble, combined, routing, stages, ticks
-from lowcomm_jax.parallel.executor import PipelineExecutor
+from lowcomm_jax.parallel.executor import PipelineExecutor, transfer_patterns
 from lowcomm_jax.skippipe import paths, scheduler, topology
-from lowcomm_jax.skippipe import training
 
 SEQ, MB_SIZE = 8, 2
 
@@ -24,9 +24,7 @@ def _model(num_layers, num_replicas):
   """A tiny decoder whose replicas all differ, so a wrong replica's weights change the result."""
   cfg = get_model_config("tiny", num_layers=num_layers, d_model=16, d_ff=32)
   graphdef = nnx.split(nnx.eval_shape(lambda: llama.Decoder(cfg, nnx.Rngs(0))), nnx.Param)[0]
-  params_R = jax.tree.map(lambda *x: jnp.stack(x),
-                          *[training._init_params(cfg, seed) for seed in range(num_replicas)])
-  return cfg, graphdef, params_R
+  return cfg, graphdef, stages.random_replicas(cfg, num_replicas)
 
 
 def skippipe_routes():
@@ -73,7 +71,16 @@ def test_gradients_equal_sequential_paths_and_bubble_equals_simulator(name):
   np.testing.assert_array_equal(got.idle_ticks, table.idle_ticks())
   assert got.busy_ticks.sum() == sum(2 * len(r.stages) + 1 for r in routes)
 
-  if name == "random_routing":  # the check is sensitive: fixed routing gives other gradients
+  if name == "random_routing":
+    # Transfers are static permutations only: one collective-permute per non-empty permutation of
+    # each distinct (activation, gradient) pattern, and no other collective.
+    lines = hlo.collectives(executor.compiled_text(stages.to_grid(params_R, num_stages), batch))
+    kinds = {line.split("=")[1].split("(")[0].split()[-1] for line in lines}
+    assert kinds <= {"collective-permute", "collective-permute-start", "collective-permute-done"}
+    _, patterns = transfer_patterns(table)
+    starts = [l for l in lines if "collective-permute-done" not in l.split("=")[1].split("(")[0]]
+    assert len(starts) == sum(bool(a) + bool(g) for a, g in patterns)
+    # The check is sensitive: fixed routing gives other gradients.
     _, fixed = stages.sequential_loss_and_grads(
         graphdef, params_R, batch, routing.full_pipeline_routes(2, 2, 4), num_stages,
         executor.loss_scale)

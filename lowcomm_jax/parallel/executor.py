@@ -175,6 +175,10 @@ class PipelineExecutor:
     self.loss_scale = float(1.0 / origins_per_replica.max() if loss_scale is None else loss_scale)
     self._fn = make_pipeline_grads(stage_fns, table, self.mesh, self.loss_scale)
 
+  def compiled_text(self, grid_params, batch_MxBxT1) -> str:
+    """The compiled program's HLO (to check which collectives it holds)."""
+    return self._fn.lower(grid_params, jnp.asarray(batch_MxBxT1)).compile().as_text()
+
   def __call__(self, grid_params, batch_MxBxT1) -> PipelineResult:
     if np.ndim(batch_MxBxT1) != 3 or np.shape(batch_MxBxT1)[0] != self.table.num_microbatches:
       raise ValueError(f"batch: expected int tokens [num_microbatches={self.table.num_microbatches}, "

@@ -63,6 +63,27 @@ def from_grid(grid):
   return out
 
 
+def random_replicas(cfg: ModelConfig, num_replicas: int, seed: int = 0, std: float = 0.05):
+  """Parameters of R decoders that all differ (leaves [R, ...]), drawn on the host with numpy.
+
+  For tests and demos of routing, where a wrong replica's weights must change the result: norm
+  scales 1 ± 0.1, the embedding N(0, 1), every other weight N(0, std). Numpy instead of the model's
+  own initializer because compiling the initializer's random-number program takes seconds on CPU.
+  """
+  shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: llama.Decoder(cfg, nnx.Rngs(0))),
+                                      nnx.Param))
+  rng = np.random.default_rng(seed)
+
+  def draw(key_path, leaf):
+    name = llama.path_name(key_path)
+    noise = rng.standard_normal((num_replicas,) + tuple(leaf.shape)).astype(np.float32)
+    if name.endswith("scale"):
+      return jnp.asarray(1.0 + 0.1 * noise)
+    return jnp.asarray(noise if name == "embed" else std * noise)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
 class StageFunctions:
   """The pieces of `llama.Decoder.__call__` a pipeline device runs, on pure-dict parameters."""
 
