@@ -22,7 +22,8 @@ ALGORITHMS = ("dp", "diloco", "streaming_diloco", "noloco")
 # Keys that may change when a run is resumed: they do not change the trajectory.
 RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "checkpoint.every",
                 "checkpoint.keep", "hardware.peak_flops_per_device", "hardware.step_seconds",
-                "network", "progress_bar")
+                "network", "progress_bar", "distributed.timeout_seconds",
+                "distributed.init_timeout_seconds")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -104,6 +105,12 @@ def default_config() -> ml_collections.ConfigDict:
   # "<bandwidth>,<latency>" such as "1Gbit,50ms"; summary.json then reports the run's wall time on
   # that network from the ledger's bytes and the algorithm's overlap (lowcomm_jax.sim.clock).
   c.network = ""
+  # Multi-process runs (experiments/launch_local.py, SLURM, TPU pod slices; lowcomm_jax.distributed).
+  # Who the processes are comes from train.py's flags or the environment, not from here.
+  c.distributed = ml_collections.ConfigDict(dict(
+      timeout_seconds=60,  # a process silent this long (no heartbeat) stops every other one, named
+      init_timeout_seconds=300,  # how long processes wait for each other at start-up
+  ))
   return c
 
 
@@ -177,6 +184,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     from lowcomm_jax.sim import network  # pylint: disable=g-import-not-at-top
     network.parse_network(c.network)
   _require(c.hardware.step_seconds >= 0, "hardware.step_seconds", ">= 0", c.hardware.step_seconds)
+  for key in ("timeout_seconds", "init_timeout_seconds"):
+    _require(c.distributed[key] >= 1, f"distributed.{key}", ">= 1 (seconds)", c.distributed[key])
   mesh_lib.mesh_shape(c.mesh.to_dict(), 10**9)  # axis names and sizes; devices are checked later
   if c.algorithm == "dp":
     _require(c.num_replicas == 1 and c.mesh.replica == 1, "num_replicas and mesh.replica",

@@ -54,8 +54,14 @@ def mesh_shape(requested: Mapping[str, int], num_devices: int) -> dict[str, int]
 
 
 def make_mesh(requested: Mapping[str, int], devices=None) -> Mesh:
-  """A mesh with the four named axes (Auto axis types) over the first devices that fit."""
-  devices = list(jax.devices() if devices is None else devices)
+  """A mesh with the four named axes (Auto axis types) over the first devices that fit.
+
+  Devices are taken process by process, so with several processes the slowest axis (`replica`)
+  is the one that crosses them and the inner axes stay inside a process.
+  """
+  if devices is None:
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  devices = list(devices)
   shape = mesh_shape(requested, len(devices))
   n = math.prod(shape.values())
   device_grid = np.asarray(devices[:n]).reshape(tuple(shape[a] for a in AXES))

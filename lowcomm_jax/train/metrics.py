@@ -11,9 +11,17 @@ from tensorboardX import SummaryWriter
 
 
 class MetricWriter:
-  """Writes each logged step to metrics.jsonl and TensorBoard; shows a bar or plain lines."""
+  """Writes each logged step to metrics.jsonl and TensorBoard; shows a bar or plain lines.
 
-  def __init__(self, workdir: pathlib.Path, num_steps: int, start_step: int, progress_bar: bool):
+  Disabled (`enabled=False`: every process of a multi-process run but the first), it writes and
+  prints nothing, so a run directory holds one copy of each.
+  """
+
+  def __init__(self, workdir: pathlib.Path, num_steps: int, start_step: int, progress_bar: bool,
+               enabled: bool = True):
+    self.enabled = enabled
+    if not enabled:
+      return
     self.path = pathlib.Path(workdir) / "metrics.jsonl"
     self._truncate_after(start_step)
     self._file = self.path.open("a")
@@ -31,6 +39,8 @@ class MetricWriter:
       self.path.write_text("".join(l + "\n" for l in kept))
 
   def write(self, step: int, metrics: dict) -> None:
+    if not self.enabled:
+      return
     record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
@@ -45,6 +55,8 @@ class MetricWriter:
     self._last_step = step
 
   def close(self) -> None:
+    if not self.enabled:
+      return
     self._file.close()
     self._tb.close()
     if self._bar is not None:

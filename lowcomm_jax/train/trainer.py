@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lowcomm_jax import comm
 from lowcomm_jax import config as config_lib
+from lowcomm_jax import distributed
 from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax import sharding
 from lowcomm_jax.data import pipeline
@@ -32,7 +33,7 @@ from lowcomm_jax.train import algorithms, checkpoint, metrics as metrics_lib, st
 
 def measure_peak_flops(device=None, size: int = 1024, seconds: float = 0.3) -> float:
   """FLOP/s of a float32 matmul on one device: the reference peak for MFU on a CPU."""
-  device = device or jax.devices()[0]
+  device = device or jax.local_devices()[0]
   a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
   matmul = jax.jit(lambda x: x @ x)
   matmul(a).block_until_ready()
@@ -55,6 +56,7 @@ class Trainer:
     self.config = config
     self.workdir = pathlib.Path(workdir)
     self.mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
+    distributed.check_mesh(self.mesh, config.num_replicas)
     data_ways = self.mesh.shape[mesh_lib.DATA]
     if config.data.batch_size % data_ways:
       raise ValueError(f"data.batch_size={config.data.batch_size} is not divisible by the mesh's "
@@ -119,12 +121,11 @@ class Trainer:
     template = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                             abstract, shardings)
     ckpt = checkpoint.Checkpointer(self.workdir, self.config.checkpoint.keep)
-    step = ckpt.latest_step()
-    if step is None:
-      raise ValueError(f"{self.workdir} has no checkpoint to restore")
-    state, _ = ckpt.restore(step, template)
+    restored = ckpt.restore_latest(template)
     ckpt.close()
-    return state
+    if restored is None:
+      raise ValueError(f"{self.workdir} has no checkpoint to restore")
+    return restored[1]
 
   def _init_fn(self, params):
     params_r, opt_state = self.algorithm.init(params)
@@ -295,10 +296,13 @@ class Trainer:
         losses.update({f"eval_loss_replica_{i}": per_replica[i] for i in range(algorithm.num_replicas)})
       return losses
 
-    return jax.jit(eval_loss, in_shardings=(None, NamedSharding(self.mesh, P(mesh_lib.DATA, None))))
+    return jax.jit(eval_loss, in_shardings=(None, self.eval_sharding()))
 
-  def evaluate(self, eval_step, state, eval_batches: np.ndarray) -> dict:
-    losses = jax.device_get([eval_step(state, b) for b in eval_batches])
+  def eval_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P(mesh_lib.DATA, None))
+
+  def evaluate(self, eval_step, state, eval_batches) -> dict:
+    losses = distributed.fetch([eval_step(state, b) for b in eval_batches])
     return {k: float(np.mean([l[k] for l in losses])) for k in losses[0]}
 
   @staticmethod
@@ -311,42 +315,46 @@ class Trainer:
     return jnp.sqrt(squares / sum(x.size for x in leaves))
 
   def data_iterators(self, tokens):
+    """Iterators of the replicas this process feeds (all of them with a single process)."""
     c = self.config
     return [iter(pipeline.train_dataset(tokens, c.data.seq_len, c.data.batch_size, c.seed,
                                         shard_index=r, num_shards=c.num_replicas))
-            for r in range(c.num_replicas)]
+            for r in distributed.local_replicas(self.mesh, c.num_replicas)]
 
   # -- the run -----------------------------------------------------------------------------------
 
   def run(self) -> dict:
     c = self.config
     self.workdir.mkdir(parents=True, exist_ok=True)
-    if not self.resuming:
+    if not self.resuming and distributed.is_primary():
       (self.workdir / "config.json").write_text(json.dumps(
           {"config": json.loads(c.to_json_best_effort()),
            "fingerprint": config_lib.fingerprint(c)}, indent=1, default=str))
     splits = pipeline.load_splits(c.data.corpus, c.data.eval_permille)
     data_iters = self.data_iterators(splits.train)
-    eval_batches = pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
-                                         c.eval.num_batches)
+    eval_batches = [distributed.replicated_array(b, self.eval_sharding()) for b in pipeline.eval_batches(
+        splits.eval, c.data.seq_len, c.eval.batch_size, c.eval.num_batches)]
     state = self.init_state()
     eval_step = self.eval_fn()
 
     ckpt = checkpoint.Checkpointer(self.workdir, c.checkpoint.keep)
-    start = ckpt.latest_step() or 0
+    restored = ckpt.restore_latest(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+    start = restored[0] if restored else 0
     sent_bytes, peak_sync_bytes = 0.0, 0.0  # the ledger's bytes per worker, over the whole run
     if start:
-      state, data_state = ckpt.restore(start, jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
-      for it, s in zip(data_iters, data_state["replicas"]):
+      _, state, data_state = restored
+      mine = distributed.local_replicas(self.mesh, c.num_replicas)
+      for it, s in zip(data_iters, data_state["replicas"][mine.start:mine.stop]):
         it.set_state(s)
       sent_bytes, peak_sync_bytes = data_state["sent_bytes"], data_state["peak_sync_bytes"]
       if self.algorithm.streaming:  # refusals before the checkpoint were already reported
-        self._nonfinite_seen = dict(enumerate(np.asarray(state.opt_state.nonfinite).tolist()))
+        self._nonfinite_seen = dict(enumerate(distributed.fetch(state.opt_state.nonfinite).tolist()))
       print(f"resumed from {ckpt.directory}/{start}", flush=True)
 
     stop = c.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, c.num_steps)
-    writer = metrics_lib.MetricWriter(self.workdir, c.num_steps, start, c.progress_bar)
+    writer = metrics_lib.MetricWriter(self.workdir, c.num_steps, start, c.progress_bar,
+                                      enabled=distributed.is_primary())
     tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
     flops_per_token = model_config.flops_per_token(self.model_cfg, c.data.seq_len)
     peak = c.hardware.peak_flops_per_device or measure_peak_flops()
@@ -356,19 +364,20 @@ class Trainer:
     for step in range(start + 1, stop + 1):
       phase = self.algorithm.phase_at(step)
       program, entries = self.program(phase, state)
-      batch = jax.device_put(np.stack([next(it) for it in data_iters]), self.batch_sharding())
+      batch = distributed.global_array(np.stack([next(it) for it in data_iters]), self.batch_sharding(),
+                                       (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
       state, step_metrics = program(state, batch)
       logged = {}
       if self.algorithm.streaming and phase.receive:
         self._check_nonfinite(state, step, phase)
       if self.algorithm.gossip and phase.grouping is not None:
-        logged["weight_spread"] = float(self.weight_spread(state.opt_state.slow))
+        logged["weight_spread"] = float(distributed.fetch(self.weight_spread(state.opt_state.slow)))
       step_bytes = sum(e.sent_bytes for e in entries)
       sent_bytes += step_bytes
       peak_sync_bytes = max(peak_sync_bytes, step_bytes)
       window_steps += 1
       if step % c.log_every == 0 or step == stop:
-        logged.update({k: float(np.mean(v)) for k, v in jax.device_get(step_metrics).items()})
+        logged.update({k: float(np.mean(v)) for k, v in distributed.fetch(step_metrics).items()})
         elapsed = time.perf_counter() - window_start
         if step - window_steps > start:  # the window holding the first step (compiles) is not timed
           timed_steps += window_steps
@@ -384,7 +393,7 @@ class Trainer:
       if logged:
         writer.write(step, logged)
       if step % c.checkpoint.every == 0 or step == stop:
-        ckpt.save(step, state, {"replicas": [it.get_state() for it in data_iters],
+        ckpt.save(step, state, {"replicas": distributed.gather_lists([it.get_state() for it in data_iters]),
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
     ckpt.close()
     writer.close()
@@ -396,21 +405,21 @@ class Trainer:
     if self.algorithm.gossip:  # no global model: each replica's loss and how far apart they are
       summary["final_eval_loss_replicas"] = [eval_losses.get(f"eval_loss_replica_{i}")
                                              for i in range(c.num_replicas)]
-      summary["final_weight_spread"] = float(self.weight_spread(state.opt_state.slow))
+      summary["final_weight_spread"] = float(distributed.fetch(self.weight_spread(state.opt_state.slow)))
     if c.network:
       step_seconds = c.hardware.step_seconds or tokens_per_step / tokens_per_s
       summary["network"] = c.network
       summary["simulated_step_seconds"] = step_seconds
       summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
-    if stop == c.num_steps:
+    if stop == c.num_steps and distributed.is_primary():
       (self.workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     self.final_state = state
-    self.final_data_state = [it.get_state() for it in data_iters]
+    self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
     return summary
 
   def _check_nonfinite(self, state, step: int, phase) -> None:
     """Applies diloco.nonfinite after a step that applied fragments: raise, or log and go on."""
-    counts = np.asarray(jax.device_get(state.opt_state.nonfinite))
+    counts = distributed.fetch(state.opt_state.nonfinite)
     bad = [p for p in phase.receive if counts[p] > self._nonfinite_seen.get(p, 0)]
     for p in bad:
       self._nonfinite_seen[p] = int(counts[p])
