@@ -1,0 +1,140 @@
+"""Runs experiments/train.py as N processes on this machine, joined by jax.distributed on 127.0.0.1.
+
+  python experiments/launch_local.py --num_processes=2 -- \
+      --config=experiments/configs/diloco.py:tiny --workdir=runs/diloco_2proc --config.mesh.replica=2
+
+Everything after `--` goes to every process unchanged; the launcher adds --coordinator_address
+(127.0.0.1 and a free port), --num_processes and --process_id, and gives each process
+--devices_per_process fake CPU devices. Their output is streamed with a `[i]` prefix. When one
+process fails, the others are stopped at once and the launcher prints which process failed with
+its exit status, then every process's last lines, and exits non-zero (the failed process's code, or
+128 + its signal). Rerunning the same command resumes from the last complete checkpoint.
+
+This is a stand-in for a cluster scheduler on one machine (tests, debugging); on real clusters
+every host runs train.py itself (README, "Multi-host").
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app, flags
+
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start (>= 1).")
+_DEVICES = flags.DEFINE_integer("devices_per_process", 1, "Fake CPU devices in each process.")
+_TAIL = flags.DEFINE_integer("tail_lines", 20, "Lines of each process shown when one fails.")
+_SCRIPT = pathlib.Path(__file__).resolve().parent / "train.py"
+_STACK_FRAME = re.compile(r"\s+@\s+0x[0-9a-f]+ ")
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on right now."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def child_env(devices: int) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={devices}".strip()
+  return env
+
+
+def describe(returncode: int | None) -> str:
+  if returncode is None:
+    return "still running"
+  if returncode < 0:
+    return f"killed by signal {signal.Signals(-returncode).name}"
+  return f"exit status {returncode}"
+
+
+class Process:
+  """One child and a thread that prints its lines with a prefix and keeps the last few."""
+
+  def __init__(self, index: int, command: list[str], env: dict, tail: int, lock: threading.Lock):
+    self.index, self.lock = index, lock
+    self.lines = collections.deque(maxlen=tail)
+    self.popen = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, errors="replace")
+    self.thread = threading.Thread(target=self._pump, daemon=True)
+    self.thread.start()
+
+  def _pump(self) -> None:
+    for line in self.popen.stdout:
+      line = line.rstrip("\n")
+      if not _STACK_FRAME.match(line):  # C++ stack frames would push the telling lines out
+        self.lines.append(line)
+      with self.lock:
+        print(f"[{self.index}] {line}", flush=True)
+
+
+def stop_all(processes: list[Process], grace_seconds: float = 5.0) -> None:
+  """SIGTERM to every running child, SIGKILL to those still running after the grace period."""
+  for p in processes:
+    if p.popen.poll() is None:
+      p.popen.send_signal(signal.SIGTERM)
+  deadline = time.monotonic() + grace_seconds
+  for p in processes:
+    try:
+      p.popen.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      p.popen.kill()
+      p.popen.wait()
+  for p in processes:
+    p.thread.join(timeout=5)
+
+
+def launch(num_processes: int, devices: int, train_args: list[str], tail: int) -> int:
+  """Runs the processes to the end; returns 0, or the failed process's code (128 + signal)."""
+  address = f"127.0.0.1:{free_port()}"
+  lock, processes = threading.Lock(), []
+  try:
+    for i in range(num_processes):
+      command = [sys.executable, str(_SCRIPT), *train_args, f"--coordinator_address={address}",
+                 f"--num_processes={num_processes}", f"--process_id={i}"]
+      processes.append(Process(i, command, child_env(devices), tail, lock))
+      with lock:
+        print(f"launch_local: process {i} is pid {processes[-1].popen.pid}", flush=True)
+    failed = None
+    while failed is None and any(p.popen.poll() is None for p in processes):
+      failed = next((p for p in processes if p.popen.poll() not in (None, 0)), None)
+      time.sleep(0.05)
+    failed = failed or next((p for p in processes if p.popen.returncode != 0), None)
+  finally:
+    stop_all(processes)
+  if failed is None:
+    print(f"launch_local: all {num_processes} processes finished", flush=True)
+    return 0
+  code = failed.popen.returncode
+  report = [f"launch_local: process {failed.index} (pid {failed.popen.pid}) failed: {describe(code)}; "
+            "the others were stopped"]
+  for p in processes:
+    state = describe(p.popen.returncode) if p is failed else f"ended with {describe(p.popen.returncode)}"
+    report.append(f"--- process {p.index}, {state}; its last {len(p.lines)} lines:")
+    report.extend(f"[{p.index}] {line}" for line in p.lines)
+  print("\n".join(report), file=sys.stderr, flush=True)
+  return code if code > 0 else 128 - code
+
+
+def main(argv):
+  if _NUM_PROCESSES.value < 1 or _DEVICES.value < 1:
+    raise app.UsageError("--num_processes and --devices_per_process must be >= 1")
+  if len(argv) < 2:
+    raise app.UsageError("give train.py's flags after --, e.g. -- --config=... --workdir=...")
+  # A launcher stopped by SIGTERM stops its processes too (the `finally` in launch).
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  sys.exit(launch(_NUM_PROCESSES.value, _DEVICES.value, argv[1:], _TAIL.value))
+
+
+if __name__ == "__main__":
+  app.run(main)
