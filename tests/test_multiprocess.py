@@ -35,7 +35,7 @@ COMMON = {"model.size": "tiny", "num_steps": 8, "diloco.sync_every": 4, "data.se
           "hardware.peak_flops_per_device": 1e10, "distributed.timeout_seconds": 20}
 STREAMING = {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
              "diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1,
-             "diloco.merge_alpha": 0.5, "num_steps": 12, "checkpoint.every": 3}
+             "diloco.merge_alpha": 0.5, "num_steps": 12}
 
 
 def make_config(changes: dict):
@@ -95,7 +95,7 @@ def single_process(tmp_path, num_replicas: int, changes: dict):
 def streaming_two_processes(tmp_path_factory):
   """An uninterrupted 2-process Streaming DiLoCo run (P=2, τ=1, α=0.5), shared by two tests."""
   workdir = tmp_path_factory.mktemp("streaming2") / "run"
-  proc = launch(2, workdir, multiprocess_changes(2, STREAMING))
+  proc = launch(2, workdir, multiprocess_changes(2, STREAMING))  # one checkpoint: the last step
   assert proc.returncode == 0, proc.stderr[-3000:]
   return workdir
 
@@ -141,7 +141,7 @@ def test_sigkill_mid_round_then_restart_ends_with_the_uninterrupted_parameters(
       os.kill(pids[1], signal.SIGKILL)
       killed.append(steps[-1])
 
-  changes = multiprocess_changes(2, STREAMING)
+  changes = multiprocess_changes(2, {**STREAMING, "checkpoint.every": 3})  # a runtime key
   crashed = launch(2, workdir, changes, kill_process_1_after_step_7)
   assert killed, "the run ended before process 1 could be killed"
   assert crashed.returncode == 128 + signal.SIGKILL
@@ -149,8 +149,9 @@ def test_sigkill_mid_round_then_restart_ends_with_the_uninterrupted_parameters(
   assert "--- process 0, ended with" in crashed.stderr
   assert crashed.stderr.split("--- process 0")[1].split("--- process 1")[0].count("\n[0] ") >= 5
   assert not (workdir / "summary.json").exists()
+  # Saves are asynchronous: the one of step 6 may still have been in flight, and is then not used.
   last_complete = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-  assert 6 <= last_complete < 12
+  assert last_complete in (3, 6)
 
   resumed = launch(2, workdir, changes)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
