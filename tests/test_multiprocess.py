@@ -26,33 +26,31 @@ from lowcomm_jax.train import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "experiments" / "launch_local.py"
-CONFIG_FILE = ROOT / "experiments" / "configs" / "diloco.py"
+CONFIGS = ROOT / "experiments" / "configs"
 TOLERANCE = 1e-5
 
 COMMON = {"model.size": "tiny", "num_steps": 8, "diloco.sync_every": 4, "data.seq_len": 32,
           "data.batch_size": 4, "eval.batch_size": 4, "eval.num_batches": 1, "eval.every": 1000,
           "checkpoint.every": 1000, "log_every": 1, "progress_bar": False,
           "hardware.peak_flops_per_device": 1e10, "distributed.timeout_seconds": 20}
+NOLOCO = {"noloco.sync_every": 4, "noloco.group_size": 2}
 STREAMING = {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
              "diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1,
              "diloco.merge_alpha": 0.5, "num_steps": 12}
 
 
-def make_config(changes: dict):
-  spec = importlib.util.spec_from_file_location("diloco_config", CONFIG_FILE)
+def make_config(config_file: str, changes: dict):
+  spec = importlib.util.spec_from_file_location("experiment_config", CONFIGS / config_file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  c = module.get_config("tiny")
-  for key, value in changes.items():
-    section, _, name = key.rpartition(".")
-    (c[section] if section else c)[name] = value
-  return c
+  return config_lib.override(module.get_config("tiny"), changes)
 
 
-def launch(num_processes: int, workdir, changes: dict, on_line=None) -> subprocess.CompletedProcess:
+def launch(num_processes: int, workdir, changes: dict, on_line=None,
+           config_file: str = "diloco.py") -> subprocess.CompletedProcess:
   """Runs launch_local.py to the end; `on_line(line, popen)` sees each line of its stdout."""
   command = [sys.executable, str(LAUNCHER), f"--num_processes={num_processes}", "--",
-             f"--config={CONFIG_FILE}:tiny", f"--workdir={workdir}",
+             f"--config={CONFIGS / config_file}:tiny", f"--workdir={workdir}",
              *(f"--config.{k}={v}" for k, v in changes.items())]
   popen = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=dict(os.environ))
@@ -83,8 +81,8 @@ def max_abs_diff(a, b) -> float:
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-def single_process(tmp_path, num_replicas: int, changes: dict):
-  c = make_config({**COMMON, "num_replicas": num_replicas, "mesh.replica": 1, "mesh.data": 1,
+def single_process(tmp_path, num_replicas: int, changes: dict, config_file: str = "diloco.py"):
+  c = make_config(config_file, {**COMMON, "num_replicas": num_replicas, "mesh.replica": 1, "mesh.data": 1,
                    **changes})
   trainer = Trainer(c, tmp_path / f"single{num_replicas}", devices=jax.devices()[:1])
   trainer.run()
@@ -100,18 +98,20 @@ def streaming_two_processes(tmp_path_factory):
   return workdir
 
 
-@pytest.mark.parametrize("num_processes", [2, 4])
-def test_diloco_processes_match_the_single_process_simulation(tmp_path, num_processes):
-  proc = launch(num_processes, tmp_path / "multi", multiprocess_changes(num_processes, {}))
+@pytest.mark.parametrize("config_file,num_processes,changes", [
+    ("diloco.py", 2, {}), ("diloco.py", 4, {}), ("noloco.py", 2, NOLOCO)])
+def test_processes_match_the_single_process_simulation(tmp_path, config_file, num_processes, changes):
+  proc = launch(num_processes, tmp_path / "multi", multiprocess_changes(num_processes, changes),
+                config_file=config_file)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"launch_local: all {num_processes} processes finished" in proc.stdout
   # Only process 0 writes the run's files; every process wrote its shard of the checkpoint.
   assert "[0] summary:" in proc.stdout and "[1] summary:" not in proc.stdout
   summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
   assert summary["mesh"]["replica"] == num_processes and summary["steps"] == 8
-  reference = single_process(tmp_path, num_processes, {})
+  reference = single_process(tmp_path, num_processes, changes, config_file)
   diff = max_abs_diff(restored(tmp_path / "multi"), reference)
-  print(f"diloco, {num_processes} processes vs single process: max abs diff {diff:.3g}")
+  print(f"{config_file}, {num_processes} processes vs single process: max abs diff {diff:.3g}")
   assert diff < TOLERANCE
 
 
