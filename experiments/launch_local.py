@@ -34,6 +34,8 @@ _DEVICES = flags.DEFINE_integer("devices_per_process", 1, "Fake CPU devices in e
 _TAIL = flags.DEFINE_integer("tail_lines", 20, "Lines of each process shown when one fails.")
 _SCRIPT = pathlib.Path(__file__).resolve().parent / "train.py"
 _STACK_FRAME = re.compile(r"\s+@\s+0x[0-9a-f]+ ")
+# How JAX's runtime names a process that missed its heartbeats (distributed.timeout_seconds).
+_SILENT = re.compile(r"Task (\d+) heartbeat timeout|stopped sending heartbeats\):\s*(\d+)")
 
 
 def free_port() -> int:
@@ -48,6 +50,12 @@ def child_env(devices: int) -> dict:
   xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
   env["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={devices}".strip()
   return env
+
+
+def silent_processes(lines) -> list[int]:
+  """Process ids the runtime reported as no longer sending heartbeats, in the given lines."""
+  found = _SILENT.findall("\n".join(lines))
+  return sorted({int(a or b) for a, b in found})
 
 
 def describe(returncode: int | None) -> str:
@@ -83,6 +91,7 @@ def stop_all(processes: list[Process], grace_seconds: float = 5.0) -> None:
   for p in processes:
     if p.popen.poll() is None:
       p.popen.send_signal(signal.SIGTERM)
+      p.popen.send_signal(signal.SIGCONT)  # a frozen process gets its SIGTERM now
   deadline = time.monotonic() + grace_seconds
   for p in processes:
     try:
@@ -122,6 +131,9 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int) -
     state = describe(p.popen.returncode) if p is failed else f"ended with {describe(p.popen.returncode)}"
     report.append(f"--- process {p.index}, {state}; its last {len(p.lines)} lines:")
     report.extend(f"[{p.index}] {line}" for line in p.lines)
+  for index in silent_processes(line for p in processes for line in p.lines):
+    report.append(f"launch_local: process {index} stopped answering: no heartbeat within "
+                  "distributed.timeout_seconds, so the runtime stopped the others")
   print("\n".join(report), file=sys.stderr, flush=True)
   return code if code > 0 else 128 - code
 

@@ -1,0 +1,99 @@
+"""Faults in real multi-process runs: SIGKILL mid-round then a restart, a frozen process, a crash
+reported by the launcher. The kill-restart run is compared bit for bit to the same uninterrupted
+2-process Streaming DiLoCo run, which is itself compared to the single-process simulation."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from launching import (STREAMING, TOLERANCE, launch, max_abs_diff, multiprocess_changes, restored,
+                       run_streaming_two_processes, single_process)
+
+
+@pytest.fixture(scope="module")
+def streaming_two_processes(tmp_path_factory):
+  """The uninterrupted run that two tests compare to."""
+  workdir = tmp_path_factory.mktemp("streaming2") / "run"
+  run_streaming_two_processes(workdir)
+  return workdir
+
+
+def test_streaming_diloco_two_processes_match_the_single_process_simulation(
+    tmp_path, streaming_two_processes):
+  reference = single_process(tmp_path, 2, STREAMING)
+  diff = max_abs_diff(restored(streaming_two_processes), reference)
+  print(f"streaming diloco, 2 processes vs single process: max abs diff {diff:.3g}")
+  assert diff < TOLERANCE
+
+
+def test_sigkill_mid_round_then_restart_ends_with_the_uninterrupted_parameters(
+    tmp_path, streaming_two_processes):
+  workdir = tmp_path / "killed"
+  metrics = workdir / "metrics.jsonl"
+  pids, killed = {}, []
+
+  def kill_process_1_after_step_7(line, popen):
+    if line.startswith("launch_local: process"):
+      index, pid = line.split()[2], int(line.split()[-1])
+      pids[int(index)] = pid
+    if killed or not metrics.exists():
+      return
+    steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines() if l.endswith("}")]
+    if steps and steps[-1] >= 7:  # after the checkpoint of step 6, in the round ending at step 8
+      os.kill(pids[1], signal.SIGSTOP)  # frozen wherever it is, then killed there
+      os.kill(pids[1], signal.SIGKILL)
+      killed.append(steps[-1])
+
+  changes = multiprocess_changes(2, {**STREAMING, "checkpoint.every": 3})  # a runtime key
+  crashed = launch(2, workdir, changes, kill_process_1_after_step_7)
+  assert killed, "the run ended before process 1 could be killed"
+  assert crashed.returncode == 128 + signal.SIGKILL
+  assert f"process 1 (pid {pids[1]}) failed: killed by signal SIGKILL" in crashed.stderr
+  assert "--- process 0, ended with" in crashed.stderr
+  assert crashed.stderr.split("--- process 0")[1].split("--- process 1")[0].count("\n[0] ") >= 5
+  assert not (workdir / "summary.json").exists()
+  # Saves are asynchronous: the one of step 6 may still have been in flight, and is then not used.
+  last_complete = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert last_complete in (3, 6)
+
+  resumed = launch(2, workdir, changes)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"[0] resumed from {workdir.absolute()}/checkpoints/{last_complete}" in resumed.stdout
+  assert f"[1] resumed from {workdir.absolute()}/checkpoints/{last_complete}" in resumed.stdout
+  diff = max_abs_diff(restored(workdir), restored(streaming_two_processes))
+  print(f"killed at step {killed[0]}, resumed from {last_complete}: max abs diff {diff}")
+  assert diff == 0.0
+  steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+  assert steps == list(range(1, 13))
+
+
+def test_a_process_that_stops_answering_stops_the_others_naming_it(tmp_path):
+  timeout = 5  # distributed.timeout_seconds: JAX's heartbeat timeout
+  pids, frozen_at = {}, []
+
+  def freeze_process_1_after_step_1(line, popen):
+    if line.startswith("launch_local: process"):
+      pids[int(line.split()[2])] = int(line.split()[-1])
+    if not frozen_at and line.startswith("[0] step 1:"):
+      os.kill(pids[1], signal.SIGSTOP)  # alive but silent, as a hung host or a stuck NIC
+      frozen_at.append(time.monotonic())
+
+  proc = launch(2, tmp_path / "run", multiprocess_changes(
+      2, {"distributed.timeout_seconds": timeout}), freeze_process_1_after_step_1)
+  elapsed = time.monotonic() - frozen_at[0]
+  print(f"process 1 frozen: the launcher exited {elapsed:.1f} s later")
+  assert proc.returncode != 0
+  assert "launch_local: process 0" in proc.stderr and "failed: killed by signal SIGABRT" in proc.stderr
+  assert "launch_local: process 1 stopped answering: no heartbeat within" in proc.stderr
+  assert elapsed < timeout + 25  # detection, then the launcher's 5 s grace for the others
+
+
+def test_launcher_reports_a_failed_process_with_its_status_and_last_lines(tmp_path):
+  proc = launch(2, tmp_path / "bad", {"num_steps": 0})
+  assert proc.returncode == 1
+  assert "failed: exit status 1; the others were stopped" in proc.stderr
+  assert "num_steps must be >= 1, got 0" in proc.stderr
+  assert not (tmp_path / "bad").exists()
