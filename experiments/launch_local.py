@@ -72,14 +72,18 @@ class Process:
   def __init__(self, index: int, command: list[str], env: dict, tail: int, lock: threading.Lock):
     self.index, self.lock = index, lock
     self.lines = collections.deque(maxlen=tail)
+    self.silent_peers: set[int] = set()  # processes this one's runtime reported without heartbeat
     self.popen = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, errors="replace")
     self.thread = threading.Thread(target=self._pump, daemon=True)
     self.thread.start()
 
   def _pump(self) -> None:
+    previous = ""
     for line in self.popen.stdout:
       line = line.rstrip("\n")
+      self.silent_peers.update(silent_processes([previous, line]))  # the id may follow on a new line
+      previous = line
       if not _STACK_FRAME.match(line):  # C++ stack frames would push the telling lines out
         self.lines.append(line)
       with self.lock:
@@ -103,15 +107,20 @@ def stop_all(processes: list[Process], grace_seconds: float = 5.0) -> None:
     p.thread.join(timeout=5)
 
 
-def launch(num_processes: int, devices: int, train_args: list[str], tail: int) -> int:
-  """Runs the processes to the end; returns 0, or the failed process's code (128 + signal)."""
-  address = f"127.0.0.1:{free_port()}"
+def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
+           coordinator_host: str = "127.0.0.1", wrap=lambda index, command: command) -> int:
+  """Runs the processes to the end; returns 0, or the failed process's code (128 + signal).
+
+  `wrap(i, command)` may prefix process i's command (benchmarks/slow_link.py runs each process in
+  its own network namespace, where process 0's coordinator listens on `coordinator_host`).
+  """
+  address = f"{coordinator_host}:{free_port()}"
   lock, processes = threading.Lock(), []
   try:
     for i in range(num_processes):
       command = [sys.executable, str(_SCRIPT), *train_args, f"--coordinator_address={address}",
                  f"--num_processes={num_processes}", f"--process_id={i}"]
-      processes.append(Process(i, command, child_env(devices), tail, lock))
+      processes.append(Process(i, wrap(i, command), child_env(devices), tail, lock))
       with lock:
         print(f"launch_local: process {i} is pid {processes[-1].popen.pid}", flush=True)
     failed = None
@@ -131,7 +140,7 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int) -
     state = describe(p.popen.returncode) if p is failed else f"ended with {describe(p.popen.returncode)}"
     report.append(f"--- process {p.index}, {state}; its last {len(p.lines)} lines:")
     report.extend(f"[{p.index}] {line}" for line in p.lines)
-  for index in silent_processes(line for p in processes for line in p.lines):
+  for index in sorted(set().union(*(p.silent_peers for p in processes))):
     report.append(f"launch_local: process {index} stopped answering: no heartbeat within "
                   "distributed.timeout_seconds, so the runtime stopped the others")
   print("\n".join(report), file=sys.stderr, flush=True)

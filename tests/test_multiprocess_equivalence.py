@@ -25,12 +25,3 @@ def test_processes_match_the_single_process_simulation(tmp_path, config_file, nu
   diff = max_abs_diff(restored(tmp_path / "multi"), reference)
   print(f"{config_file}, {num_processes} processes vs single process: max abs diff {diff:.3g}")
   assert diff < TOLERANCE
-
-
-def test_streaming_diloco_two_processes_match_the_single_process_simulation(
-    tmp_path, streaming_two_processes):
-  reference = single_process(tmp_path, 2, STREAMING)
-  diff = max_abs_diff(restored(streaming_two_processes), reference)
-  print(f"streaming diloco, 2 processes vs single process: max abs diff {diff:.3g}")
-  assert diff < TOLERANCE
-

@@ -1,0 +1,138 @@
+"""Wall time of DiLoCo and Streaming DiLoCo (with overlap) between two processes on a shaped link,
+next to the virtual clock's prediction for the same link.
+
+  python benchmarks/slow_link.py [--link=100Mbit,10ms --steps=60 --warm_steps=20]   # as root
+
+Two network namespaces joined by a veth pair; `tc netem` gives each direction the link's rate and
+one-way delay. Process 0 (the coordinator) runs in one namespace and process 1 in the other,
+through experiments/launch_local.py, so every byte between them (gloo's all-reduces, the runtime's
+heartbeats) crosses the shaped link. Each algorithm runs twice, on the unshaped veth and on the
+shaped one; the time of steps warm_steps+1 .. steps (all programs compiled by then, no eval, two
+metric gathers) comes from metrics.jsonl. The prediction: lowcomm_jax.sim.clock on the run's own
+collectives, with the per-step compute time of the unshaped run. Writes
+benchmarks/results/slow_link.json. Needs root, `ip` and `tc` (iproute2); the namespaces and the
+veth pair are removed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from absl import app, flags
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+_LINK = flags.DEFINE_string("link", "100Mbit,10ms", "Rate and one-way delay of the shaped link.")
+_STEPS = flags.DEFINE_integer("steps", 60, "Steps per run.")
+_WARM = flags.DEFINE_integer("warm_steps", 20, "Steps before the timed window (compiles).")
+_OUT = flags.DEFINE_string("out", str(ROOT / "benchmarks" / "results" / "slow_link.json"),
+                           "Where to write the results.")
+
+NAMESPACES = ("lcj_slow0", "lcj_slow1")
+ADDRESSES = ("10.231.7.1", "10.231.7.2")  # inside the namespaces only
+RUNS = {
+    "diloco H=10": {"algorithm": "diloco"},
+    "streaming P=2 τ=2 α=0.5 H=10": {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
+                                      "diloco.non_block_fragment": "fold",
+                                      "diloco.overlap_steps": 2, "diloco.merge_alpha": 0.5},
+}
+COMMON = {"model.size": "small", "num_replicas": 2, "mesh.replica": 2, "diloco.sync_every": 10,
+          "data.batch_size": 8, "data.seq_len": 128, "eval.every": 100000,
+          "checkpoint.every": 100000, "progress_bar": False,
+          "hardware.peak_flops_per_device": 1e10}
+
+
+def sh(*args: str) -> None:
+  subprocess.run(args, check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def veth_pair():
+  """Two namespaces joined by a veth pair; yields a function that (re)shapes both ends."""
+  for ns in NAMESPACES:
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # leftovers of a killed run
+    sh("ip", "netns", "add", ns)
+  try:
+    sh("ip", "link", "add", "lcj_veth0", "netns", NAMESPACES[0], "type", "veth", "peer", "name",
+       "lcj_veth1", "netns", NAMESPACES[1])
+    for i, ns in enumerate(NAMESPACES):
+      sh("ip", "-n", ns, "addr", "add", f"{ADDRESSES[i]}/30", "dev", f"lcj_veth{i}")
+      sh("ip", "-n", ns, "link", "set", f"lcj_veth{i}", "up")
+      sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def shape(rate: str | None, delay: str | None) -> None:
+      for i, ns in enumerate(NAMESPACES):
+        subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", f"lcj_veth{i}", "root"],
+                       capture_output=True)
+        if rate:
+          sh("tc", "-n", ns, "qdisc", "add", "dev", f"lcj_veth{i}", "root", "netem", "delay", delay,
+             "rate", rate, "limit", "100000")
+
+    yield shape
+  finally:
+    for ns in NAMESPACES:
+      subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def timed_window(workdir: pathlib.Path) -> float:
+  times = {m["step"]: m["time"] for m in map(json.loads, (workdir / "metrics.jsonl").open())}
+  return times[_STEPS.value] - times[_WARM.value]
+
+
+def run(changes: dict, workdir: pathlib.Path) -> float:
+  import launch_local  # pylint: disable=g-import-not-at-top
+  flags_ = [f"--config={ROOT / 'experiments' / 'configs' / 'diloco.py'}", f"--workdir={workdir}",
+            *(f"--config.{k}={v}" for k, v in changes.items())]
+  code = launch_local.launch(2, 1, flags_, 20, coordinator_host=ADDRESSES[0],
+                             wrap=lambda i, cmd: ["ip", "netns", "exec", NAMESPACES[i], *cmd])
+  if code:
+    raise RuntimeError(f"the run in {workdir} failed with {code}")
+  return timed_window(workdir)
+
+
+def predicted_window(changes: dict, step_seconds: float) -> float:
+  """The virtual clock's time of the same window: the run's collectives on the declared link."""
+  from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import Trainer  # pylint: disable=g-import-not-at-top
+  c = config_lib.override(config_lib.default_config(), {**changes, "mesh.replica": 1,
+                                                         "network": _LINK.value})
+  with tempfile.TemporaryDirectory() as tmp:
+    trainer = Trainer(c, tmp)
+    state = trainer.init_state()
+    return (trainer.simulated_wall_time(_STEPS.value, step_seconds, state)
+            - trainer.simulated_wall_time(_WARM.value, step_seconds, state))
+
+
+def main(argv):
+  del argv
+  rate, delay = _LINK.value.split(",")
+  window = _STEPS.value - _WARM.value
+  results = {"link": _LINK.value, "steps": _STEPS.value, "warm_steps": _WARM.value, "runs": {}}
+  with veth_pair() as shape, tempfile.TemporaryDirectory() as tmp:
+    for name, extra in RUNS.items():
+      changes = {**COMMON, **extra, "num_steps": _STEPS.value + 1, "stop_at_step": _STEPS.value,
+                 "log_every": _WARM.value}
+      shape(None, None)
+      fast = run(changes, pathlib.Path(tmp) / f"{len(results['runs'])}_fast")
+      shape(rate.lower(), delay)
+      slow = run(changes, pathlib.Path(tmp) / f"{len(results['runs'])}_slow")
+      predicted = predicted_window(changes, fast / window)
+      results["runs"][name] = {"unshaped_s": fast, "shaped_s": slow, "predicted_shaped_s": predicted,
+                               "measured_comm_s": slow - fast, "predicted_comm_s": predicted - fast}
+  print(f"\nlink {_LINK.value}, steps {_WARM.value + 1}..{_STEPS.value} (2 processes, `small` model)")
+  print(f"{'run':32} {'unshaped s':>10} {'shaped s':>9} {'clock s':>8} {'comm meas.':>10} "
+        f"{'comm pred.':>10}")
+  for name, r in results["runs"].items():
+    print(f"{name:32} {r['unshaped_s']:10.2f} {r['shaped_s']:9.2f} {r['predicted_shaped_s']:8.2f} "
+          f"{r['measured_comm_s']:10.2f} {r['predicted_comm_s']:10.2f}")
+  pathlib.Path(_OUT.value).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)
