@@ -92,8 +92,10 @@ def test_a_process_that_stops_answering_stops_the_others_naming_it(tmp_path):
 
 
 def test_launcher_reports_a_failed_process_with_its_status_and_last_lines(tmp_path):
-  proc = launch(2, tmp_path / "bad", {"num_steps": 0})
+  # The replica axis must span the processes: refused in every process before anything is written.
+  proc = launch(2, tmp_path / "bad", multiprocess_changes(2, {"mesh.replica": 1}))
   assert proc.returncode == 1
   assert "failed: exit status 1; the others were stopped" in proc.stderr
-  assert "num_steps must be >= 1, got 0" in proc.stderr
+  assert ("ValueError: mesh.replica=1 must be a multiple of the 2 processes (the replica axis "
+          "spans processes") in proc.stderr
   assert not (tmp_path / "bad").exists()

@@ -332,8 +332,9 @@ class Trainer:
            "fingerprint": config_lib.fingerprint(c)}, indent=1, default=str))
     splits = pipeline.load_splits(c.data.corpus, c.data.eval_permille)
     data_iters = self.data_iterators(splits.train)
-    eval_batches = [distributed.replicated_array(b, self.eval_sharding()) for b in pipeline.eval_batches(
-        splits.eval, c.data.seq_len, c.eval.batch_size, c.eval.num_batches)]
+    eval_batches = [distributed.replicated_array(b, self.eval_sharding())
+                    for b in pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
+                                                   c.eval.num_batches)]
     state = self.init_state()
     eval_step = self.eval_fn()
 
@@ -364,8 +365,9 @@ class Trainer:
     for step in range(start + 1, stop + 1):
       phase = self.algorithm.phase_at(step)
       program, entries = self.program(phase, state)
-      batch = distributed.global_array(np.stack([next(it) for it in data_iters]), self.batch_sharding(),
-                                       (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
+      batch = distributed.global_array(  # this process's replicas only
+          np.stack([next(it) for it in data_iters]), self.batch_sharding(),
+          (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
       state, step_metrics = program(state, batch)
       logged = {}
       if self.algorithm.streaming and phase.receive:
@@ -393,7 +395,8 @@ class Trainer:
       if logged:
         writer.write(step, logged)
       if step % c.checkpoint.every == 0 or step == stop:
-        ckpt.save(step, state, {"replicas": distributed.gather_lists([it.get_state() for it in data_iters]),
+        data_states = distributed.gather_lists([it.get_state() for it in data_iters])
+        ckpt.save(step, state, {"replicas": data_states,
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
     ckpt.close()
     writer.close()
