@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,10 +56,17 @@ def sh(*args: str) -> None:
 
 @contextlib.contextmanager
 def veth_pair():
-  """Two namespaces joined by a veth pair; yields a function that (re)shapes both ends."""
-  for ns in NAMESPACES:
+  """Two namespaces joined by a veth pair; yields a function that (re)shapes both ends.
+
+  gloo connects to the address this host's name resolves to: `ip netns exec` shows each namespace
+  its own /etc/netns/<name>/hosts, which maps the name to that namespace's end of the pair.
+  """
+  for i, ns in enumerate(NAMESPACES):
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # leftovers of a killed run
     sh("ip", "netns", "add", ns)
+    hosts = pathlib.Path("/etc/netns") / ns / "hosts"
+    hosts.parent.mkdir(parents=True, exist_ok=True)
+    hosts.write_text(f"127.0.0.1 localhost\n{ADDRESSES[i]} {socket.gethostname()}\n")
   try:
     sh("ip", "link", "add", "lcj_veth0", "netns", NAMESPACES[0], "type", "veth", "peer", "name",
        "lcj_veth1", "netns", NAMESPACES[1])
@@ -78,6 +87,7 @@ def veth_pair():
   finally:
     for ns in NAMESPACES:
       subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+      shutil.rmtree(pathlib.Path("/etc/netns") / ns, ignore_errors=True)
 
 
 def timed_window(workdir: pathlib.Path) -> float:

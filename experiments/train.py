@@ -40,10 +40,15 @@ def main(argv):
                          config.distributed.init_timeout_seconds)
   from lowcomm_jax import train  # pylint: disable=g-import-not-at-top
   summary = train.run(config, _WORKDIR.value)
-  if distributed.is_primary():
-    print(f"final eval loss {summary['final_eval_loss']:.4f}, "
-          f"{summary['tokens_per_s']:.0f} tokens/s, wall {summary['wall_time_s']:.0f} s")
-    print(f"summary: {summary['workdir']}/summary.json")
+  if not distributed.is_primary():
+    return
+  if summary["final_eval_loss"] is None:  # stopped early (stop_at_step): no summary.json yet
+    print(f"stopped after step {summary['steps']}, wall {summary['wall_time_s']:.0f} s; rerun "
+          "without --config.stop_at_step to go on")
+    return
+  print(f"final eval loss {summary['final_eval_loss']:.4f}, "
+        f"{summary['tokens_per_s']:.0f} tokens/s, wall {summary['wall_time_s']:.0f} s")
+  print(f"summary: {summary['workdir']}/summary.json")
 
 
 if __name__ == "__main__":
