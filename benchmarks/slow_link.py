@@ -1,11 +1,12 @@
 """Wall time of DiLoCo and Streaming DiLoCo (with overlap) between two processes on a shaped link,
 next to the virtual clock's prediction for the same link.
 
-  python benchmarks/slow_link.py [--link=100Mbit,10ms --steps=60 --warm_steps=20]   # as root
+  python benchmarks/slow_link.py [--link=20Mbit,0ms --steps=60 --warm_steps=20]   # as root
 
-Two network namespaces joined by a veth pair; `tc netem` gives each direction the link's rate and
-one-way delay. Process 0 (the coordinator) runs in one namespace and process 1 in the other,
-through experiments/launch_local.py, so every byte between them (gloo's all-reduces, the runtime's
+Two network namespaces joined by a veth pair; `tc` gives each direction the link's rate and
+one-way delay (netem; a link without delay uses tbf, for kernels without netem such as this
+sandbox's). Process 0 (the coordinator) runs in one namespace and process 1 in the other, through
+experiments/launch_local.py, so every byte between them (gloo's all-reduces, the runtime's
 heartbeats) crosses the shaped link. Each algorithm runs twice, on the unshaped veth and on the
 shaped one; the time of steps warm_steps+1 .. steps (all programs compiled by then, no eval, two
 metric gathers) comes from metrics.jsonl. The prediction: lowcomm_jax.sim.clock on the run's own
@@ -30,7 +31,7 @@ from absl import app, flags
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
-_LINK = flags.DEFINE_string("link", "100Mbit,10ms", "Rate and one-way delay of the shaped link.")
+_LINK = flags.DEFINE_string("link", "20Mbit,0ms", "Rate and one-way delay of the shaped link.")
 _STEPS = flags.DEFINE_integer("steps", 60, "Steps per run.")
 _WARM = flags.DEFINE_integer("warm_steps", 20, "Steps before the timed window (compiles).")
 _OUT = flags.DEFINE_string("out", str(ROOT / "benchmarks" / "results" / "slow_link.json"),
@@ -75,13 +76,21 @@ def veth_pair():
       sh("ip", "-n", ns, "link", "set", f"lcj_veth{i}", "up")
       sh("ip", "-n", ns, "link", "set", "lo", "up")
 
-    def shape(rate: str | None, delay: str | None) -> None:
+    def shape(link) -> None:
+      """Shapes both directions as `link` (a sim.network.Network), or removes the shaping (None)."""
       for i, ns in enumerate(NAMESPACES):
-        subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", f"lcj_veth{i}", "root"],
-                       capture_output=True)
-        if rate:
-          sh("tc", "-n", ns, "qdisc", "add", "dev", f"lcj_veth{i}", "root", "netem", "delay", delay,
+        dev = ["dev", f"lcj_veth{i}", "root"]
+        subprocess.run(["tc", "-n", ns, "qdisc", "del", *dev], capture_output=True)
+        if link is None:
+          continue
+        rate = f"{int(link.bandwidth_bits_per_s)}bit"
+        if link.latency_s:
+          sh("tc", "-n", ns, "qdisc", "add", *dev, "netem", "delay", f"{link.latency_s * 1e6:.0f}us",
              "rate", rate, "limit", "100000")
+        else:  # a bucket of 10 ms at the link's rate, and up to 1 s of queue
+          burst = max(16384, int(link.bandwidth_bits_per_s / 8 / 100))
+          sh("tc", "-n", ns, "qdisc", "add", *dev, "tbf", "rate", rate, "burst", str(burst),
+             "latency", "1s")
 
     yield shape
   finally:
@@ -121,16 +130,17 @@ def predicted_window(changes: dict, step_seconds: float) -> float:
 
 def main(argv):
   del argv
-  rate, delay = _LINK.value.split(",")
+  from lowcomm_jax.sim import network  # pylint: disable=g-import-not-at-top
+  link = network.parse_network(_LINK.value)
   window = _STEPS.value - _WARM.value
   results = {"link": _LINK.value, "steps": _STEPS.value, "warm_steps": _WARM.value, "runs": {}}
   with veth_pair() as shape, tempfile.TemporaryDirectory() as tmp:
     for name, extra in RUNS.items():
       changes = {**COMMON, **extra, "num_steps": _STEPS.value + 1, "stop_at_step": _STEPS.value,
                  "log_every": _WARM.value}
-      shape(None, None)
+      shape(None)
       fast = run(changes, pathlib.Path(tmp) / f"{len(results['runs'])}_fast")
-      shape(rate.lower(), delay)
+      shape(link)
       slow = run(changes, pathlib.Path(tmp) / f"{len(results['runs'])}_slow")
       predicted = predicted_window(changes, fast / window)
       results["runs"][name] = {"unshaped_s": fast, "shaped_s": slow, "predicted_shaped_s": predicted,
