@@ -6,8 +6,8 @@
 
 Runs on 8 fake CPU devices when no accelerator is set up (XLA_FLAGS is set here, before jax
 starts, unless already given). Writes config.json, metrics.jsonl (one object per step; eval loss
-and weight spread on eval steps) and summary.json into the workdir. No checkpoints: a rerun starts
-over.
+and weight spread on eval steps) and summary.json into the workdir. No checkpoints: a rerun in the same
+workdir is refused, leaving the earlier run's files as they were.
 """
 
 import json
@@ -27,8 +27,13 @@ def main(argv):
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   from lowcomm_jax.parallel import combined  # pylint: disable=g-import-not-at-top
   workdir = pathlib.Path(_WORKDIR.value)
-  workdir.mkdir(parents=True, exist_ok=True)
   config = _CONFIG.value
+  combined.validate_config(config)  # bad input fails before anything is written
+  if (workdir / "config.json").exists():
+    # Pipeline runs keep no checkpoints, so a rerun would overwrite the earlier run's outputs.
+    raise ValueError(f"--workdir={workdir} already holds a pipeline run (pipeline runs do not "
+                     "resume); choose a new --workdir")
+  workdir.mkdir(parents=True, exist_ok=True)
   (workdir / "config.json").write_text(config.to_json(indent=1))
   with open(workdir / "metrics.jsonl", "w") as metrics:
     result = combined.train(config, on_metrics=lambda row: metrics.write(json.dumps(row) + "\n"))

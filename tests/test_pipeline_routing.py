@@ -1,5 +1,10 @@
 """NoLoCo's random routing: a permutation at every boundary, reproducible from the seed, fixed at eval."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -49,3 +54,25 @@ def test_random_routing_ticks_receive_one_microbatch_per_device_per_tick():
 def test_bad_sizes():
   with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
     routing.random_replica_table(2, 2, 0, seed=0)
+
+
+def _run_pipeline_binary(*flags):
+  root = pathlib.Path(__file__).resolve().parents[1]
+  return subprocess.run(
+      [sys.executable, str(root / "experiments" / "pipeline.py"),
+       f"--config={root / 'experiments' / 'configs' / 'noloco_pipeline.py'}:quick", *flags],
+      capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+
+
+def test_pipeline_binary_refuses_bad_input_and_an_existing_run_before_writing(tmp_path):
+  bad = _run_pipeline_binary(f"--workdir={tmp_path / 'new'}", "--config.pipeline.routing=bogus")
+  assert bad.returncode != 0 and "pipeline.routing must be one of" in bad.stderr
+  assert not (tmp_path / "new").exists()
+  earlier = tmp_path / "earlier"
+  earlier.mkdir()
+  (earlier / "config.json").write_text("{}")
+  (earlier / "metrics.jsonl").write_text('{"step": 1}\n')
+  rerun = _run_pipeline_binary(f"--workdir={earlier}")
+  assert rerun.returncode != 0 and "already holds a pipeline run" in rerun.stderr
+  assert (earlier / "metrics.jsonl").read_text() == '{"step": 1}\n'
+  assert sorted(p.name for p in earlier.iterdir()) == ["config.json", "metrics.jsonl"]
