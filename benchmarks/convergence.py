@@ -45,6 +45,8 @@ def runs() -> dict[str, dict]:
   for m in (4, 8):
     table[f"noloco M={m} H=50"] = {"algorithm": "noloco", "num_replicas": m, "noloco.sync_every": 50,
                                    "mesh.data": 1, "_m": m}
+  table["noloco M=4 H=50 e3m0"] = {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 50,
+                                  "noloco.codec": "e3m0", "mesh.data": 1, "_m": 4}
   # Streaming DiLoCo at M = 2, H = 60 (divisible by P + 1 rows: the `small` model has 6 layers, so
   # P ∈ {2, 3} block fragments plus the non-block fragment), against DiLoCo at the same H.
   table["diloco M=2 H=60"] = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 60,
