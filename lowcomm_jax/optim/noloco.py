@@ -137,6 +137,15 @@ class NoLoCo:
     return jax.tree.map(lambda n, o: n - o, local, params), new_state
 
 
+@jax.jit
+def weight_spread(params_r) -> jax.Array:
+  """NoLoCo's diagnostic: RMS distance of the replicas' weights [M, ...] from their mean, per
+  parameter, sqrt(Σ_i ‖φ_i − φ̄‖² / (M · N)). Outside the step: its mean is an all-reduce."""
+  leaves = jax.tree.leaves(params_r)
+  squares = sum(jnp.sum((x - x.mean(0)) ** 2) for x in leaves)
+  return jnp.sqrt(squares / sum(x.size for x in leaves))
+
+
 def noloco(inner: optax.GradientTransformation, num_replicas: int, sync_every: int = 50,
            group_size: int = 2, momentum: float = 0.5, learning_rate: float = 0.7, gamma: float = 0.7,
            seed: int = 0, num_groupings: int = 16, axis_name: str = mesh_lib.REPLICA,

@@ -32,7 +32,7 @@ from flax import nnx
 
 from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax.models import get_model_config, llama
-from lowcomm_jax.optim.noloco import noloco
+from lowcomm_jax.optim.noloco import noloco, weight_spread
 from lowcomm_jax.optim.outer import outer_nesterov
 from lowcomm_jax.optim.streaming import diloco
 from lowcomm_jax.parallel import routing, stages, ticks
@@ -138,13 +138,6 @@ class GridOptimizer:
     return self._steps[phase](grads, state, grid_params)
 
 
-def weight_spread(params_R) -> float:
-  """RMS deviation of the replicas' parameters from their mean (NoLoCo's `std` diagnostic)."""
-  sq = sum(float(jnp.sum((x - x.mean(0)) ** 2)) for x in jax.tree.leaves(params_R))
-  size = sum(x.size for x in jax.tree.leaves(params_R))
-  return float(np.sqrt(sq / size))
-
-
 def batch_routes(c, entry: int) -> list[routing.Route]:
   """Routing pool entry `entry`: K slots × R micro-batches (m = k·R + r)."""
   k, s, r = c.pipeline.slots_per_step, c.num_stages, c.num_replicas
@@ -206,7 +199,7 @@ def train(c, log: Callable[[str], None] = print, on_metrics: Callable[[dict], No
       replicas = stages.from_grid(grid)
       losses = evaluate(replicas)
       row.update(eval_loss=float(np.mean(losses)), eval_loss_per_replica=losses,
-                 weight_spread=weight_spread(replicas))
+                 weight_spread=float(weight_spread(replicas)))
       log(f"step {step:4d}  loss {row['loss']:.4f}  eval {row['eval_loss']:.4f}  "
           f"spread {row['weight_spread']:.2e}")
     metrics.append(row)

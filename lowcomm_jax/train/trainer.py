@@ -28,7 +28,9 @@ from lowcomm_jax import sharding
 from lowcomm_jax.data import pipeline
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.models import llama
-from lowcomm_jax.train import algorithms, checkpoint, metrics as metrics_lib, step as step_lib
+from lowcomm_jax.optim.noloco import weight_spread
+from lowcomm_jax.train import algorithms, checkpoint, clock_events
+from lowcomm_jax.train import metrics as metrics_lib, step as step_lib
 
 
 def measure_peak_flops(device=None, size: int = 1024, seconds: float = 0.3) -> float:
@@ -212,18 +214,22 @@ class Trainer:
     return jax.shard_map(on_slice, mesh=self.mesh, in_specs=(lead, state_specs, lead),
                          out_specs=(lead, state_specs, lead, lead), axis_names={mesh_lib.REPLICA})
 
+  def _jit_step(self, phase, state):
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(self.step_fn(phase), in_shardings=(shardings, self.batch_sharding()),
+                   out_shardings=(shardings, None), donate_argnums=0)
+
+  def _abstract_batch(self) -> jax.ShapeDtypeStruct:
+    c = self.config
+    return jax.ShapeDtypeStruct((c.num_replicas, c.data.batch_size, c.data.seq_len + 1), jnp.int32,
+                                sharding=self.batch_sharding())
+
   def program(self, phase, state):
     """The compiled step of a phase and the ledger entries its collectives recorded (cached)."""
     if phase not in self._programs:
-      shardings = jax.tree.map(lambda x: x.sharding, state)
-      jitted = jax.jit(self.step_fn(phase), in_shardings=(shardings, self.batch_sharding()),
-                       out_shardings=(shardings, None), donate_argnums=0)
       ledger = comm.Ledger()
       with ledger.recording():
-        abstract_batch = jax.ShapeDtypeStruct(
-            (self.config.num_replicas, self.config.data.batch_size, self.config.data.seq_len + 1),
-            jnp.int32, sharding=self.batch_sharding())
-        compiled = jitted.lower(state, abstract_batch).compile()
+        compiled = self._jit_step(phase, state).lower(state, self._abstract_batch()).compile()
       self._programs[phase] = (compiled, ledger.entries)
     return self._programs[phase]
 
@@ -231,47 +237,15 @@ class Trainer:
     """The ledger entries of a phase's program, traced (not compiled) when not compiled yet."""
     if phase in self._programs:
       return self._programs[phase][1]
-    shardings = jax.tree.map(lambda x: x.sharding, state)
     ledger = comm.Ledger()
     with ledger.recording():
-      jax.jit(self.step_fn(phase), in_shardings=(shardings, self.batch_sharding())).trace(
-          state, jax.ShapeDtypeStruct((self.config.num_replicas, self.config.data.batch_size,
-                                       self.config.data.seq_len + 1), jnp.int32))
+      self._jit_step(phase, state).trace(state, self._abstract_batch())
     return ledger.entries
 
   def comm_events(self, num_steps: int, state) -> list:
-    """The run's collectives as `sim.clock.CommEvent`s (0-based clock steps).
-
-    A blocking reduce taken after step t (τ = 0) is issued at clock step t−1 and consumed at t.
-    An overlapped reduce is issued from the parameters entering step s, i.e. ready when step s−1
-    ends: clock step s−2, consumed τ steps later (s−2+1+τ). Data parallel's gradient all-reduce is
-    counted as blocking every step (its overlap with the backward is not modelled).
-    """
-    from lowcomm_jax.sim import clock  # pylint: disable=g-import-not-at-top
-    if self.algorithm.gossip:  # each outer step's exchange blocks the step after it
-      return [clock.CommEvent(step - 1, step, e.payload_bytes, "gossip", e.num_workers)
-              for step in range(1, num_steps)
-              if self.algorithm.phase_at(step).grouping is not None
-              for e in self.phase_entries(self.algorithm.phase_at(step), state)]
-    if not self.algorithm.phased:
-      workers = self.mesh.shape[mesh_lib.DATA]
-      if workers == 1:
-        return []
-      return [clock.CommEvent(s, s + 1, 4 * self.num_params, "all_reduce", workers)
-              for s in range(num_steps - 1)]
-    events, delay = [], self.algorithm.tx.schedule.delay
-    for step in range(1, num_steps + 1):
-      phase = self.algorithm.phase_at(step)
-      if not phase.send:
-        continue
-      by_name = {e.name: e for e in self.phase_entries(phase, state)}
-      for p in phase.send:
-        entry, tau = by_name[f"fragment {p}"], int(delay[p])
-        issued = step - 2 if tau else step - 1
-        if issued + 1 + tau <= num_steps:  # a result consumed after the last step is never waited for
-          events.append(clock.CommEvent(issued, issued + 1 + tau, entry.payload_bytes, "all_reduce",
-                                        entry.num_workers))
-    return events
+    """The run's collectives as `sim.clock.CommEvent`s (`lowcomm_jax.train.clock_events`)."""
+    return clock_events.comm_events(self.algorithm, self.mesh.shape[mesh_lib.DATA], self.num_params,
+                                    num_steps, lambda phase: self.phase_entries(phase, state))
 
   def simulated_wall_time(self, num_steps: int, step_seconds: float, state) -> float:
     """Wall time of `num_steps` steps of `step_seconds` on `config.network` (sim.clock)."""
@@ -304,15 +278,6 @@ class Trainer:
   def evaluate(self, eval_step, state, eval_batches) -> dict:
     losses = distributed.fetch([eval_step(state, b) for b in eval_batches])
     return {k: float(np.mean([l[k] for l in losses])) for k in losses[0]}
-
-  @staticmethod
-  @jax.jit
-  def weight_spread(slow_r) -> jax.Array:
-    """RMS distance of the replicas' slow weights from their mean, per parameter:
-    sqrt(Σ_i ‖φ_i − φ̄‖² / (M · N)). A diagnostic outside the step (its mean is an all-reduce)."""
-    leaves = jax.tree.leaves(slow_r)
-    squares = sum(jnp.sum((x - x.mean(0)) ** 2) for x in leaves)
-    return jnp.sqrt(squares / sum(x.size for x in leaves))
 
   def data_iterators(self, tokens):
     """Iterators of the replicas this process feeds (all of them with a single process)."""
@@ -373,7 +338,7 @@ class Trainer:
       if self.algorithm.streaming and phase.receive:
         self._check_nonfinite(state, step, phase)
       if self.algorithm.gossip and phase.grouping is not None:
-        logged["weight_spread"] = float(distributed.fetch(self.weight_spread(state.opt_state.slow)))
+        logged["weight_spread"] = float(distributed.fetch(weight_spread(state.opt_state.slow)))
       step_bytes = sum(e.sent_bytes for e in entries)
       sent_bytes += step_bytes
       peak_sync_bytes = max(peak_sync_bytes, step_bytes)
@@ -408,7 +373,7 @@ class Trainer:
     if self.algorithm.gossip:  # no global model: each replica's loss and how far apart they are
       summary["final_eval_loss_replicas"] = [eval_losses.get(f"eval_loss_replica_{i}")
                                              for i in range(c.num_replicas)]
-      summary["final_weight_spread"] = float(distributed.fetch(self.weight_spread(state.opt_state.slow)))
+      summary["final_weight_spread"] = float(distributed.fetch(weight_spread(state.opt_state.slow)))
     if c.network:
       step_seconds = c.hardware.step_seconds or tokens_per_step / tokens_per_s
       summary["network"] = c.network
