@@ -16,7 +16,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from lowcomm_jax.data import debian
-from lowcomm_jax.hdee import ensemble, experiment, experts, plan
+from lowcomm_jax.hdee import ensemble, experiment, experts, plan, scoring
 
 _CHAINS = {"hard": ("stdlib",), "moderate": ("licenses",), "easy": ("bible_kjv",)}
 _EVAL_DOMAINS = ("stdlib", "licenses", "bible_kjv", "fortunes")
@@ -107,10 +107,10 @@ def test_second_iteration_starts_from_the_first_ones_final_parameters(trained):
   from lowcomm_jax.train import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
   second_trainer = trainer_lib.Trainer(config_lib.load_run_config(second), second)
   initial = second_trainer.init_params()
-  final_first = experts.load_expert(first).params
+  final_first = scoring.load_expert(first).params
   jax.tree.map(np.testing.assert_array_equal, initial, final_first)
   # The second run then trained: its final parameters moved away from that start.
-  final_second = experts.load_expert(second).params
+  final_second = scoring.load_expert(second).params
   moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
                        final_second, final_first)
   assert max(jax.tree.leaves(moved)) > 0
@@ -122,9 +122,9 @@ def test_second_iteration_starts_from_the_first_ones_final_parameters(trained):
 def test_ensemble_of_identical_trained_experts_equals_the_expert(trained):
   root, _ = trained
   hard = _plans()["homogeneous"].chain("hard")
-  expert = experts.load_expert(experts.chain_workdirs(root, hard)[-1])
-  windows = experts.domain_windows("bible_kjv", "test", _SETUP.seq_len, 4)
-  single_BxT = experts.token_log_probs(expert, windows)
+  expert = scoring.load_expert(experts.chain_workdirs(root, hard)[-1])
+  windows = scoring.domain_windows("bible_kjv", "test", _SETUP.seq_len, 4)
+  single_BxT = scoring.token_log_probs(expert, windows)
   assert single_BxT.shape == (4, _SETUP.seq_len) and np.all(single_BxT <= 0)
   copies_ExBxT = np.stack([single_BxT] * 3)
   np.testing.assert_allclose(ensemble.ensemble_log_probs(copies_ExBxT), single_BxT,
@@ -137,8 +137,8 @@ def test_ensemble_of_identical_trained_experts_equals_the_expert(trained):
   for method in ("uniform_prior", "cached_prior", "simple_average", "best_expert"):
     assert scores[method] == pytest.approx(expected, rel=1e-5)
   # The parameter average of identical experts is the expert itself.
-  averaged = experts.average_parameters([expert] * 3)
-  np.testing.assert_allclose(experts.token_log_probs(averaged, windows), single_BxT,
+  averaged = scoring.average_parameters([expert] * 3)
+  np.testing.assert_allclose(scoring.token_log_probs(averaged, windows), single_BxT,
                              rtol=1e-5, atol=1e-5)
 
 
@@ -170,7 +170,7 @@ def test_bad_input_gives_one_clear_error(trained, tmp_path):
   with pytest.raises(ValueError, match="may not read held-out domain 'fortunes'"):
     experts.seed_documents(["fortunes"])
   with pytest.raises(ValueError, match="no finished run"):
-    experts.load_expert(tmp_path)
+    scoring.load_expert(tmp_path)
   # A finished run's workdir refuses a different config instead of passing its summary off.
   config = experts.run_config(_SETUP, "M", "domain:stdlib", 8, 1e-3, 0)
   with pytest.raises(ValueError, match="holds a run of another config"):

@@ -29,6 +29,7 @@ import numpy as np
 from lowcomm_jax.hdee import domains as domains_lib
 from lowcomm_jax.hdee import ensemble
 from lowcomm_jax.hdee import experts as experts_lib
+from lowcomm_jax.hdee import scoring
 from lowcomm_jax.hdee import plan as plan_lib
 
 COMPUTE_TOLERANCE = 0.02
@@ -99,7 +100,7 @@ def run_experiment(root: str | pathlib.Path, setup: experts_lib.ExpertSetup, ste
   started = time.perf_counter()
 
   def log_probs_of(key: str, make_expert):
-    return experts_lib.cached_log_probs(
+    return scoring.cached_log_probs(
         root / "eval" / f"{key}.npz", make_expert, eval_domains, setup.seq_len,
         validation_sequences, test_sequences)
 
@@ -108,12 +109,12 @@ def run_experiment(root: str | pathlib.Path, setup: experts_lib.ExpertSetup, ste
     for workdir in workdirs.values():
       if workdir not in by_workdir:
         by_workdir[workdir] = log_probs_of(
-            workdir.parent.name, lambda w=workdir: experts_lib.load_expert(w))
+            workdir.parent.name, lambda w=workdir: scoring.load_expert(w))
   averaged = {}
   for setting, plan in plans.items():
     if len({c.size for c in plan.chains}) == 1:
       averaged[setting] = log_probs_of(f"average_{setting}", lambda s=setting: (
-          experts_lib.average_parameters([experts_lib.load_expert(w)
+          scoring.average_parameters([scoring.load_expert(w)
                                           for w in final[s].values()])))
 
   table = {}
