@@ -63,6 +63,10 @@ def default_config() -> ml_collections.ConfigDict:
       num_fragments=1,  # P: block fragments (1 = the whole model, vanilla DiLoCo)
       fragment_pattern="strided",  # strided (blocks p, p+P, ...) | sequential
       non_block_fragment="own",  # own: embeddings/norm/head form one more fragment | fold: into fragment 0
+      # Fragments as data instead of num_fragments/fragment_pattern/non_block_fragment: "" (off) or
+      # comma-separated "regex:index" entries over parameter paths, first full match wins, indices
+      # 0..F-1 (optim.fragments.rule_fragments), e.g. "blocks/attn/.*:0,blocks/mlp.*:1,.*:2".
+      fragment_rules="",
       staggered=True,  # fragment p syncs at offset (p+1)·H/P; False: all at the same step
       overlap_steps=0,  # τ: inner steps a fragment's all-reduce overlaps before it is applied
       merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied
@@ -213,12 +217,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
              f"a divisor of num_replicas={c.num_replicas}", c.mesh.replica)
     if c.algorithm == "diloco":
       d = c.diloco
-      _require(d.num_fragments == 1 and d.overlap_steps == 0 and d.merge_alpha == 0.0,
-               "diloco.num_fragments/overlap_steps/merge_alpha",
-               "1/0/0 for algorithm=diloco (use algorithm=streaming_diloco)",
-               (d.num_fragments, d.overlap_steps, d.merge_alpha))
+      _require(d.num_fragments == 1 and d.overlap_steps == 0 and d.merge_alpha == 0.0
+               and not d.fragment_rules, "diloco.num_fragments/overlap_steps/merge_alpha/fragment_rules",
+               "1/0/0/'' for algorithm=diloco (use algorithm=streaming_diloco)",
+               (d.num_fragments, d.overlap_steps, d.merge_alpha, d.fragment_rules))
+    _require(not c.diloco.fragment_rules or c.diloco.num_fragments == 1, "diloco.num_fragments",
+             "1 when diloco.fragment_rules is set (the rules give the fragments)", c.diloco.num_fragments)
     from lowcomm_jax.optim import schedule, streaming  # pylint: disable=g-import-not-at-top
-    num_rows = streaming.count_fragments(c.diloco.num_fragments, c.diloco.non_block_fragment)
+    num_rows = streaming.count_fragments(fragments_of(c), c.diloco.non_block_fragment)
     schedule.make_schedule(num_rows, c.diloco.sync_every, c.diloco.overlap_steps,
                            c.diloco.merge_alpha, c.diloco.staggered)
     _require(c.diloco.codec == "none" or c.diloco.codec in _codec_names(), "diloco.codec",
@@ -232,6 +238,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
              c.diloco.nonfinite)
     _require(c.outer_optimizer.name in ("nesterov", "sgd", "adam"), "outer_optimizer.name",
              "nesterov, sgd or adam", c.outer_optimizer.name)  # axis names and sizes; the device count is checked later
+
+
+def fragments_of(c: ml_collections.ConfigDict):
+  """`streaming_diloco`'s `fragments`: the parsed diloco.fragment_rules table, else diloco.num_fragments."""
+  if c.diloco.fragment_rules:
+    from lowcomm_jax.optim import fragments  # pylint: disable=g-import-not-at-top
+    return fragments.parse_rules(c.diloco.fragment_rules)
+  return c.diloco.num_fragments
 
 
 def _codec_names() -> list[str]:

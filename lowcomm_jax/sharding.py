@@ -68,3 +68,45 @@ def param_specs(axes_by_path: Mapping[str, tuple[str, ...]], params, rules, mesh
 
 def named(mesh, specs):
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def state_specs(abstract_state, abstract_params, specs, batched=False, lead_axis=mesh_lib.REPLICA):
+  """PartitionSpecs of an optimizer or train state from its parameters' specs.
+
+  A state leaf takes the spec of the parameter whose path its own path ends with ("…/trace/blocks/
+  attn/wq" → "blocks/attn/wq") when it has that parameter's shape, or that shape with a shorter
+  leading axis and the spec leaves that axis unsharded: a fragment's layer slice [L/P, ...] of a
+  stacked [L, ...] leaf (`lowcomm_jax.optim.fragments`). Any other leaf is replicated.
+
+  Args:
+    abstract_state: the state (arrays or ShapeDtypeStructs).
+    abstract_params: the (unstacked) parameter tree the specs belong to.
+    specs: the parameters' PartitionSpecs, same tree.
+    batched: a bool, or a tree of bools that is a prefix of the state: True where a leaf has a
+      leading replica axis (its shape is checked without it); that axis gets `lead_axis`.
+  """
+  is_spec = lambda x: isinstance(x, P)
+  flat_specs = {llama.path_name(k): tuple(s) for k, s in
+                jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]}
+  shapes = {llama.path_name(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+
+  def matches(shape, param_shape, spec) -> bool:
+    if shape == param_shape:
+      return True
+    layer_slice = (len(shape) == len(param_shape) >= 1 and shape[1:] == param_shape[1:]
+                   and shape[0] <= param_shape[0])
+    return layer_slice and (not spec or spec[0] is None)
+
+  def spec_of(key_path, leaf, is_batched):
+    name = llama.path_name(key_path)
+    shape = tuple(leaf.shape[1:] if is_batched else leaf.shape)
+    spec = ()
+    for param_name, param_spec in flat_specs.items():
+      if ((name == param_name or name.endswith("/" + param_name))
+          and matches(shape, shapes[param_name], param_spec)):
+        spec = param_spec
+        break
+    return P(*((lead_axis,) if is_batched else ()), *spec)
+
+  batched = jax.tree.broadcast(batched, abstract_state)
+  return jax.tree_util.tree_map_with_path(spec_of, abstract_state, batched)

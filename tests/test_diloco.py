@@ -121,7 +121,7 @@ def test_three_parameters_two_rounds_by_hand():
   np.testing.assert_allclose(params_r, [[0.9975, 1.995, 0.0]] * 2, atol=1e-6)
   params_r, state = run_replicas(tx, jnp.zeros(3), batches, loss_fn)
   np.testing.assert_allclose(state.outer_params, [1.42524375, 2.8504875, 0.0], atol=1e-6)
-  np.testing.assert_allclose(state.outer_states[0][0].trace[0], [-0.676875, -1.35375, 0.0], atol=1e-6)
+  np.testing.assert_allclose(state.outer_states[0][0].trace, [-0.676875, -1.35375, 0.0], atol=1e-6)
 
 
 def diloco_config(**changes):

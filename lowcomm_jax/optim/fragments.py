@@ -8,14 +8,24 @@ the paper's patterns (docs/algorithms.md §1.2(a)) static slices:
 Parameters outside the blocks (embedding, final norm, head) form their own
 fragment by default (`non_block="own"`, as MaxText) or are folded into
 fragment 0 (`non_block="fold"`). Every parameter is covered exactly once.
+
+A fragment's values are a sub-tree of the parameter tree (`extract`): the same nested dicts and
+keys, the fragment's arrays (whole, or their layer slice [L/P, ...]) at its paths, and
+`optax.MaskedNode()` everywhere else, as in `optax.masked`. So each piece of per-fragment state
+(outer optimizer state, in-flight outer gradient, error-feedback residual) sits under the
+parameters' own path keys: it takes their shardings (`lowcomm_jax.sharding.state_specs`) and
+`optax.tree_map_params` reaches it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import re
+
 import jax
 import numpy as np
+import optax
 
 from lowcomm_jax.models.llama import path_name
 
@@ -46,24 +56,35 @@ def flatten(params) -> dict:
   return {path_name(k): v for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def extract(fragment: Fragment, params) -> list:
-  """The fragment's arrays (whole leaves or static layer slices), in the fragment's order."""
-  flat = flatten(params)
-  return [flat[p] if s is None else flat[p][slice(*s)] for p, s in fragment.leaves]
+def extract(fragment: Fragment, tree):
+  """The fragment's sub-tree of `tree` (the parameters or anything shaped like them).
 
+  `tree`'s structure, with the fragment's arrays (whole leaves or static layer slices) at its paths
+  and `optax.MaskedNode()` at every other leaf. A tree with no leaves (optax's parameter
+  placeholder in `optax.tree_map_params`) is its own sub-tree.
+  """
+  slices = dict(fragment.leaves)
 
-def insert(fragment: Fragment, params, values: list):
-  """`params` with the fragment's arrays replaced by `values`."""
-  updates = dict(zip((p for p, _ in fragment.leaves), zip((s for _, s in fragment.leaves), values)))
-
-  def replace(key_path, leaf):
+  def take(key_path, leaf):
     name = path_name(key_path)
-    if name not in updates:
-      return leaf
-    layer_slice, value = updates[name]
-    return value if layer_slice is None else leaf.at[slice(*layer_slice)].set(value)
+    if name not in slices:
+      return optax.MaskedNode()
+    return leaf if slices[name] is None else leaf[slice(*slices[name])]
 
-  return jax.tree_util.tree_map_with_path(replace, params)
+  return jax.tree_util.tree_map_with_path(take, tree)
+
+
+def insert(fragment: Fragment, tree, sub_tree):
+  """`tree` with the fragment's arrays replaced by those of `sub_tree` (as `extract` gives)."""
+  slices = dict(fragment.leaves)
+
+  def put(key_path, leaf, value):
+    name = path_name(key_path)
+    if name not in slices:
+      return leaf
+    return value if slices[name] is None else leaf.at[slice(*slices[name])].set(value)
+
+  return jax.tree_util.tree_map_with_path(put, tree, sub_tree)
 
 
 def whole_model(params) -> tuple[Fragment, ...]:
@@ -91,6 +112,10 @@ def layer_fragments(params, num_fragments: int, pattern: str = "strided",
     raise ValueError(f"diloco.fragment_pattern must be 'strided' or 'sequential', got {pattern!r}")
   if non_block not in ("own", "fold"):
     raise ValueError(f"diloco.non_block_fragment must be 'own' or 'fold', got {non_block!r}")
+  if non_block == "own" and not other_paths:
+    raise ValueError("diloco.non_block_fragment='own' adds a fragment of the parameters outside "
+                     "'blocks/...', but this tree has only block leaves; use "
+                     "non_block_fragment=\"fold\"")
   if num_fragments < 1 or num_layers % num_fragments:
     raise ValueError(f"diloco.num_fragments={num_fragments} must divide the model's {num_layers} layers")
   per = num_layers // num_fragments
@@ -125,15 +150,48 @@ def check_cover(fragments: tuple[Fragment, ...], params) -> None:
                      f"covered more than once: {twice}")
 
 
+Rules = tuple[tuple[str, int], ...]
+
+
+def parse_rules(text: str) -> Rules:
+  """The regex table of a config string: "blocks/attn/.*:0,blocks/.*:1,.*:2".
+
+  Comma-separated `regex:index` entries, split at each entry's last ':' (so a regex may hold ':'
+  but not ','). Raises one ValueError naming `diloco.fragment_rules` for a malformed entry, a regex
+  that does not compile, or indices that are not 0, 1, ..., F−1.
+  """
+  rules = []
+  for entry in (e.strip() for e in str(text).split(",")):
+    pattern, sep, index = entry.rpartition(":")
+    if not sep or not pattern or not index.strip().isdigit():
+      raise ValueError(f"diloco.fragment_rules must be comma-separated 'regex:index' entries "
+                       f"(index an integer >= 0), e.g. 'blocks/.*:0,.*:1'; got entry {entry!r} in {text!r}")
+    try:
+      re.compile(pattern)
+    except re.error as error:
+      raise ValueError(f"diloco.fragment_rules: {pattern!r} is not a regular expression ({error})") from None
+    rules.append((pattern, int(index)))
+  check_rule_indices(rules)
+  return tuple(rules)
+
+
+def check_rule_indices(rules) -> int:
+  """The number of fragments F of a rule table whose indices are exactly 0, ..., F−1 (else a ValueError)."""
+  indices = sorted({int(index) for _, index in rules})
+  if not indices or indices != list(range(len(indices))):
+    raise ValueError(f"diloco.fragment_rules: fragment indices must be 0, 1, ..., F-1 with none "
+                     f"skipped, got {indices}")
+  return len(indices)
+
+
 def rule_fragments(params, rules) -> tuple[Fragment, ...]:
   """Fragments from a regex table, big_vision style: `[(regex, fragment_index), ...]`.
 
   Each parameter path ("blocks/attn/wq") goes, whole, to the fragment of the first rule whose regex
   matches it (`re.fullmatch`). A rule that matches no parameter, or a parameter that no rule
-  matches, is an error naming them. Usable as `streaming_diloco(..., fragments=lambda p:
-  rule_fragments(p, rules))` with a schedule of `max(index) + 1` rows.
+  matches, is an error naming them. `streaming_diloco(..., fragments=rules)` takes the table itself
+  (a schedule of `max(index) + 1` rows); from a config, `--config.diloco.fragment_rules` (`parse_rules`).
   """
-  import re  # pylint: disable=g-import-not-at-top
   compiled = [(re.compile(pattern), int(index)) for pattern, index in rules]
   leaves: dict[int, list] = {}
   used = [False] * len(compiled)

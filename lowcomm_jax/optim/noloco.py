@@ -63,7 +63,8 @@ class NoLoCo:
                        f"got {group_size}")
     if num_groupings < 1:
       raise ValueError(f"noloco.num_groupings must be >= 1, got {num_groupings}")
-    self.inner, self.num_replicas, self.sync_every = inner, num_replicas, int(sync_every)
+    self.inner, self.num_replicas = optax.with_extra_args_support(inner), num_replicas
+    self.sync_every = int(sync_every)
     self.group_size, self.momentum, self.learning_rate, self.gamma = group_size, momentum, learning_rate, gamma
     self.seed, self.axis_name, self.codec = seed, axis_name, codec
     self.pool = groupings(num_replicas, group_size, num_groupings, seed)
@@ -108,18 +109,19 @@ class NoLoCo:
     """The replicas' mean slow weights (there is no global model; each replica has its own φ_i)."""
     return jax.tree.map(lambda x: x.mean(0), state.slow)
 
-  def update(self, grads, state: NoLoCoState, params, phase=None):
+  def update(self, grads, state: NoLoCoState, params, phase=None, **extra_args):
+    """`extra_args` go to the inner optimizer (e.g. `value=` for `optax.polyak_sgd`)."""
     if phase is not None:
-      return self._apply(NoLoCoPhase(*phase).grouping, grads, state, params)
+      return self._apply(NoLoCoPhase(*phase).grouping, grads, state, params, **extra_args)
     s = state.count + 1
     k = jnp.maximum(s // self.sync_every - 1, 0)
     branch = jnp.where(s % self.sync_every == 0, 1 + self.grouping_index(k), 0)
-    branches = [functools.partial(self._apply, None)] + [
-        functools.partial(self._apply, g) for g in range(len(self.pool))]
+    branches = [functools.partial(self._apply, None, **extra_args)] + [
+        functools.partial(self._apply, g, **extra_args) for g in range(len(self.pool))]
     return jax.lax.switch(branch, branches, grads, state, params)
 
-  def _apply(self, grouping, grads, state: NoLoCoState, params):
-    inner_updates, inner_state = self.inner.update(grads, state.inner_state, params)
+  def _apply(self, grouping, grads, state: NoLoCoState, params, **extra_args):
+    inner_updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
     local = optax.apply_updates(params, inner_updates)
     slow, momentum = state.slow, state.momentum
     if grouping is not None:

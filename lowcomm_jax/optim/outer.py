@@ -9,13 +9,19 @@ from __future__ import annotations
 import optax
 
 
-def outer_nesterov(learning_rate: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
+def outer_nesterov(learning_rate=0.7, momentum=0.9) -> optax.GradientTransformation:
   """DiLoCo's outer optimizer: SGD with Nesterov momentum (docs/algorithms.md §1.1).
 
   .. math::
     b ← μ·b + Δ;  φ ← φ − η·(Δ + μ·b)
+
+  η and μ may be arrays, traced ones included, so `optax.inject_hyperparams(outer_nesterov)(
+  learning_rate=..., momentum=...)` can drive them. A Python μ = 0 builds plain SGD (no trace); an
+  array μ always keeps the trace (with μ = 0 it gives the same numbers).
   """
-  return optax.sgd(learning_rate, momentum=momentum or None, nesterov=bool(momentum))
+  if isinstance(momentum, (int, float)) and not momentum:
+    return optax.sgd(learning_rate)
+  return optax.sgd(learning_rate, momentum=momentum, nesterov=True)
 
 
 def check_transformation(tx, option: str) -> None:

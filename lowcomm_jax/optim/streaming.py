@@ -13,7 +13,15 @@ jit over a mesh with a `replica` axis, with `state_axes` as the vmap axes of
 the state: the step count, φ and the outer states are the same on every
 replica (unmapped), the inner optimizer state is per replica (mapped).
 
-`update(grads, state, params, phase=None)`: with `phase=None` the step count
+Per-fragment state is kept as the fragment's sub-tree of the parameter tree
+(`fragments.extract`: the parameters' own nested dicts and path keys, the
+fragment's arrays or layer slices, `optax.MaskedNode()` elsewhere), so it takes
+the parameters' shardings and `optax.tree_map_params(tx, f, state)` maps `f`
+over it (pass `is_leaf=lambda x: isinstance(x, optax.MaskedNode)` when mapping
+together with a parameter-shaped tree, as for `optax.masked`).
+
+`update(grads, state, params, phase=None, **extra_args)`: `extra_args` go to
+the inner optimizer (e.g. `value=` for `optax.polyak_sgd`). With `phase=None` the step count
 picks the phase with `lax.switch` (one branch per distinct phase, so only the
 due fragment's collective runs when the count is unmapped). The Trainer
 passes the phase read on the host instead, which compiles one program per
@@ -36,38 +44,63 @@ from lowcomm_jax.optim.outer import check_transformation, outer_nesterov
 
 
 class StreamingDiLoCoState(NamedTuple):
+  """Per-fragment fields are tuples over fragments p of sub-trees keyed like the parameters."""
+
   count: jax.Array  # int32[]: inner steps taken (same on every replica)
   inner_state: Any  # the inner optimizer's state, per replica
-  outer_params: Any  # φ: the global parameters, float32
-  outer_states: tuple  # one outer optimizer state per fragment
+  outer_params: Any  # φ: the global parameters, float32, the parameters' tree
+  outer_states: tuple  # per fragment: the outer optimizer's state of φ_p (its sub-tree)
   in_flight: tuple  # per fragment: its averaged outer gradient while in flight (τ ≥ 1), else ()
   residuals: tuple  # per fragment: this replica's error-feedback residual (codec + feedback), else ()
   nonfinite: jax.Array  # int32[F]: outer steps refused because the averaged Δ held NaN or inf
 
 
-FragmentsArg = int | Callable[[Any], tuple[frag_lib.Fragment, ...]]
+FragmentRule = Callable[[Any], tuple[frag_lib.Fragment, ...]]
+# 1 (the whole model), P (layer fragments), a regex table [(regex, index), ...] or a rule params -> fragments
+FragmentsArg = int | frag_lib.Rules | FragmentRule
 
 
 class StreamingDiLoCo:
-  """init/update like an optax transformation, plus the schedule and the vmap axes of the state."""
+  """init/update like an optax transformation, plus the schedule and the vmap axes of the state.
 
-  def __init__(self, inner, outer, schedule: schedule_lib.FragmentSchedule,
-               fragments: Callable[[Any], tuple[frag_lib.Fragment, ...]],
-               axis_name: str = mesh_lib.REPLICA, codec=None, error_feedback: bool = False):
+  `schedule` is a `FragmentSchedule`, or a function of the number of fragments that makes one:
+  then the first parameters seen (`init`, `fragments`) fix it, from what `fragments` gives.
+  """
+
+  def __init__(self, inner, outer,
+               schedule: schedule_lib.FragmentSchedule | Callable[[int], schedule_lib.FragmentSchedule],
+               fragments: FragmentRule, axis_name: str = mesh_lib.REPLICA, codec=None,
+               error_feedback: bool = False):
     check_transformation(inner, "inner optimizer")
     check_transformation(outer, "outer optimizer")
     if error_feedback and codec is None:
       raise ValueError("diloco.error_feedback needs a lossy diloco.codec (e3m0, e2m1, int4, int8, bf16)")
-    self.inner, self.outer, self.schedule, self.axis_name = inner, outer, schedule, axis_name
+    self.inner, self.outer, self.axis_name = optax.with_extra_args_support(inner), outer, axis_name
     self.codec, self.error_feedback = codec, error_feedback
     self._fragments = fragments
-    self.phases, self._table, self._s0 = schedule_lib.phase_table(schedule)
+    self._schedule = None
+    self._make_schedule = schedule
+    if isinstance(schedule, schedule_lib.FragmentSchedule):
+      self._set_schedule(schedule)
     self.state_axes = StreamingDiLoCoState(count=None, inner_state=0, outer_params=None,
                                            outer_states=None, in_flight=None, residuals=0,
                                            nonfinite=None)
 
+  def _set_schedule(self, schedule: schedule_lib.FragmentSchedule) -> None:
+    self._schedule = schedule
+    self.phases, self._table, self._s0 = schedule_lib.phase_table(schedule)
+
+  @property
+  def schedule(self) -> schedule_lib.FragmentSchedule:
+    if self._schedule is None:
+      raise ValueError("this StreamingDiLoCo takes its number of fragments from a fragment rule "
+                       "applied to the parameters: call init(params) or fragments(params) first")
+    return self._schedule
+
   def fragments(self, params) -> tuple[frag_lib.Fragment, ...]:
     frags = self._fragments(params)
+    if self._schedule is None:
+      self._set_schedule(self._make_schedule(len(frags)))
     if len(frags) != self.schedule.num_fragments:
       raise ValueError(f"the fragment rule gave {len(frags)} fragments but the schedule has "
                        f"{self.schedule.num_fragments} rows")
@@ -78,17 +111,23 @@ class StreamingDiLoCo:
     """The phase of inner step `step` (1-based)."""
     return schedule_lib.phase_at(self.schedule, step)
 
+  def _sub_trees(self, params) -> list:
+    """Each fragment's sub-tree of `params`; a tree without leaves (optax's placeholder in
+    `tree_map_params`) stands for every fragment's."""
+    if not jax.tree.leaves(params):
+      return [params] * self.schedule.num_fragments
+    return [frag_lib.extract(f, params) for f in self.fragments(params)]
+
   def init(self, params) -> StreamingDiLoCoState:
-    frags = self.fragments(params)
     outer_params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
-    outer_states = tuple(self.outer.init(frag_lib.extract(f, outer_params)) for f in frags)
-    in_flight = tuple([jnp.zeros_like(v) for v in frag_lib.extract(f, outer_params)]
-                      if self.schedule.delay[p] else () for p, f in enumerate(frags))
-    residuals = tuple([jnp.zeros_like(v) for v in frag_lib.extract(f, outer_params)]
-                      if self.error_feedback else () for f in frags)
+    sub_trees = self._sub_trees(outer_params)
+    zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+    outer_states = tuple(self.outer.init(t) for t in sub_trees)
+    in_flight = tuple(zeros(t) if self.schedule.delay[p] else () for p, t in enumerate(sub_trees))
+    residuals = tuple(zeros(t) if self.error_feedback else () for t in sub_trees)
     return StreamingDiLoCoState(jnp.zeros((), jnp.int32), self.inner.init(params), outer_params,
                                 outer_states, in_flight, residuals,
-                                jnp.zeros((len(frags),), jnp.int32))
+                                jnp.zeros((len(sub_trees),), jnp.int32))
 
   def init_replicated(self, params, num_replicas: int):
     """(params_R, state): every replica starts from `params`, with its own inner optimizer state."""
@@ -97,19 +136,19 @@ class StreamingDiLoCo:
     return stack(params), state._replace(inner_state=stack(state.inner_state),
                                          residuals=stack(state.residuals))
 
-  def update(self, grads, state: StreamingDiLoCoState, params, phase=None):
+  def update(self, grads, state: StreamingDiLoCoState, params, phase=None, **extra_args):
     if phase is not None:
-      return self._apply(schedule_lib.Phase(*phase), grads, state, params)
+      return self._apply(schedule_lib.Phase(*phase), grads, state, params, **extra_args)
     s = state.count + 1
     index = jnp.where(s < self._s0, s, self._s0 + (s - self._s0) % int(self.schedule.period[0]))
     branch = jnp.asarray(self._table)[index - 1]
-    branches = [functools.partial(self._apply, ph) for ph in self.phases]
+    branches = [functools.partial(self._apply, ph, **extra_args) for ph in self.phases]
     return jax.lax.switch(branch, branches, grads, state, params)
 
   def _reduce(self, p: int, frag, outer_params, local_params, residuals: list, count):
-    """mean_m(φ_p − θ_{m,p}) over replicas, through the codec when one is set."""
-    delta = [g.astype(jnp.float32) - l.astype(jnp.float32)
-             for g, l in zip(frag_lib.extract(frag, outer_params), frag_lib.extract(frag, local_params))]
+    """mean_m(φ_p − θ_{m,p}) over replicas (fragment p's sub-tree), through the codec when one is set."""
+    delta = jax.tree.map(lambda g, l: g.astype(jnp.float32) - l.astype(jnp.float32),
+                         frag_lib.extract(frag, outer_params), frag_lib.extract(frag, local_params))
     if self.codec is None:
       return comm.mean(delta, self.axis_name, name=f"fragment {p}")
     key = None
@@ -121,14 +160,14 @@ class StreamingDiLoCo:
                                               key=key, residual=residuals[p])
     return mean
 
-  def _apply(self, phase: schedule_lib.Phase, grads, state: StreamingDiLoCoState, params):
+  def _apply(self, phase: schedule_lib.Phase, grads, state: StreamingDiLoCoState, params, **extra_args):
     frags = self.fragments(params)
     in_flight, residuals = list(state.in_flight), list(state.residuals)
     # Overlapped sends read the parameters entering this step, so they do not wait for its backward.
     for p in phase.send:
       if self.schedule.delay[p]:
         in_flight[p] = self._reduce(p, frags[p], state.outer_params, params, residuals, state.count)
-    inner_updates, inner_state = self.inner.update(grads, state.inner_state, params)
+    inner_updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
     local = optax.apply_updates(params, inner_updates)
     blocking = {p: self._reduce(p, frags[p], state.outer_params, local, residuals, state.count)
                 for p in phase.send if not self.schedule.delay[p]}
@@ -141,14 +180,15 @@ class StreamingDiLoCo:
       # A NaN or inf in the averaged outer gradient never reaches φ: the outer step of this
       # fragment is refused (φ_p and its outer state kept), the replicas restart the fragment
       # from φ_p, and state.nonfinite[p] counts it (the Trainer raises on it by default).
-      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for d in mean_delta]))
+      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for d in jax.tree.leaves(mean_delta)]))
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
       outer_states[p] = keep(new_outer_state, outer_states[p])
       global_p = keep(optax.apply_updates(old_global_p, outer_updates), old_global_p)
       nonfinite = nonfinite.at[p].add(jnp.where(finite, 0, 1))
       alpha = float(self.schedule.alpha[p])
-      merged = [jnp.where(finite, alpha * l.astype(jnp.float32) + (1 - alpha) * g, g).astype(l.dtype)
-                for l, g in zip(frag_lib.extract(frags[p], local), global_p)]
+      merged = jax.tree.map(
+          lambda l, g: jnp.where(finite, alpha * l.astype(jnp.float32) + (1 - alpha) * g, g).astype(l.dtype),
+          frag_lib.extract(frags[p], local), global_p)
       outer_params = frag_lib.insert(frags[p], outer_params, global_p)
       local = frag_lib.insert(frags[p], local, merged)
     new_state = StreamingDiLoCoState(state.count + 1, inner_state, outer_params, tuple(outer_states),
@@ -156,9 +196,12 @@ class StreamingDiLoCo:
     return jax.tree.map(lambda n, o: n - o, local, params), new_state
 
 
-def _resolve_fragments(fragments: FragmentsArg, pattern: str, non_block: str):
+def _resolve_fragments(fragments: FragmentsArg, pattern: str, non_block: str) -> FragmentRule:
   if callable(fragments):
     return fragments
+  if isinstance(fragments, (tuple, list)):
+    rules = tuple(fragments)
+    return lambda params: frag_lib.rule_fragments(params, rules)
   if fragments == 1:
     return frag_lib.whole_model
   return lambda params: frag_lib.layer_fragments(params, fragments, pattern, non_block)
@@ -176,8 +219,10 @@ def streaming_diloco(inner: optax.GradientTransformation,
     inner: the inner optimizer (e.g. `optax.adamw`); its state stays local and is never reset.
     outer: the outer optimizer, applied per fragment to Δ = φ − θ; default Nesterov SGD (0.7, 0.9).
     sync_every: H, inner steps between two syncs of the same fragment.
-    fragments: 1 (the whole model), an int P (P block fragments by `fragment_pattern`, plus the
-      non-block parameters by `non_block_fragment`), or a callable params -> tuple of Fragments.
+    fragments: 1 (the whole model); an int P (P block fragments by `fragment_pattern`, plus the
+      non-block parameters by `non_block_fragment`); a regex table `[(regex, index), ...]` over
+      parameter paths (`fragments.rule_fragments`, first match wins); or a callable params -> tuple
+      of Fragments, whose count fixes the schedule's rows when `init` first sees the parameters.
     overlap_steps: τ, inner steps the all-reduce of a fragment overlaps before it is applied.
     merge_alpha: α, weight of the local parameters when the global fragment is merged in.
     staggered: offsets p·H/P (True) or every fragment at the same step (False).
@@ -189,19 +234,24 @@ def streaming_diloco(inner: optax.GradientTransformation,
   """
   outer = outer if outer is not None else outer_nesterov()
   resolve = _resolve_fragments(fragments, fragment_pattern, non_block_fragment)
-  num_rows = count_fragments(fragments, non_block_fragment)
-  schedule = schedule_lib.make_schedule(num_rows, sync_every, overlap_steps, merge_alpha, staggered)
+  schedule = functools.partial(schedule_lib.make_schedule, sync_every=sync_every,
+                               overlap_steps=overlap_steps, merge_alpha=merge_alpha, staggered=staggered)
+  if not callable(fragments):  # the rows are known now: bad options fail here, before any compute
+    schedule = schedule(count_fragments(fragments, non_block_fragment))
   if isinstance(codec, str):
     from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
     codec = codecs.get_codec(codec)
   return StreamingDiLoCo(inner, outer, schedule, resolve, axis_name, codec, error_feedback)
 
 
-def count_fragments(fragments: FragmentsArg, non_block: str) -> int:
-  """Rows of the schedule: 1 for the whole model, else P block fragments (+1 when non_block="own")."""
+def count_fragments(fragments: int | frag_lib.Rules, non_block: str) -> int:
+  """Rows of the schedule: 1 for the whole model, P block fragments (+1 when non_block="own"), or
+  the number of fragments of a regex table. A callable rule has no count before it sees parameters."""
   if callable(fragments):
-    raise ValueError("with a callable fragment rule, build the schedule with "
-                     "schedule.make_schedule and construct StreamingDiLoCo directly")
+    raise ValueError("a callable fragment rule gives its number of fragments only from the "
+                     "parameters: pass it to streaming_diloco, which fixes the schedule at init")
+  if isinstance(fragments, (tuple, list)):
+    return frag_lib.check_rule_indices(fragments)
   if int(fragments) < 1:
     raise ValueError(f"diloco.num_fragments must be >= 1, got {fragments}")
   return 1 if fragments == 1 else int(fragments) + (1 if non_block == "own" else 0)

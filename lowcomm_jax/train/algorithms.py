@@ -18,6 +18,7 @@ import ml_collections
 import optax
 
 from lowcomm_jax import codecs, optim
+from lowcomm_jax import config as config_lib
 from lowcomm_jax.train import step as step_lib
 
 
@@ -88,7 +89,7 @@ def make_algorithm(config: ml_collections.ConfigDict, num_replicas: int) -> Algo
   d = config.diloco
   tx = optim.streaming_diloco(
       inner, make_outer_optimizer(config.outer_optimizer), sync_every=d.sync_every,
-      fragments=d.num_fragments, overlap_steps=d.overlap_steps, merge_alpha=d.merge_alpha,
+      fragments=config_lib.fragments_of(config), overlap_steps=d.overlap_steps, merge_alpha=d.merge_alpha,
       staggered=d.staggered, fragment_pattern=d.fragment_pattern,
       non_block_fragment=d.non_block_fragment,
       codec=None if d.codec == "none" else codecs.get_codec(d.codec, d.codec_block_size, d.codec_rounding),

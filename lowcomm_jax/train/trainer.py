@@ -134,31 +134,16 @@ class Trainer:
     return step_lib.TrainState(params_r, opt_state, jnp.zeros((), jnp.int32))
 
   def state_shardings(self, abstract_state):
-    """Shardings of a train state: a leaf whose path ends with a parameter's path and has its shape
-    gets that parameter's spec; per-replica leaves get `replica` in front; the rest is replicated."""
+    """Shardings of a train state: each leaf laid out like its parameter
+    (`sharding.state_specs`); per-replica leaves get `replica` in front; the rest is replicated."""
     batched = step_lib.TrainState(
         params=jax.tree.map(lambda _: True, abstract_state.params),
         opt_state=jax.tree.map(lambda axis: axis == 0, jax.tree.broadcast(
             self.algorithm.state_axes, abstract_state.opt_state, is_leaf=lambda x: x is None),
                                is_leaf=lambda x: x is None),
         step=False)
-    flat_specs = {llama.path_name(k): s for k, s in jax.tree_util.tree_flatten_with_path(
-        self.param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
-    shapes = {llama.path_name(k): v.shape
-              for k, v in jax.tree_util.tree_flatten_with_path(self._abstract_params())[0]}
-
-    def sharding_of(key_path, leaf, is_batched):
-      name = llama.path_name(key_path)
-      shape = leaf.shape[1:] if is_batched else leaf.shape
-      spec = ()
-      for param_name, param_spec in flat_specs.items():
-        if (name == param_name or name.endswith("/" + param_name)) and shapes[param_name] == shape:
-          spec = tuple(param_spec)
-          break
-      lead = (mesh_lib.REPLICA,) if is_batched else ()
-      return NamedSharding(self.mesh, P(*lead, *spec))
-
-    return jax.tree_util.tree_map_with_path(sharding_of, abstract_state, batched)
+    specs = sharding.state_specs(abstract_state, self._abstract_params(), self.param_specs, batched)
+    return sharding.named(self.mesh, specs)
 
   def _abstract_params(self):
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
