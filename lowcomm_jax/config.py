@@ -275,7 +275,11 @@ def _validate_gradients(c) -> None:
              "group; gradients=pipeline runs stages on devices)", c.mesh.stage)
     if c.skippipe.paths:
       from lowcomm_jax.skippipe import training  # pylint: disable=g-import-not-at-top
-      paths = training.check_stage_paths(sources.parse_paths(c.skippipe.paths), p.num_stages)
+      try:
+        paths = training.check_stage_paths(sources.parse_paths(c.skippipe.paths), p.num_stages)
+      except ValueError as error:
+        raise ValueError(f"skippipe.paths={c.skippipe.paths!r} with pipeline.num_stages="
+                         f"{p.num_stages}: {error}") from None
       _require(c.data.batch_size % len(paths) == 0, "data.batch_size",
                f"a multiple of the {len(paths)} skippipe.paths (one micro-batch each)", c.data.batch_size)
     else:

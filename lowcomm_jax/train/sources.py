@@ -149,7 +149,7 @@ def skippipe_gradients(graphdef, algorithm, mesh, stage_paths, layers_per_stage:
     return loss, grads
 
   source = ReplicaGradients(graphdef, algorithm, mesh, loss_and_grads)
-  source.name = "skippipe"
+  source.name, source.stage_paths = "skippipe", np.asarray(stage_paths)
   return source
 
 
@@ -176,7 +176,7 @@ class PipelineGradients:
   def route_at(self, step: int) -> int:
     return (step - 1) % len(self.tables)
 
-  def _per_device(self, fn, num_in):
+  def per_device(self, fn, num_in):
     grid = P(mesh_lib.REPLICA, mesh_lib.STAGE)
     squeeze = lambda t: jax.tree.map(lambda x: x[0, 0], t)
     expand = lambda t: jax.tree.map(lambda x: x[None, None], t)
@@ -187,7 +187,7 @@ class PipelineGradients:
     r = self.algorithm.num_replicas
     grid = self.stages.to_grid(jax.tree.map(lambda x: jnp.broadcast_to(x, (r,) + x.shape), params),
                                self.num_stages)
-    return grid, self._per_device(self.algorithm.init, 1)(grid)
+    return grid, self.per_device(self.algorithm.init, 1)(grid)
 
   def batch_sharding(self) -> NamedSharding:
     return NamedSharding(self.mesh, P())  # every device reads its micro-batches' tokens
@@ -214,7 +214,7 @@ class PipelineGradients:
   def train_step(self, phase, route):
     table, run = self.tables[route], self.executors[route]._fn  # pylint: disable=protected-access
     r, k = self.algorithm.num_replicas, self.slots
-    update = self._per_device(lambda g, s, p: self.algorithm.update(g, s, p, phase), 3)
+    update = self.per_device(lambda g, s, p: self.algorithm.update(g, s, p, phase), 3)
 
     def train_step(state: step_lib.TrainState, batch_r):
       # Micro-batch m = slot·R + replica, drawn from its origin replica's own batch.
@@ -249,8 +249,12 @@ def stage_paths_of(config) -> np.ndarray:
   topo = getattr(topology, s.topology)()
   placed = placement.optimize_placement(topo, seed=s.placement_seed)
   skip = paths.SkipConfig(path_length=s.path_length, microbatches_per_data_node=s.microbatches_per_data_node)
-  planned = scheduler.skippipe_schedule(topo, placed, skip).stage_paths()
-  return training.check_stage_paths(planned, config.pipeline.num_stages)
+  planned = training.check_stage_paths(scheduler.skippipe_schedule(topo, placed, skip).stage_paths(),
+                                      config.pipeline.num_stages)
+  if config.data.batch_size % len(planned):
+    raise ValueError(f"data.batch_size must be a multiple of the {len(planned)} micro-batches the "
+                     f"SkipPipe schedule plans on {s.topology}, got {config.data.batch_size}")
+  return planned
 
 
 def make_source(config, graphdef, model_cfg, algorithm, mesh):
