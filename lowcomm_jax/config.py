@@ -50,7 +50,7 @@ def default_config() -> ml_collections.ConfigDict:
   ))
   c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
-      corpus="stdlib",  # stdlib | licenses | docstrings | debian:<source> | domain:<HDEE domain>
+      corpus="stdlib",  # stdlib | licenses | docstrings | debian:<source> | domain:<d> | domain_mix:<d>+<d>
       seq_len=128,  # tokens per training sequence (bytes)
       batch_size=16,  # global sequences per step (per replica for multi-replica algorithms)
       eval_permille=20,  # held-out documents, per mille (by a hash of the document id)
@@ -79,7 +79,7 @@ def default_config() -> ml_collections.ConfigDict:
       codec_rounding="nearest",  # nearest | stochastic
       error_feedback=False,  # add each replica's quantization residual to its next outer gradient
   ))
-  c.noloco = ml_collections.ConfigDict(dict(  # PAPERS.md 2.3; defaults from the paper's code
+  c.noloco = ml_collections.ConfigDict(dict(  # docs/algorithms.md §2.3; defaults from the paper's code
       sync_every=50,  # H: inner steps between two gossip outer steps
       group_size=2,  # n: replicas per random group (2: pairs); must divide num_replicas
       outer_learning_rate=0.7,  # β: step along the group-mean outer gradient
@@ -103,7 +103,7 @@ def default_config() -> ml_collections.ConfigDict:
       num_routings=4,  # random routings compiled; step t uses entry (t − 1) mod this
       routing_seed=0,
   ))
-  c.skippipe = ml_collections.ConfigDict(dict(  # gradients=skippipe (PAPERS.md 3.4)
+  c.skippipe = ml_collections.ConfigDict(dict(  # gradients=skippipe (docs/algorithms.md §3.4)
       paths="",  # stage paths, one per micro-batch, e.g. "0-1-2,0-2-1"; "" plans them on `topology`
       topology="gcp_12_regions",  # a lowcomm_jax.skippipe.topology preset for the scheduler
       path_length=4,  # k: stages per path counting stage 0
@@ -184,9 +184,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.algorithm in ALGORITHMS, "algorithm", f"one of {ALGORITHMS}", c.algorithm)
   _require(c.num_steps >= 1, "num_steps", ">= 1", c.num_steps)
   model_config.get_model_config(c.model.size, dtype=c.model.dtype)
-  _require(c.data.corpus in corpora.CORPORA or str(c.data.corpus).startswith(("debian:", "domain:")),
-           "data.corpus", f"one of {sorted(corpora.CORPORA)}, 'debian:<source>' or 'domain:<name>'",
-           c.data.corpus)
+  _require(corpora.is_corpus_name(c.data.corpus), "data.corpus",
+           f"one of {sorted(corpora.CORPORA)}, 'debian:<source>', 'domain:<name>' or "
+           "'domain_mix:<name>+<name>...'", c.data.corpus)
   _require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
   _require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
   _require(c.data.batch_size >= 1, "data.batch_size", ">= 1", c.data.batch_size)

@@ -1,4 +1,4 @@
-"""SkipPipe path training (PAPERS.md 3.4): micro-batches skip and reorder pipeline stages.
+"""SkipPipe path training (docs/algorithms.md §3.4): micro-batches skip and reorder pipeline stages.
 
   python experiments/train.py --config=experiments/configs/skippipe.py --workdir=runs/skip
   python experiments/train.py --config=experiments/configs/skippipe.py:full --workdir=runs/full

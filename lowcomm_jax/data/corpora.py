@@ -97,17 +97,29 @@ CORPORA = {
     "licenses": license_documents,
     "docstrings": docstring_documents,
 }
+# Corpus names beyond CORPORA: a fetched Debian source, a domain (`lowcomm_jax.data.domains`, read
+# with its own splits by `pipeline.load_splits`) and a mix of domains' training text.
+CORPUS_PREFIXES = ("debian:", "domain:", "domain_mix:")
+
+
+def is_corpus_name(name: str) -> bool:
+  """Whether `name` has the form of a corpus: a key of CORPORA or one of CORPUS_PREFIXES + a name."""
+  return name in CORPORA or str(name).startswith(CORPUS_PREFIXES)
 
 
 @functools.lru_cache(maxsize=8)
 def load_documents(name: str) -> tuple[Document, ...]:
-  """Documents of a named corpus: one of CORPORA, or `debian:<source>` once fetched."""
+  """Documents of a named corpus: one of CORPORA, `debian:<source>` once fetched, or `domain_mix:<a>+<b>`."""
   if name in CORPORA:
     return tuple(CORPORA[name]())
   if name.startswith("debian:"):
     from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
     return tuple(debian.load_documents(name.split(":", 1)[1]))
-  raise ValueError(f"data.corpus must be one of {sorted(CORPORA)} or 'debian:<source>', got {name!r}")
+  if name.startswith("domain_mix:"):
+    from lowcomm_jax.data import domains  # pylint: disable=g-import-not-at-top  (domains imports us)
+    return tuple(domains.mix_documents(domains.mix_domains(name)))
+  raise ValueError(f"data.corpus must be one of {sorted(CORPORA)}, 'debian:<source>' or "
+                   f"'domain_mix:<domain>+...', got {name!r}")
 
 
 def is_eval_document(doc_id: str, eval_permille: int) -> bool:

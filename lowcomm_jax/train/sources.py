@@ -2,10 +2,10 @@
 
   replicas   each replica's forward/backward on its own batch [B, T+1] (DiLoCo's workers)
   skippipe   each replica's batch split into micro-batches, micro-batch i along stage path i of
-             `skippipe.paths` (PAPERS.md 3.4: skipped stages get no gradient from it)
+             `skippipe.paths` (docs/algorithms.md §3.4: skipped stages get no gradient from it)
   pipeline   the pipeline executor (`parallel.executor`) on the (replica, stage) grid: micro-batches
              routed through the stages with `lax.ppermute`, fixed or at random between the replicas
-             of consecutive stages (NoLoCo's routing, PAPERS.md 2.2)
+             of consecutive stages (NoLoCo's routing, docs/algorithms.md §2.2)
 
 Every source then applies the algorithm's `update` per replica with the phase read on the host. The
 mesh alone decides how: one replica per `replica` slice under `jax.shard_map` when mesh.replica = M
