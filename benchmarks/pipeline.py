@@ -90,7 +90,9 @@ def measure_bubbles():
 
 def train_runs(steps):
   import importlib.util  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.parallel import combined  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import Trainer  # pylint: disable=g-import-not-at-top
   path = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs", "noloco_pipeline.py")
   spec = importlib.util.spec_from_file_location("noloco_pipeline", path)
   module = importlib.util.module_from_spec(spec)
@@ -102,12 +104,20 @@ def train_runs(steps):
     c = module.get_config(variant)
     c.num_steps = steps
     c.eval.every = max(steps // 6, 1)
+    c.checkpoint.every = steps
+    c.progress_bar = False
     print(f"training {label}, {steps} steps", flush=True)
-    result = combined.train(c, log=lambda line: print("  " + line, flush=True))
-    runs[label] = {"summary": result.summary,
-                   "eval_curve": [(m["step"], m["tokens"], m["eval_loss"], m["weight_spread"])
-                                  for m in result.metrics if "eval_loss" in m],
-                   "command": "python experiments/pipeline.py --config=experiments/configs/"
+    workdir = tempfile.mkdtemp(prefix="pipeline_bench_")
+    summary = Trainer(c, workdir).run()
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      metrics = [json.loads(line) for line in f]
+    per_replica = summary.get("final_eval_loss_replicas")
+    runs[label] = {"summary": summary,
+                   # The former loop's figure: the mean of the replicas' own models (fixed routing).
+                   "eval_loss_mean_of_replicas": float(np.mean(per_replica)) if per_replica else None,
+                   "eval_curve": [(m["step"], m["eval_loss"], m.get("weight_spread"))
+                                  for m in metrics if "eval_loss" in m],
+                   "command": "python experiments/train.py --config=experiments/configs/"
                               f"noloco_pipeline.py{':' + variant if variant else ''} --workdir=... "
                               f"--config.num_steps={steps}"}
   return runs
@@ -124,7 +134,7 @@ def main(argv):
     print("\nrun                                   eval loss   weight spread   tokens")
     for label, run in results["training"].items():
       s = run["summary"]
-      print(f"{label:38s} {s['final_eval_loss']:.4f}      {s['final_weight_spread']:.2e}      {s['tokens']}")
+      print(f"{label:38s} {s['final_eval_loss']:.4f}      {s.get('final_weight_spread', 0.0):.2e}      {s['tokens']}")
   results["wall_seconds"] = time.perf_counter() - started
   os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   with open(_OUT.value, "w") as f:

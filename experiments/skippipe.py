@@ -3,6 +3,10 @@
   python experiments/skippipe.py --workdir=/tmp/skippipe            # ~10 min on 2 CPU cores
   python experiments/skippipe.py --workdir=/tmp/skippipe_quick --quick   # a smoke run
 
+Each of the two trainings is a run of the one Trainer with `experiments/configs/skippipe.py`
+(`:skip` and `:full`) in DIR/skippipe and DIR/full: checkpoints, resume and summary.json as any
+run; rerunning the command resumes them. This script adds the comparison and the half-model test.
+
 Plans the SkipPipe schedule on the 12-region preset (20 nodes, stages
 [5,3,3,3,3,3], 4 of 6 stages per path = 33% skipped) and trains the `small`
 model split into 6 stages along the schedule's per-micro-batch paths on the
@@ -42,6 +46,15 @@ def _summary(losses: dict) -> dict:
           "by_kept_stages": {"-".join(map(str, k)): v for k, v in losses.items()}}
 
 
+def _config(variant: str):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).resolve().parent / "configs" / "skippipe.py"
+  spec = importlib.util.spec_from_file_location("skippipe_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant), module
+
+
 def main(argv):
   del argv
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -50,40 +63,50 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.models import get_model_config  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.skippipe import paths, placement, scheduler, topology  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.skippipe import training  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import Trainer  # pylint: disable=g-import-not-at-top
 
   steps, mb_size, eval_n = _STEPS.value, _MB_SIZE.value, 8
   if _QUICK.value:
     steps, mb_size, eval_n = min(steps, 12), 2, 2
   lps = _LAYERS_PER_STAGE.value
   num_stages = 6
-  cfg = get_model_config("small", num_layers=num_stages * lps)
   workdir = pathlib.Path(_WORKDIR.value)
-  workdir.mkdir(parents=True, exist_ok=True)
 
-  topo = topology.gcp_12_regions()
-  t0 = time.perf_counter()
-  placed = placement.optimize_placement(topo, seed=_SEED.value)
-  skip_config = paths.SkipConfig(path_length=4, microbatches_per_data_node=_MB_PER_NODE.value)
-  schedule = scheduler.skippipe_schedule(topo, placed, skip_config)
-  schedule_s = time.perf_counter() - t0
-  skip_paths = np.stack(schedule.stage_paths())
-  full_paths = training.full_stage_paths(num_stages, len(skip_paths))
+  trainers, schedule_s = {}, 0.0
+  for name in ("skippipe", "full"):
+    c, module = _config("skip" if name == "skippipe" else "full")
+    num_mb = 5 * _MB_PER_NODE.value
+    c.update_from_flattened_dict({
+        "num_steps": steps, "seed": _SEED.value, "skippipe.placement_seed": _SEED.value,
+        "skippipe.microbatches_per_data_node": _MB_PER_NODE.value, "pipeline.layers_per_stage": lps,
+        "data.seq_len": _SEQ_LEN.value, "data.batch_size": num_mb * mb_size,
+        "optimizer.learning_rate": _LR.value, "optimizer.warmup_steps": min(20, steps // 10),
+        "eval.num_batches": eval_n, "eval.every": max(steps // 10, 1), "log_every": max(steps // 10, 1),
+        "checkpoint.every": steps})
+    if name == "full":
+      c.skippipe.paths = module.full_paths(num_stages, num_mb)
+    t0 = time.perf_counter()
+    trainers[name] = Trainer(c, workdir / name)  # plans the SkipPipe schedule
+    if name == "skippipe":
+      schedule_s = time.perf_counter() - t0
+  skip_paths = np.asarray(trainers["skippipe"].source.stage_paths)
   print(f"schedule ({schedule_s:.1f} s): {len(skip_paths)} micro-batches, distinct paths "
         f"{sorted({tuple(p) for p in skip_paths.tolist()})}", flush=True)
+  cfg = trainers["skippipe"].model_cfg
 
   splits = pipeline.load_splits("stdlib")
   evals = pipeline.eval_batches(splits.eval, _SEQ_LEN.value, 16, eval_n)
   runs = {}
-  for name, stage_paths in [("skippipe", skip_paths), ("full", full_paths)]:
+  for name, trainer in trainers.items():
     print(f"training {name} for {steps} steps", flush=True)
-    runs[name] = training.train_along_paths(
-        cfg, splits.train, stage_paths, steps=steps, layers_per_stage=lps,
-        microbatch_size=mb_size, seq_len=_SEQ_LEN.value, learning_rate=_LR.value,
-        warmup_steps=min(20, steps // 10), seed=_SEED.value, eval_batches_NxBxT1=evals,
-        eval_every=max(steps // 10, 1), log_every=max(steps // 10, 1))
+    t0 = time.perf_counter()
+    summary = trainer.run()
+    rows = [json.loads(l) for l in (workdir / name / "metrics.jsonl").read_text().splitlines()]
+    runs[name] = {"graphdef": trainer.graphdef, "params": trainer.source.eval_params(trainer.final_state),
+                  "train_loss": [(r["step"], r["loss"]) for r in rows if "loss" in r],
+                  "eval": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
+                  "seconds": time.perf_counter() - t0, "summary": summary}
 
   results = {
       "command": "python experiments/skippipe.py --workdir=... " + ("--quick " if _QUICK.value else "")
@@ -105,7 +128,7 @@ def main(argv):
                for r in (1, 2, 3)}
     results[name] = {
         "train_loss": run["train_loss"], "eval_curve": run["eval"], "train_seconds": run["seconds"],
-        "compile_seconds": run["compile_seconds"], "eval_loss_all_layers": full_loss,
+        "workdir": str(workdir / name), "eval_loss_all_layers": full_loss,
         "eval_ppl_all_layers": float(np.exp(full_loss)),
         "stages_removed": {str(r): v for r, v in removed.items()},
         "half_model_ppl_mean": float(np.exp(removed[3]["mean_loss"])),
@@ -122,11 +145,9 @@ def main(argv):
   (workdir / "metrics.json").write_text(json.dumps(results, indent=1))
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   for name, run in runs.items():
-    curve = np.asarray(run["train_loss"])
-    smooth = np.convolve(curve, np.ones(10) / 10, mode="valid") if len(curve) >= 10 else curve
-    axes[0].plot(np.arange(len(smooth)) + len(curve) - len(smooth) + 1, smooth, label=name)
+    axes[0].plot(*zip(*run["train_loss"]), label=name)
     axes[1].plot(*zip(*run["eval"]), marker="o", label=f"{name} (all layers)")
-  axes[0].set(xlabel="step", ylabel="train loss (path, 10-step mean)", title="training loss")
+  axes[0].set(xlabel="step", ylabel="train loss (path, logged steps)", title="training loss")
   axes[1].set(xlabel="step", ylabel="eval loss, all layers in order", title="held-out loss")
   for ax in axes:
     ax.legend()

@@ -32,6 +32,14 @@ def default_config() -> ml_collections.ConfigDict:
   # train alone for H steps, then an outer step; streaming_diloco: fragments, overlap τ, merge α;
   # noloco: outer steps by gossip in random groups of replicas, no all-reduce (the `noloco` section).
   c.algorithm = "dp"
+  # Where gradients come from (lowcomm_jax.train.sources): replicas (each replica's forward/backward
+  # on its own batch) | skippipe (micro-batches along SkipPipe stage paths, the `skippipe` section)
+  # | pipeline (the pipeline executor on a (replica, stage) mesh, the `pipeline` section).
+  c.gradients = "replicas"
+  # NaN/inf in the global model (data parallel: the new parameters; DiLoCo: an averaged outer
+  # gradient; NoLoCo: a replica's slow weights): the outer step is always refused and counted in
+  # summary.json's refused_outer_steps; raise stops the run naming it, skip logs it and goes on.
+  c.nonfinite = "raise"
   c.num_replicas = 1  # M: model replicas (workers); mesh.replica devices hold them, M/mesh.replica each
   c.seed = 0  # parameter init and data order.
   c.num_steps = 300  # optimizer steps.
@@ -74,8 +82,6 @@ def default_config() -> ml_collections.ConfigDict:
       codec_block_size=1024,  # values per absmax scale in the codec
       codec_rounding="nearest",  # nearest | stochastic
       error_feedback=False,  # add each replica's quantization residual to its next outer gradient
-      nonfinite="raise",  # NaN/inf in an averaged outer gradient: raise (stop, naming the fragment)
-                          # | skip (refuse that fragment's outer step, restart it from φ, log it)
   ))
   c.noloco = ml_collections.ConfigDict(dict(  # docs/algorithms.md §2.3; defaults from the paper's code
       sync_every=50,  # H: inner steps between two gossip outer steps
@@ -91,6 +97,22 @@ def default_config() -> ml_collections.ConfigDict:
       name="nesterov",  # nesterov | sgd | adam, applied to the outer gradient Δ = φ − θ
       learning_rate=0.7,
       momentum=0.9,
+  ))
+  c.pipeline = ml_collections.ConfigDict(dict(  # gradients=pipeline or skippipe (docs/pipelines.md)
+      num_stages=2,  # S: the model's layers cut into S stages (mesh.stage = S for the pipeline)
+      layers_per_stage=1,  # the model then has S × this many layers
+      routing="random",  # random (NoLoCo's routing between replicas of consecutive stages) | fixed
+      order="gpipe",  # tick order: gpipe | 1f1b
+      slots_per_step=2,  # K: micro-batches each replica starts per step (data.batch_size / K each)
+      num_routings=4,  # random routings compiled; step t uses entry (t − 1) mod this
+      routing_seed=0,
+  ))
+  c.skippipe = ml_collections.ConfigDict(dict(  # gradients=skippipe (docs/algorithms.md §3.4)
+      paths="",  # stage paths, one per micro-batch, e.g. "0-1-2,0-2-1"; "" plans them on `topology`
+      topology="gcp_12_regions",  # a lowcomm_jax.skippipe.topology preset for the scheduler
+      path_length=4,  # k: stages per path counting stage 0
+      microbatches_per_data_node=2,
+      placement_seed=0,
   ))
   c.mesh = ml_collections.ConfigDict(dict(replica=1, data=-1, tensor=1, stage=1))  # -1: fill
   c.sharding = ml_collections.ConfigDict(dict(
@@ -191,6 +213,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for key in ("timeout_seconds", "init_timeout_seconds"):
     _require(c.distributed[key] >= 1, f"distributed.{key}", ">= 1 (seconds)", c.distributed[key])
   mesh_lib.mesh_shape(c.mesh.to_dict(), 10**9)  # axis names and sizes; devices are checked later
+  _require(c.nonfinite in ("raise", "skip"), "nonfinite", "raise or skip", c.nonfinite)
+  _validate_gradients(c)
   if c.algorithm == "dp":
     _require(c.num_replicas == 1 and c.mesh.replica == 1, "num_replicas and mesh.replica",
              "1 for algorithm=dp (use diloco for replicas)", (c.num_replicas, c.mesh.replica))
@@ -234,8 +258,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
       codecs.get_codec(c.diloco.codec, c.diloco.codec_block_size, c.diloco.codec_rounding)
     _require(not c.diloco.error_feedback or c.diloco.codec != "none", "diloco.error_feedback",
              "False unless diloco.codec is set", c.diloco.error_feedback)
-    _require(c.diloco.nonfinite in ("raise", "skip"), "diloco.nonfinite", "raise or skip",
-             c.diloco.nonfinite)
     _require(c.outer_optimizer.name in ("nesterov", "sgd", "adam"), "outer_optimizer.name",
              "nesterov, sgd or adam", c.outer_optimizer.name)  # axis names and sizes; the device count is checked later
 
@@ -246,6 +268,65 @@ def fragments_of(c: ml_collections.ConfigDict):
     from lowcomm_jax.optim import fragments  # pylint: disable=g-import-not-at-top
     return fragments.parse_rules(c.diloco.fragment_rules)
   return c.diloco.num_fragments
+
+
+GRADIENTS = ("replicas", "skippipe", "pipeline")
+
+
+def _validate_gradients(c) -> None:
+  _require(c.gradients in GRADIENTS, "gradients", f"one of {GRADIENTS}", c.gradients)
+  if c.gradients == "replicas":
+    return
+  p = c.pipeline
+  _require(p.num_stages >= 1, "pipeline.num_stages", ">= 1", p.num_stages)
+  _require(p.layers_per_stage >= 1, "pipeline.layers_per_stage", ">= 1", p.layers_per_stage)
+  _require(c.diloco.num_fragments == 1, "diloco.num_fragments",
+           f"1 with gradients={c.gradients} (fragments are cut by layer, stages too)",
+           c.diloco.num_fragments)
+  if c.gradients == "skippipe":
+    from lowcomm_jax.train import sources  # pylint: disable=g-import-not-at-top
+    _require(c.mesh.stage == 1, "mesh.stage", "1 with gradients=skippipe (paths run on one device "
+             "group; gradients=pipeline runs stages on devices)", c.mesh.stage)
+    if c.skippipe.paths:
+      from lowcomm_jax.skippipe import training  # pylint: disable=g-import-not-at-top
+      try:
+        paths = training.check_stage_paths(sources.parse_paths(c.skippipe.paths), p.num_stages)
+      except ValueError as error:
+        raise ValueError(f"skippipe.paths={c.skippipe.paths!r} with pipeline.num_stages="
+                         f"{p.num_stages}: {error}") from None
+      _require(c.data.batch_size % len(paths) == 0, "data.batch_size",
+               f"a multiple of the {len(paths)} skippipe.paths (one micro-batch each)", c.data.batch_size)
+    else:
+      from lowcomm_jax.skippipe import topology  # pylint: disable=g-import-not-at-top
+      _require(callable(getattr(topology, c.skippipe.topology, None)), "skippipe.topology",
+               "a preset of lowcomm_jax.skippipe.topology such as gcp_12_regions", c.skippipe.topology)
+    return
+  from lowcomm_jax.parallel import ticks  # pylint: disable=g-import-not-at-top
+  _require(p.routing in ("random", "fixed"), "pipeline.routing", "random or fixed", p.routing)
+  _require(p.order in ticks.ORDERS, "pipeline.order", f"one of {ticks.ORDERS}", p.order)
+  _require(p.slots_per_step >= 1 and c.data.batch_size % p.slots_per_step == 0,
+           "pipeline.slots_per_step", f">= 1 and a divisor of data.batch_size={c.data.batch_size}",
+           p.slots_per_step)
+  _require(p.num_routings >= 1, "pipeline.num_routings", ">= 1", p.num_routings)
+  _require(c.mesh.stage == p.num_stages, "mesh.stage",
+           f"pipeline.num_stages={p.num_stages} with gradients=pipeline", c.mesh.stage)
+  _require(c.mesh.replica == c.num_replicas, "mesh.replica",
+           f"num_replicas={c.num_replicas} with gradients=pipeline (one replica per stage row)",
+           c.mesh.replica)
+  _require(c.mesh.data == 1 and c.mesh.tensor == 1, "mesh.data and mesh.tensor",
+           "1 with gradients=pipeline", (c.mesh.data, c.mesh.tensor))
+
+
+def model_config_of(c):
+  """The model's shape: the preset, its width `model.d_ff`, layers = stages × layers per stage for
+  the pipeline and SkipPipe sources."""
+  preset = model_config.PRESETS.get(c.model.size)
+  changes = {}
+  if c.gradients != "replicas":
+    changes["num_layers"] = c.pipeline.num_stages * c.pipeline.layers_per_stage
+  return model_config.get_model_config(
+      c.model.size, dtype=c.model.dtype, max_seq_len=max(preset.max_seq_len, c.data.seq_len),
+      d_ff=c.model.d_ff or preset.d_ff, **changes)
 
 
 def _codec_names() -> list[str]:

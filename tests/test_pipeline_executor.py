@@ -2,6 +2,7 @@
 measured bubble equals the simulator's, and colliding schedules are refused before compilation."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +14,10 @@ from flax import nnx
 import lowcomm_jax
 from lowcomm_jax import hlo
 from lowcomm_jax.models import get_model_config, llama
-from lowcomm_jax.parallel import bubble, combined, routing, stages, ticks
+from lowcomm_jax.parallel import bubble, routing, stages, ticks
 from lowcomm_jax.parallel.executor import PipelineExecutor, transfer_patterns
 from lowcomm_jax.skippipe import paths, scheduler, topology
+from lowcomm_jax.train import sources
 
 SEQ, MB_SIZE = 8, 2
 
@@ -183,9 +185,12 @@ def test_grid_optimizer_noloco_pairs_replicas_within_each_stage():
   grads_R = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params_R)
   tx = lowcomm_jax.noloco(optax.sgd(0.1), num_replicas, sync_every=1, num_groupings=2, seed=5)
   mesh = lowcomm_jax.mesh.make_mesh({"replica": num_replicas, "stage": num_stages})
-  opt = combined.GridOptimizer(tx, mesh)
+  per_device = lambda fn, n: jax.jit(sources.PipelineGradients.per_device(
+      types.SimpleNamespace(mesh=mesh), fn, n))
   grid = stages.to_grid(params_R, num_stages)
-  new_grid, _ = opt.step(1, stages.to_grid(grads_R, num_stages), opt.init(grid), grid)
+  grid_update = per_device(lambda g, s, p: tx.update(g, s, p, phase=tx.phase_at(1)), 3)
+  updates, _ = grid_update(stages.to_grid(grads_R, num_stages), per_device(tx.init, 1)(grid), grid)
+  new_grid = optax.apply_updates(grid, updates)
 
   _, state = tx.init_replicated(jax.tree.map(lambda x: x[0], params_R), num_replicas)
   state = state._replace(slow=params_R)

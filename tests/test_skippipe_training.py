@@ -8,7 +8,8 @@ from flax import nnx
 
 from lowcomm_jax.models import get_model_config, llama
 from lowcomm_jax.skippipe import training
-from lowcomm_jax.train.step import cross_entropy, lm_loss
+from lowcomm_jax import config as config_lib
+from lowcomm_jax.train.step import cross_entropy, lm_loss, make_optimizer
 
 # 3 stages of 2 layers each, so a stage's block has an inner order to keep.
 STAGES, LPS = 3, 2
@@ -22,7 +23,10 @@ _loss = jax.jit(lm_loss, static_argnums=0)
 @pytest.fixture(scope="module")
 def setup():
   cfg = get_model_config("tiny", num_layers=STAGES * LPS)
-  tx = training.make_optimizer(1e-2, 10)
+  opt = config_lib.override(config_lib.default_config(), {
+      "optimizer.learning_rate": 1e-2, "optimizer.warmup_steps": 0, "optimizer.b2": 0.999,
+      "optimizer.weight_decay": 0.0}).optimizer  # the reference's AdamW, clipped to 1.0
+  tx = make_optimizer(opt, 10)
   graphdef, state = training.init_state(cfg, tx, seed=0)
   # Larger block weights than at init, so that the order of the blocks visibly changes the loss.
   params = dict(state.params, blocks=jax.tree.map(lambda a: 20 * a, state.params["blocks"]))

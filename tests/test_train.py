@@ -1,6 +1,5 @@
 """The data-parallel Trainer: learning on real text, resume, meshes and layouts, bad input."""
 
-import hashlib
 import json
 import os
 import pathlib
@@ -13,34 +12,10 @@ import pytest
 
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.data import pipeline, stats
+from lowcomm_jax.testing import read_metrics, tiny_config, tree_digest  # pylint: disable=unused-import
 from lowcomm_jax.train import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def tiny_config(**changes):
-  c = config_lib.default_config()
-  c.model.size = "tiny"
-  c.num_steps = 40
-  c.data.seq_len = 64
-  c.data.batch_size = 8
-  c.eval.batch_size = 8
-  c.eval.num_batches = 4
-  c.eval.every = 1000
-  c.checkpoint.every = 1000
-  c.log_every = 1
-  c.progress_bar = False
-  c.hardware.peak_flops_per_device = 1e10
-  return config_lib.override(c, changes)
-
-
-def read_metrics(workdir):
-  return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def tree_digest(directory: pathlib.Path) -> dict:
-  return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-          for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def test_tiny_run_learns_real_text_below_the_unigram_entropy(tmp_path):

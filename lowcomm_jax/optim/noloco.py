@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from lowcomm_jax import comm, mesh as mesh_lib
+from lowcomm_jax.codecs import all_finite
 from lowcomm_jax.optim.outer import check_transformation
 
 
@@ -35,6 +36,7 @@ class NoLoCoState(NamedTuple):
   inner_state: Any  # per replica
   slow: Any  # φ_i, float32, per replica
   momentum: Any  # δ_i, float32, per replica
+  refused: jax.Array  # int32[]: outer steps this replica refused because φ_i would hold NaN or inf
 
 
 class NoLoCoPhase(NamedTuple):
@@ -68,7 +70,7 @@ class NoLoCo:
     self.group_size, self.momentum, self.learning_rate, self.gamma = group_size, momentum, learning_rate, gamma
     self.seed, self.axis_name, self.codec = seed, axis_name, codec
     self.pool = groupings(num_replicas, group_size, num_groupings, seed)
-    self.state_axes = NoLoCoState(count=None, inner_state=0, slow=0, momentum=0)
+    self.state_axes = NoLoCoState(count=None, inner_state=0, slow=0, momentum=0, refused=0)
 
   def grouping_index(self, outer_step):
     """Pool index of outer step k (0-based): a multiplicative hash of (seed, k) modulo the pool size.
@@ -95,7 +97,7 @@ class NoLoCo:
   def init(self, params) -> NoLoCoState:
     slow = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     return NoLoCoState(jnp.zeros((), jnp.int32), self.inner.init(params), slow,
-                       jax.tree.map(jnp.zeros_like, slow))
+                       jax.tree.map(jnp.zeros_like, slow), jnp.zeros((), jnp.int32))
 
   def init_replicated(self, params, num_replicas: int):
     if num_replicas != self.num_replicas:
@@ -103,7 +105,8 @@ class NoLoCo:
     state = self.init(params)
     stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape), t)
     return stack(params), state._replace(inner_state=stack(state.inner_state), slow=stack(state.slow),
-                                         momentum=stack(state.momentum))
+                                         momentum=stack(state.momentum),
+                                         refused=stack(state.refused))
 
   def eval_params(self, state: NoLoCoState):
     """The replicas' mean slow weights (there is no global model; each replica has its own φ_i)."""
@@ -123,7 +126,7 @@ class NoLoCo:
   def _apply(self, grouping, grads, state: NoLoCoState, params, **extra_args):
     inner_updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
     local = optax.apply_updates(params, inner_updates)
-    slow, momentum = state.slow, state.momentum
+    slow, momentum, refused = state.slow, state.momentum, state.refused
     if grouping is not None:
       delta = jax.tree.map(lambda s, l: s - l.astype(jnp.float32), slow, local)
       groups = self.pool[grouping]
@@ -133,9 +136,15 @@ class NoLoCo:
       momentum = jax.tree.map(
           lambda d, gd, s, gs: self.momentum * d - self.learning_rate * gd - self.gamma * (s - gs),
           momentum, group_delta, slow, group_slow)
-      slow = jax.tree.map(jnp.add, slow, momentum)
+      new_slow = jax.tree.map(jnp.add, slow, momentum)
+      # A NaN or inf never reaches φ_i: this replica refuses the outer step (φ_i and δ_i kept),
+      # restarts θ_i from φ_i and counts it; the loop raises or logs it (config `nonfinite`).
+      finite = all_finite(new_slow)
+      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+      slow, momentum = keep(new_slow, slow), keep(momentum, state.momentum)
+      refused = refused + jnp.where(finite, 0, 1)
       local = jax.tree.map(lambda s, l: s.astype(l.dtype), slow, local)
-    new_state = NoLoCoState(state.count + 1, inner_state, slow, momentum)
+    new_state = NoLoCoState(state.count + 1, inner_state, slow, momentum, refused)
     return jax.tree.map(lambda n, o: n - o, local, params), new_state
 
 

@@ -1,5 +1,8 @@
 """Pipeline parallelism over a (replica, stage) mesh: SkipPipe schedules and NoLoCo's random routing.
 
+Training with the pipeline inside each step is `config.gradients = "pipeline"` of the one Trainer
+(`lowcomm_jax.train.sources.PipelineGradients`).
+
 Modules, one concept each:
   routing    routes through the grid: full pipeline, SkipPipe paths, NoLoCo's random routing
   ticks      a schedule compiled into ticks (op, micro-batch, destination per device), validated
@@ -7,7 +10,6 @@ Modules, one concept each:
   executor   runs a tick table with `jax.shard_map`, one `lax.ppermute` per direction per tick
   bubble     busy/idle ticks: planned, measured, and the SkipPipe simulator's prediction
   plots      a tick table drawn as a grid
-  combined   NoLoCo or DiLoCo across replicas with the pipeline inside each step
 """
 
 from lowcomm_jax.parallel import bubble

@@ -6,7 +6,7 @@ blocks swapped, each block's own layers in order), then the final norm, head
 and loss. The loss of each micro-batch is divided by the number of
 micro-batches and the gradients are summed over micro-batches, so a layer on
 no micro-batch's path gets no update from the data (AdamW's weight decay, if
-any, still applies). Then the global norm is clipped to 1.0 and AdamW steps.
+any, still applies). Then the optimizer steps (the reference: clip to 1.0, AdamW).
 
 Paths of one length form an int array [num_microbatches, path_length] of
 stage ids. The jitted step takes it as a traced argument, so one compiled
@@ -14,8 +14,10 @@ program serves every iteration whatever the scheduler plans; only a new
 path length compiles again. The full pipeline is the path (0, 1, ..., S-1)
 for every micro-batch, through the same code.
 
-Typical use::
+A run trains through the one Trainer with `config.gradients = "skippipe"` (`train.sources`, whose
+loss is `summed_microbatch_grads`); the pieces below also serve a hand-written loop::
 
+  tx = lowcomm_jax.train.step.make_optimizer(config.optimizer, num_steps)
   graphdef, state = init_state(cfg, tx, seed=0)
   step = make_path_train_step(graphdef, tx, num_stages=6, layers_per_stage=1)
   state, metrics = step(state, batch_MxBxT1, schedule.stage_paths())
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from typing import Callable, Sequence
 
 import jax
@@ -153,20 +154,6 @@ def summed_microbatch_grads(graphdef, params, batch_MxBxT1, layer_paths_MxL):
   return losses.sum(), grads, losses * num_mb
 
 
-def make_optimizer(learning_rate: float, num_steps: int, warmup_steps: int = 0,
-                   grad_clip: float = 1.0, b1: float = 0.9, b2: float = 0.999,
-                   weight_decay: float = 0.0, min_lr_ratio: float = 0.1) -> optax.GradientTransformation:
-  """Clip to `grad_clip`, then AdamW with warm-up and cosine decay (the reference: lr 3e-4, wd 0)."""
-  if learning_rate <= 0 or num_steps < 1:
-    raise ValueError(f"learning_rate must be > 0 and num_steps >= 1, got {learning_rate}, {num_steps}")
-  warmup = min(warmup_steps, num_steps - 1)
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0 if warmup else learning_rate, peak_value=learning_rate, warmup_steps=warmup,
-      decay_steps=max(num_steps, warmup + 1), end_value=learning_rate * min_lr_ratio)
-  adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)
-  return optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip > 0 else adamw
-
-
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation,
                seed: int = 0) -> tuple[nnx.GraphDef, TrainState]:
   """A fresh Decoder's graphdef and its training state (pure-dict params)."""
@@ -268,60 +255,3 @@ def stage_removal_losses(graphdef, params, batches_NxBxT1, num_stages: int, laye
     kept = (0,) + rest
     out[kept] = evaluate(graphdef, params, batches_NxBxT1, layers_per_stage, kept_stage_path(kept, num_stages))
   return out
-
-
-def train_along_paths(cfg: ModelConfig, train_tokens: np.ndarray, stage_paths, *, steps: int,
-                      layers_per_stage: int, microbatch_size: int, seq_len: int,
-                      learning_rate: float = 1e-3, warmup_steps: int = 20, seed: int = 0,
-                      eval_batches_NxBxT1=None, eval_every: int = 0, log_every: int = 0) -> dict:
-  """Trains a fresh model for `steps` steps, every batch along the same stage paths.
-
-  The batch of each step is M * microbatch_size windows from
-  `pipeline.train_dataset` (same seed, same data order for every set of
-  paths), split into M micro-batches; micro-batch i follows stage_paths[i].
-
-  Args:
-    cfg: model shape; num_layers must be num_stages * layers_per_stage.
-    train_tokens: the training token stream.
-    stage_paths: [M, k] stage ids, one path per micro-batch (the schedule's
-      `stage_paths()`, or `full_stage_paths` for the full pipeline).
-    steps: optimizer steps.
-    layers_per_stage: layers each stage holds.
-    microbatch_size: sequences per micro-batch.
-    seq_len: tokens per sequence (inputs; windows hold seq_len + 1).
-    learning_rate: AdamW peak learning rate (cosine decay to 0.1x).
-    warmup_steps: linear warm-up steps.
-    seed: parameter init and data order.
-    eval_batches_NxBxT1: held-out batches for the eval curve (all layers in order).
-    eval_every: eval period in steps (0: only at the end, if eval batches are given).
-    log_every: print the train loss every this many steps (0: silent).
-
-  Returns:
-    dict with "graphdef", "params", "train_loss" [steps], "eval" [(step, loss)],
-    "seconds" (wall time after the first, compiling step, periodic evals
-    included) and "compile_seconds" (the first step).
-  """
-  from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-
-  num_stages = cfg.num_layers // layers_per_stage
-  paths = check_stage_paths(stage_paths, num_stages)
-  num_mb = len(paths)
-  tx = make_optimizer(learning_rate, steps, warmup_steps)
-  graphdef, state = init_state(cfg, tx, seed)
-  step = make_path_train_step(graphdef, tx, num_stages, layers_per_stage)
-  data = pipeline.train_dataset(train_tokens, seq_len, num_mb * microbatch_size, seed)
-  train_loss, evals = [], []
-  compile_s, start = 0.0, time.perf_counter()
-  for i in range(steps):
-    batch = np.asarray(data[i]).reshape(num_mb, microbatch_size, seq_len + 1)
-    state, metrics = step(state, batch, paths)
-    train_loss.append(float(metrics["loss"]))
-    if i == 0:
-      compile_s, start = time.perf_counter() - start, time.perf_counter()
-    if log_every and (i + 1) % log_every == 0:
-      print(f"  step {i + 1:5d}  loss {train_loss[-1]:.4f}", flush=True)
-    if eval_batches_NxBxT1 is not None and (
-        (eval_every and (i + 1) % eval_every == 0) or i + 1 == steps):
-      evals.append((i + 1, evaluate(graphdef, state.params, eval_batches_NxBxT1)))
-  return {"graphdef": graphdef, "params": state.params, "train_loss": train_loss, "eval": evals,
-          "seconds": time.perf_counter() - start, "compile_seconds": compile_s}

@@ -1,9 +1,11 @@
-"""The Trainer: validated config in, a run directory out.
+"""The Trainer: validated config in, a run directory out. The one training loop of the package.
 
 Outputs in the workdir: config.json, metrics.jsonl, tensorboard/, checkpoints/
 (orbax; train state + data iterator state) and summary.json. Restarting with
 the same workdir and config resumes from the latest checkpoint and ends
-bit-identical to an uninterrupted run.
+bit-identical to an uninterrupted run. The algorithm (`optim.replicated`) and
+the source of the gradients (`train.sources`: replicas, SkipPipe paths, the
+pipeline executor) are whatever the config names; the loop knows neither.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -28,9 +29,8 @@ from lowcomm_jax import sharding
 from lowcomm_jax.data import pipeline
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.models import llama
-from lowcomm_jax.optim.noloco import weight_spread
-from lowcomm_jax.train import algorithms, checkpoint, clock_events
-from lowcomm_jax.train import metrics as metrics_lib, step as step_lib
+from lowcomm_jax.train import algorithms, checkpoint, sources
+from lowcomm_jax.train import metrics as metrics_lib, step as step_lib, summary as summary_lib
 
 
 def measure_peak_flops(device=None, size: int = 1024, seconds: float = 0.3) -> float:
@@ -66,28 +66,24 @@ class Trainer:
     if config.eval.batch_size % data_ways:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the mesh's "
                        f"data axis ({data_ways})")
-    preset = model_config.PRESETS.get(config.model.size)
-    self.model_cfg = model_config.get_model_config(
-        config.model.size, dtype=config.model.dtype,
-        max_seq_len=max(preset.max_seq_len, config.data.seq_len),
-        d_ff=config.model.d_ff or preset.d_ff)
+    self.model_cfg = config_lib.model_config_of(config)
     if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     self.rules = sharding.rules_for(config.sharding.layout)
-    self.algorithm = algorithms.make_algorithm(config, config.num_replicas)
-    self.resuming = checkpoint.check_workdir(self.workdir, config_lib.fingerprint(config),
-                                             config_lib.fingerprint(config_lib.default_config()))
     abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     abstract_params = abstract_params.to_pure_dict()
-    self.fragment_names, self._nonfinite_seen = [], {}
-    if self.algorithm.streaming:  # a fragment rule that misses parameters fails here, before compute
-      self.fragment_names = [f.name for f in self.algorithm.tx.fragments(abstract_params)]
+    self.algorithm = algorithms.make_algorithm(config, config.num_replicas, abstract_params)
+    self.fragment_names = getattr(self.algorithm, "fragment_names", [])
+    self.source = sources.make_source(config, self.graphdef, self.model_cfg, self.algorithm, self.mesh)
+    self.resuming = checkpoint.check_workdir(self.workdir, config_lib.fingerprint(config),
+                                             config_lib.fingerprint(config_lib.default_config()))
     self.axes = llama.logical_axes(abstract_model)
     self.param_specs = sharding.param_specs(self.axes, abstract_params, self.rules, self.mesh)
     self.param_shardings = sharding.named(self.mesh, self.param_specs)
     self.num_params = model_config.param_count(self.model_cfg)
     self._programs: dict = {}
+    self._refused_seen = None
 
   # -- building blocks, also used by tests and benchmarks ----------------------------------------
 
@@ -103,7 +99,7 @@ class Trainer:
     return jax.jit(init, out_shardings=self.param_shardings)()
 
   def init_state(self) -> step_lib.TrainState:
-    """Replicated parameters [M, ...] and the algorithm's state, laid out on the mesh."""
+    """Replicated parameters [M, ...] (grid [R, S, ...] for the pipeline) and the algorithm's state."""
     params = self.init_params()
     abstract = jax.eval_shape(self._init_fn, params)
     return jax.jit(self._init_fn, out_shardings=self.state_shardings(abstract))(params)
@@ -112,8 +108,7 @@ class Trainer:
     other = Trainer(config_lib.load_run_config(workdir), workdir)
     if other.model_cfg != self.model_cfg:
       raise ValueError(f"init_from={str(workdir)!r} has model {other.model_cfg}, this run {self.model_cfg}")
-    state = other.restore_latest()
-    params = other.algorithm.eval_params(state.params, state.opt_state)
+    params = other.source.eval_params(other.restore_latest())
     return jax.device_put(params, self.param_shardings)
 
   def restore_latest(self) -> step_lib.TrainState:
@@ -130,20 +125,11 @@ class Trainer:
     return restored[1]
 
   def _init_fn(self, params):
-    params_r, opt_state = self.algorithm.init(params)
+    params_r, opt_state = self.source.init(params)
     return step_lib.TrainState(params_r, opt_state, jnp.zeros((), jnp.int32))
 
   def state_shardings(self, abstract_state):
-    """Shardings of a train state: each leaf laid out like its parameter
-    (`sharding.state_specs`); per-replica leaves get `replica` in front; the rest is replicated."""
-    batched = step_lib.TrainState(
-        params=jax.tree.map(lambda _: True, abstract_state.params),
-        opt_state=jax.tree.map(lambda axis: axis == 0, jax.tree.broadcast(
-            self.algorithm.state_axes, abstract_state.opt_state, is_leaf=lambda x: x is None),
-                               is_leaf=lambda x: x is None),
-        step=False)
-    specs = sharding.state_specs(abstract_state, self._abstract_params(), self.param_specs, batched)
-    return sharding.named(self.mesh, specs)
+    return self.source.state_shardings(abstract_state, self.param_specs, self._abstract_params())
 
   def _abstract_params(self):
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
@@ -151,57 +137,15 @@ class Trainer:
                                                          nnx.Param).to_pure_dict()))
 
   def batch_sharding(self) -> NamedSharding:
-    return NamedSharding(self.mesh, P(mesh_lib.REPLICA, mesh_lib.DATA, None))
+    return self.source.batch_sharding()
 
-  def step_fn(self, phase):
-    """(state, batch [M, B, T+1]) -> (state, metrics) for one static phase of the algorithm."""
-    graphdef, tx, axes = self.graphdef, self.algorithm.tx, self.algorithm.state_axes
-    kwargs = {"phase": phase} if self.algorithm.phased else {}
+  def step_fn(self, phase, route=None):
+    """(state, batch [M, B, T+1]) -> (state, metrics) for one static phase (and pipeline routing)."""
+    return self.source.train_step(phase, route)
 
-    def per_replica(params, opt_state, batch):
-      loss, grads = jax.value_and_grad(lambda p: step_lib.lm_loss(graphdef, p, batch))(params)
-      updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
-      return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
-
-    if self.algorithm.gossip and self.mesh.shape[mesh_lib.REPLICA] > 1:
-      replicas = self._one_replica_per_device(per_replica, axes)
-    else:
-      replicas = jax.vmap(per_replica, in_axes=(0, axes, 0), out_axes=(0, axes, 0, 0),
-                          axis_name=mesh_lib.REPLICA)
-
-    def train_step(state: step_lib.TrainState, batch_r):
-      params_r, opt_state, loss_r, grad_norm_r = replicas(state.params, state.opt_state, batch_r)
-      # Per-replica metrics: averaging them here would put an all-reduce in every step's program.
-      return (step_lib.TrainState(params_r, opt_state, state.step + 1),
-              {"loss": loss_r, "grad_norm": grad_norm_r})
-
-    return train_step
-
-  def _one_replica_per_device(self, per_replica, axes):
-    """`per_replica` under `jax.shard_map` over the `replica` mesh axis, one replica per slice.
-
-    NoLoCo's `lax.ppermute` must stay a collective-permute between devices: under `jax.vmap` on
-    replica-sharded inputs, XLA's partitioner lowers the batched permutation to an all-gather over
-    the whole axis. The inner axes (data, tensor) stay automatic inside the map.
-    """
-    lead = P(mesh_lib.REPLICA)
-    state_specs = jax.tree.map(lambda a: P() if a is None else lead, axes, is_leaf=lambda a: a is None)
-    mapped = jax.tree.map(lambda a: a is not None, axes, is_leaf=lambda a: a is None)
-
-    def on_slice(params, opt_state, batch):
-      take = lambda m, t: jax.tree.map(lambda x: x[0], t) if m else t
-      put = lambda m, t: jax.tree.map(lambda x: x[None], t) if m else t
-      per_leaf = lambda f, t: jax.tree.map(f, mapped, t, is_leaf=lambda a: isinstance(a, bool))
-      params, opt_state, loss, grad_norm = per_replica(
-          take(True, params), per_leaf(take, opt_state), take(True, batch))
-      return put(True, params), per_leaf(put, opt_state), loss[None], grad_norm[None]
-
-    return jax.shard_map(on_slice, mesh=self.mesh, in_specs=(lead, state_specs, lead),
-                         out_specs=(lead, state_specs, lead, lead), axis_names={mesh_lib.REPLICA})
-
-  def _jit_step(self, phase, state):
+  def _jit_step(self, key, state):
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    return jax.jit(self.step_fn(phase), in_shardings=(shardings, self.batch_sharding()),
+    return jax.jit(self.step_fn(*key), in_shardings=(shardings, self.batch_sharding()),
                    out_shardings=(shardings, None), donate_argnums=0)
 
   def _abstract_batch(self) -> jax.ShapeDtypeStruct:
@@ -209,28 +153,32 @@ class Trainer:
     return jax.ShapeDtypeStruct((c.num_replicas, c.data.batch_size, c.data.seq_len + 1), jnp.int32,
                                 sharding=self.batch_sharding())
 
-  def program(self, phase, state):
+  def program(self, phase, state, route=None):
     """The compiled step of a phase and the ledger entries its collectives recorded (cached)."""
-    if phase not in self._programs:
+    key = (phase, route)
+    if key not in self._programs:
       ledger = comm.Ledger()
       with ledger.recording():
-        compiled = self._jit_step(phase, state).lower(state, self._abstract_batch()).compile()
-      self._programs[phase] = (compiled, ledger.entries)
-    return self._programs[phase]
+        compiled = self._jit_step(key, state).lower(state, self._abstract_batch()).compile()
+      self._programs[key] = (compiled, ledger.entries)
+    return self._programs[key]
 
-  def phase_entries(self, phase, state) -> list:
+  def phase_entries(self, phase, state, route=None) -> list:
     """The ledger entries of a phase's program, traced (not compiled) when not compiled yet."""
-    if phase in self._programs:
-      return self._programs[phase][1]
+    if (phase, route) in self._programs:
+      return self._programs[(phase, route)][1]
     ledger = comm.Ledger()
     with ledger.recording():
-      self._jit_step(phase, state).trace(state, self._abstract_batch())
+      self._jit_step((phase, route), state).trace(state, self._abstract_batch())
     return ledger.entries
 
   def comm_events(self, num_steps: int, state) -> list:
-    """The run's collectives as `sim.clock.CommEvent`s (`lowcomm_jax.train.clock_events`)."""
-    return clock_events.comm_events(self.algorithm, self.mesh.shape[mesh_lib.DATA], self.num_params,
-                                    num_steps, lambda phase: self.phase_entries(phase, state))
+    """The algorithm's collectives as `sim.clock.CommEvent`s (the pipeline's transfers are not
+    modelled by the clock)."""
+    entries_of = lambda phase: [e for e in self.phase_entries(phase, state, self.source.route_at(1))
+                                if e.kind != "ppermute" or not e.name.startswith("pipeline")]
+    return self.algorithm.comm_events(num_steps, entries_of, self.mesh.shape[mesh_lib.DATA],
+                                      self.num_params)
 
   def simulated_wall_time(self, num_steps: int, step_seconds: float, state) -> float:
     """Wall time of `num_steps` steps of `step_seconds` on `config.network` (sim.clock)."""
@@ -242,16 +190,16 @@ class Trainer:
   def eval_fn(self):
     """(state, batch) -> {"eval_loss": loss of the evaluated parameters, ...}.
 
-    NoLoCo has no global model: "eval_loss" is the replicas' mean slow weights and
+    Without a global model (NoLoCo), "eval_loss" is the replicas' mean slow weights and
     "eval_loss_replica_<i>" each replica's own current weights θ_i.
     """
-    graphdef, algorithm = self.graphdef, self.algorithm
+    graphdef, algorithm, source = self.graphdef, self.algorithm, self.source
 
     def eval_loss(state, batch):
-      params = algorithm.eval_params(state.params, state.opt_state)
-      losses = {"eval_loss": step_lib.lm_loss(graphdef, params, batch)}
-      if algorithm.gossip:
-        per_replica = jax.vmap(lambda p: step_lib.lm_loss(graphdef, p, batch))(state.params)
+      losses = {"eval_loss": step_lib.lm_loss(graphdef, source.eval_params(state), batch)}
+      if algorithm.eval_replicas:
+        per_replica = jax.vmap(lambda p: step_lib.lm_loss(graphdef, p, batch))(
+            source.replica_params(state.params))
         losses.update({f"eval_loss_replica_{i}": per_replica[i] for i in range(algorithm.num_replicas)})
       return losses
 
@@ -270,6 +218,11 @@ class Trainer:
     return [iter(pipeline.train_dataset(tokens, c.data.seq_len, c.data.batch_size, c.seed,
                                         shard_index=r, num_shards=c.num_replicas))
             for r in distributed.local_replicas(self.mesh, c.num_replicas)]
+
+  def refused(self, state) -> np.ndarray:
+    """Outer steps refused so far because the global model would hold NaN or inf (flat int array)."""
+    return np.asarray(distributed.fetch(self.algorithm.refused(
+        self.source.opt_state_view(state.opt_state)))).reshape(-1)
 
   # -- the run -----------------------------------------------------------------------------------
 
@@ -293,14 +246,14 @@ class Trainer:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     start = restored[0] if restored else 0
     sent_bytes, peak_sync_bytes = 0.0, 0.0  # the ledger's bytes per worker, over the whole run
+    self._refused_seen = np.zeros_like(self.refused(state))
     if start:
       _, state, data_state = restored
       mine = distributed.local_replicas(self.mesh, c.num_replicas)
       for it, s in zip(data_iters, data_state["replicas"][mine.start:mine.stop]):
         it.set_state(s)
       sent_bytes, peak_sync_bytes = data_state["sent_bytes"], data_state["peak_sync_bytes"]
-      if self.algorithm.streaming:  # refusals before the checkpoint were already reported
-        self._nonfinite_seen = dict(enumerate(distributed.fetch(state.opt_state.nonfinite).tolist()))
+      self._refused_seen = self.refused(state)  # refusals before the checkpoint were already reported
       print(f"resumed from {ckpt.directory}/{start}", flush=True)
 
     stop = c.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, c.num_steps)
@@ -314,21 +267,21 @@ class Trainer:
     run_start = time.perf_counter()
     for step in range(start + 1, stop + 1):
       phase = self.algorithm.phase_at(step)
-      program, entries = self.program(phase, state)
+      program, entries = self.program(phase, state, self.source.route_at(step))
       batch = distributed.global_array(  # this process's replicas only
           np.stack([next(it) for it in data_iters]), self.batch_sharding(),
           (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
       state, step_metrics = program(state, batch)
-      logged = {}
-      if self.algorithm.streaming and phase.receive:
-        self._check_nonfinite(state, step, phase)
-      if self.algorithm.gossip and phase.grouping is not None:
-        logged["weight_spread"] = float(distributed.fetch(weight_spread(state.opt_state.slow)))
+      logged = {k: float(distributed.fetch(v)) for k, v in self.algorithm.diagnostics(
+          self.source.opt_state_view(state.opt_state), phase).items()}
       step_bytes = sum(e.sent_bytes for e in entries)
       sent_bytes += step_bytes
       peak_sync_bytes = max(peak_sync_bytes, step_bytes)
       window_steps += 1
-      if step % c.log_every == 0 or step == stop:
+      log_now = step % c.log_every == 0 or step == stop
+      if self.algorithm.checks_refusals(phase) or log_now:
+        self._check_refused(state, step)
+      if log_now:
         logged.update({k: float(np.mean(v)) for k, v in distributed.fetch(step_metrics).items()})
         elapsed = time.perf_counter() - window_start
         if step - window_steps > start:  # the window holding the first step (compiles) is not timed
@@ -354,66 +307,61 @@ class Trainer:
 
     tokens_per_s = timed_steps * tokens_per_step / timed_seconds if timed_seconds else float("nan")
     summary = self._summary(stop, eval_loss, wall, tokens_per_s, flops_per_token, peak,
-                            sent_bytes, peak_sync_bytes)
-    if self.algorithm.gossip:  # no global model: each replica's loss and how far apart they are
+                            sent_bytes, peak_sync_bytes, state)
+    if self.algorithm.eval_replicas:  # no global model: each replica's loss
       summary["final_eval_loss_replicas"] = [eval_losses.get(f"eval_loss_replica_{i}")
                                              for i in range(c.num_replicas)]
-      summary["final_weight_spread"] = float(distributed.fetch(weight_spread(state.opt_state.slow)))
     if c.network:
       step_seconds = c.hardware.step_seconds or tokens_per_step / tokens_per_s
       summary["network"] = c.network
       summary["simulated_step_seconds"] = step_seconds
       summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
     if stop == c.num_steps and distributed.is_primary():
-      (self.workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+      summary_lib.write(self.workdir / "summary.json", summary)
     self.final_state = state
     self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
     return summary
 
-  def _check_nonfinite(self, state, step: int, phase) -> None:
-    """Applies diloco.nonfinite after a step that applied fragments: raise, or log and go on."""
-    counts = distributed.fetch(state.opt_state.nonfinite)
-    bad = [p for p in phase.receive if counts[p] > self._nonfinite_seen.get(p, 0)]
-    for p in bad:
-      self._nonfinite_seen[p] = int(counts[p])
-    if not bad:
+  def _check_refused(self, state, step: int) -> None:
+    """Applies config.nonfinite after new refusals of an outer step: raise, or log and go on."""
+    counts = self.refused(state)
+    new = [i for i in range(len(counts)) if counts[i] > self._refused_seen[i]]
+    self._refused_seen = counts
+    if not new:
       return
-    names = ", ".join(f"fragment {p} ({self.fragment_names[p]})" for p in bad)
-    message = (f"step {step}: the averaged outer gradient of {names} holds NaN or inf; its outer "
-               "step was refused and φ kept")
-    if self.config.diloco.nonfinite == "raise":
+    names = self.algorithm.refusal_names()
+    what = ", ".join(names[i] if i < len(names) else f"entry {i}" for i in new)
+    message = (f"by step {step}: {what} held NaN or inf; the outer step was refused and the "
+               "global model kept")
+    if self.config.nonfinite == "raise":
       from lowcomm_jax.codecs import NonFiniteError  # pylint: disable=g-import-not-at-top
-      raise NonFiniteError(message + " (set diloco.nonfinite=skip to go on)")
+      raise NonFiniteError(message + " (set nonfinite=skip to go on, e.g. with a lower "
+                           "learning rate)")
     print("warning: " + message, flush=True)
 
-  def _comm_summary(self, steps, sent_bytes, peak_sync_bytes) -> dict:
-    if self.algorithm.name == "dp":
-      # XLA's own gradient all-reduce over the data axis: a float32 ring every step.
-      workers = self.mesh.shape[mesh_lib.DATA]
-      peak_sync_bytes = comm.ring_factor(workers) * 4 * self.num_params
-      sent_bytes = peak_sync_bytes * steps
-    else:
-      workers = self.config.num_replicas
-    return {"workers": workers, "total": sent_bytes, "peak_per_sync": peak_sync_bytes,
-            "bits_per_param_per_step": 8 * sent_bytes / (self.num_params * max(steps, 1))}
-
   def _summary(self, steps, eval_loss, wall, tokens_per_s, flops_per_token, peak, sent_bytes,
-               peak_sync_bytes) -> dict:
+               peak_sync_bytes, state) -> dict:
     c = self.config
+    final = {k: float(distributed.fetch(v)) for k, v in self.algorithm.final_diagnostics(
+        self.source.opt_state_view(state.opt_state)).items()}
     return {
         "algorithm": c.algorithm,
+        "gradients": c.gradients,
         "config": json.loads(c.to_json_best_effort()),
         "steps": steps,
         "tokens": steps * c.num_replicas * c.data.batch_size * c.data.seq_len,
         "final_eval_loss": eval_loss,
         "num_params": self.num_params,
-        "bytes_sent_per_worker": self._comm_summary(steps, sent_bytes, peak_sync_bytes),
+        "bytes_sent_per_worker": self.algorithm.comm_summary(
+            steps, sent_bytes, peak_sync_bytes, self.mesh.shape[mesh_lib.DATA], self.num_params),
+        "refused_outer_steps": int(self.refused(state).sum()),
         "wall_time_s": wall,
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops_per_token / (peak * self.mesh.devices.size),
         "peak_flops_per_device": peak,
         "mesh": dict(self.mesh.shape),
         "workdir": str(self.workdir.absolute()),
+        **final,
     }
 
 

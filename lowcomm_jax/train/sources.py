@@ -1,0 +1,252 @@
+"""Where a step's gradients come from (`config.gradients`), and how replicas sit on the mesh.
+
+  replicas   each replica's forward/backward on its own batch [B, T+1] (DiLoCo's workers)
+  skippipe   each replica's batch split into micro-batches, micro-batch i along stage path i of
+             `skippipe.paths` (docs/algorithms.md §3.4: skipped stages get no gradient from it)
+  pipeline   the pipeline executor (`parallel.executor`) on the (replica, stage) grid: micro-batches
+             routed through the stages with `lax.ppermute`, fixed or at random between the replicas
+             of consecutive stages (NoLoCo's routing, docs/algorithms.md §2.2)
+
+Every source then applies the algorithm's `update` per replica with the phase read on the host. The
+mesh alone decides how: one replica per `replica` slice under `jax.shard_map` when mesh.replica = M
+(a `lax.ppermute` stays a device-to-device permute), `jax.vmap` over M stacked replicas otherwise;
+the pipeline's state is in grid layout (leaves [R, S, ...], one slice per device) and its update runs
+per device under `jax.shard_map` over (replica, stage).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from lowcomm_jax import comm, mesh as mesh_lib, sharding
+from lowcomm_jax.models import llama
+from lowcomm_jax.train import step as step_lib
+
+GRADIENTS = ("replicas", "skippipe", "pipeline")
+
+
+def parse_paths(text: str) -> np.ndarray:
+  """"0-1-2,0-2-3" → int32 [M, k]: one stage path per micro-batch."""
+  try:
+    return np.array([[int(s) for s in path.split("-")] for path in text.split(",")], np.int32)
+  except ValueError as error:
+    raise ValueError(f"skippipe.paths must be stage paths like '0-1-2,0-2-3', got {text!r}") from error
+
+
+class ReplicaGradients:
+  """Per-replica forward/backward on stacked replicas [M, ...] (`replicas` and `skippipe`)."""
+
+  name = "replicas"
+
+  def __init__(self, graphdef, algorithm, mesh, loss_and_grads=None):
+    self.graphdef, self.algorithm, self.mesh = graphdef, algorithm, mesh
+    self.loss_and_grads = loss_and_grads or jax.value_and_grad(
+        lambda p, batch: step_lib.lm_loss(graphdef, p, batch))
+
+  def route_at(self, step: int):
+    return None
+
+  def init(self, params):
+    return self.algorithm.init_replicated(params, self.algorithm.num_replicas)
+
+  def batch_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P(mesh_lib.REPLICA, mesh_lib.DATA, None))
+
+  def replica_params(self, params_r):
+    return params_r
+
+  def eval_params(self, state):
+    return self.algorithm.eval_params(state.params, state.opt_state)
+
+  def opt_state_view(self, opt_state):
+    return opt_state
+
+  def state_shardings(self, abstract_state, param_specs, abstract_params):
+    """Each leaf laid out like its parameter (`sharding.state_specs`); per-replica leaves get
+    `replica` in front; the rest is replicated."""
+    batched = step_lib.TrainState(
+        params=jax.tree.map(lambda _: True, abstract_state.params),
+        opt_state=jax.tree.map(lambda axis: axis == 0, jax.tree.broadcast(
+            self.algorithm.state_axes, abstract_state.opt_state, is_leaf=lambda x: x is None),
+                               is_leaf=lambda x: x is None),
+        step=False)
+    specs = sharding.state_specs(abstract_state, abstract_params, param_specs, batched)
+    return sharding.named(self.mesh, specs)
+
+  def train_step(self, phase, route):
+    algorithm, axes, loss_and_grads = self.algorithm, self.algorithm.state_axes, self.loss_and_grads
+
+    def per_replica(params, opt_state, batch):
+      loss, grads = loss_and_grads(params, batch)
+      updates, opt_state = algorithm.update(grads, opt_state, params, phase)
+      return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+
+    if 1 < self.mesh.shape[mesh_lib.REPLICA] == algorithm.num_replicas:
+      replicas = self._one_replica_per_slice(per_replica, axes)
+    else:
+      replicas = jax.vmap(per_replica, in_axes=(0, axes, 0), out_axes=(0, axes, 0, 0),
+                          axis_name=mesh_lib.REPLICA)
+
+    def train_step(state: step_lib.TrainState, batch_r):
+      params_r, opt_state, loss_r, grad_norm_r = replicas(state.params, state.opt_state, batch_r)
+      # Per-replica metrics: averaging them here would put an all-reduce in every step's program.
+      return (step_lib.TrainState(params_r, opt_state, state.step + 1),
+              {"loss": loss_r, "grad_norm": grad_norm_r})
+
+    return train_step
+
+  def _one_replica_per_slice(self, per_replica, axes):
+    """`per_replica` under `jax.shard_map` over the `replica` mesh axis, one replica per slice.
+
+    A `lax.ppermute` must stay a collective-permute between devices: under `jax.vmap` on
+    replica-sharded inputs, XLA's partitioner lowers the batched permutation to an all-gather over
+    the whole axis. The inner axes (data, tensor) stay automatic inside the map.
+    """
+    lead = P(mesh_lib.REPLICA)
+    state_specs = jax.tree.map(lambda a: P() if a is None else lead, axes, is_leaf=lambda a: a is None)
+    mapped = jax.tree.map(lambda a: a is not None, axes, is_leaf=lambda a: a is None)
+
+    def on_slice(params, opt_state, batch):
+      take = lambda m, t: jax.tree.map(lambda x: x[0], t) if m else t
+      put = lambda m, t: jax.tree.map(lambda x: x[None], t) if m else t
+      per_leaf = lambda f, t: jax.tree.map(f, mapped, t, is_leaf=lambda a: isinstance(a, bool))
+      params, opt_state, loss, grad_norm = per_replica(
+          take(True, params), per_leaf(take, opt_state), take(True, batch))
+      return put(True, params), per_leaf(put, opt_state), loss[None], grad_norm[None]
+
+    return jax.shard_map(on_slice, mesh=self.mesh, in_specs=(lead, state_specs, lead),
+                         out_specs=(lead, state_specs, lead, lead), axis_names={mesh_lib.REPLICA})
+
+
+def skippipe_gradients(graphdef, algorithm, mesh, stage_paths, layers_per_stage: int):
+  """`ReplicaGradients` whose loss runs micro-batch i of a replica's batch along stage path i."""
+  from lowcomm_jax.skippipe import training  # pylint: disable=g-import-not-at-top
+  layer_paths = jnp.asarray(training.layer_order(stage_paths, layers_per_stage))
+  num_mb = len(stage_paths)
+
+  def loss_and_grads(params, batch_BxT1):
+    microbatches = batch_BxT1.reshape(num_mb, -1, batch_BxT1.shape[-1])
+    loss, grads, _ = training.summed_microbatch_grads(graphdef, params, microbatches, layer_paths)
+    return loss, grads
+
+  source = ReplicaGradients(graphdef, algorithm, mesh, loss_and_grads)
+  source.name, source.stage_paths = "skippipe", np.asarray(stage_paths)
+  return source
+
+
+class PipelineGradients:
+  """The pipeline executor on the (replica, stage) grid; state in grid layout [R, S, ...]."""
+
+  name = "pipeline"
+
+  def __init__(self, model_cfg, algorithm, mesh, pipeline_cfg, seed: int):
+    from lowcomm_jax.parallel import executor, routing, stages, ticks  # pylint: disable=g-import-not-at-top
+    self.algorithm, self.mesh, self.stages = algorithm, mesh, stages
+    self.num_stages, r, k = pipeline_cfg.num_stages, algorithm.num_replicas, pipeline_cfg.slots_per_step
+    self.slots = k
+    if pipeline_cfg.routing == "fixed":
+      pool = [routing.full_pipeline_routes(k, self.num_stages, r)]
+    else:  # a pool of random routings, step t runs entry (t − 1) mod pool (one program each)
+      pool = [routing.random_routes(k, self.num_stages, r, pipeline_cfg.routing_seed, first_slot=e * k)
+              for e in range(pipeline_cfg.num_routings)]
+    self.tables = [ticks.compile_ticks(routes, self.num_stages, r, pipeline_cfg.order) for routes in pool]
+    fns = stages.StageFunctions(model_cfg)
+    self.executors = [executor.PipelineExecutor(fns, t, mesh) for t in self.tables]
+    self.d_model, self.act_bytes = model_cfg.d_model, jnp.dtype(fns.dtype).itemsize
+
+  def route_at(self, step: int) -> int:
+    return (step - 1) % len(self.tables)
+
+  def per_device(self, fn, num_in):
+    grid = P(mesh_lib.REPLICA, mesh_lib.STAGE)
+    squeeze = lambda t: jax.tree.map(lambda x: x[0, 0], t)
+    expand = lambda t: jax.tree.map(lambda x: x[None, None], t)
+    return jax.shard_map(lambda *args: expand(fn(*map(squeeze, args))), mesh=self.mesh,
+                         in_specs=(grid,) * num_in, out_specs=grid, check_vma=False)
+
+  def init(self, params):
+    r = self.algorithm.num_replicas
+    grid = self.stages.to_grid(jax.tree.map(lambda x: jnp.broadcast_to(x, (r,) + x.shape), params),
+                               self.num_stages)
+    return grid, self.per_device(self.algorithm.init, 1)(grid)
+
+  def batch_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())  # every device reads its micro-batches' tokens
+
+  def state_shardings(self, abstract_state, param_specs, abstract_params):
+    """Grid layout: every leaf [R, S, ...] holds one slice per device, the step count is shared."""
+    grid = NamedSharding(self.mesh, P(mesh_lib.REPLICA, mesh_lib.STAGE))
+    return step_lib.TrainState(jax.tree.map(lambda _: grid, abstract_state.params),
+                               jax.tree.map(lambda _: grid, abstract_state.opt_state),
+                               NamedSharding(self.mesh, P()))
+
+  def replica_params(self, grid):
+    return self.stages.from_grid(grid)
+
+  def opt_state_view(self, opt_state):
+    """The grid state as `algorithm.eval_params` expects it: shared leaves taken at replica 0."""
+    return jax.tree.map(lambda axis, x: jax.tree.map(lambda y: y[0], x) if axis is None else x,
+                        self.algorithm.state_axes, opt_state, is_leaf=lambda a: a is None)
+
+  def eval_params(self, state):
+    params_s = self.algorithm.eval_params(state.params, self.opt_state_view(state.opt_state))
+    return jax.tree.map(lambda x: x[0], self.stages.from_grid(jax.tree.map(lambda x: x[None], params_s)))
+
+  def train_step(self, phase, route):
+    table, run = self.tables[route], self.executors[route]._fn  # pylint: disable=protected-access
+    r, k = self.algorithm.num_replicas, self.slots
+    update = self.per_device(lambda g, s, p: self.algorithm.update(g, s, p, phase), 3)
+
+    def train_step(state: step_lib.TrainState, batch_r):
+      # Micro-batch m = slot·R + replica, drawn from its origin replica's own batch.
+      b, t1 = batch_r.shape[1] // k, batch_r.shape[2]
+      batch_m = batch_r.reshape(r, k, b, t1).swapaxes(0, 1).reshape(k * r, b, t1)
+      self._record(table, b * (t1 - 1) * self.d_model)
+      loss_rs, grads, _ = run(state.params, batch_m)
+      updates, opt_state = update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      grad_norm_r = jnp.sqrt(sum(jnp.sum(g.reshape(r, -1) ** 2, axis=1) for g in jax.tree.leaves(grads)))
+      return (step_lib.TrainState(params, opt_state, state.step + 1),
+              {"loss": loss_rs.reshape(r, -1).sum(1), "grad_norm": grad_norm_r})
+
+    return train_step
+
+  def _record(self, table, values_per_message: int) -> None:
+    """The pipeline's ppermutes in the ledger: each device sends one message (an activation forward
+    or a gradient backward, [b, T, d_model]) per op it runs that has a destination."""
+    sends = int((table.send >= 0).sum())
+    payload = values_per_message * self.act_bytes
+    comm.record("pipeline activations and gradients", "ppermute", payload,
+                payload * sends / table.num_devices, table.num_devices)
+
+
+def stage_paths_of(config) -> np.ndarray:
+  """SkipPipe's per-micro-batch stage paths: `skippipe.paths`, or planned by the SkipPipe scheduler on
+  `skippipe.topology` (placement by `skippipe.placement_seed`, paths of `skippipe.path_length`)."""
+  from lowcomm_jax.skippipe import paths, placement, scheduler, topology, training  # pylint: disable=g-import-not-at-top
+  s = config.skippipe
+  if s.paths:
+    return training.check_stage_paths(parse_paths(s.paths), config.pipeline.num_stages)
+  topo = getattr(topology, s.topology)()
+  placed = placement.optimize_placement(topo, seed=s.placement_seed)
+  skip = paths.SkipConfig(path_length=s.path_length, microbatches_per_data_node=s.microbatches_per_data_node)
+  planned = training.check_stage_paths(scheduler.skippipe_schedule(topo, placed, skip).stage_paths(),
+                                      config.pipeline.num_stages)
+  if config.data.batch_size % len(planned):
+    raise ValueError(f"data.batch_size must be a multiple of the {len(planned)} micro-batches the "
+                     f"SkipPipe schedule plans on {s.topology}, got {config.data.batch_size}")
+  return planned
+
+
+def make_source(config, graphdef, model_cfg, algorithm, mesh):
+  """The gradient source `config.gradients` names."""
+  if config.gradients == "pipeline":
+    return PipelineGradients(model_cfg, algorithm, mesh, config.pipeline, config.seed)
+  if config.gradients == "skippipe":
+    return skippipe_gradients(graphdef, algorithm, mesh, stage_paths_of(config),
+                              config.pipeline.layers_per_stage)
+  return ReplicaGradients(graphdef, algorithm, mesh)

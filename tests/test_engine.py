@@ -1,0 +1,157 @@
+"""The one engine, over every algorithm and gradient source (lowcomm_jax.testing.ENGINE_CASES):
+golden first-step and first-sync metrics, resume mid-round bit-identical, one device = the mesh,
+ledger bytes = the collectives of the compiled program, a NaN/inf never reaches the global model,
+bad input refused before anything is written."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from lowcomm_jax import codecs, hlo
+from lowcomm_jax.testing import ENGINE_CASES, collective_bytes, engine_config, read_metrics, tree_digest
+from lowcomm_jax.train import Trainer
+
+CASES = sorted(ENGINE_CASES)
+ONE_DEVICE = {"pipeline_noloco": None, "pipeline_diloco": None}  # the pipeline needs its grid
+
+# (loss, grad_norm) of steps 1, sync and sync + 1, produced ONCE from main at commit 12b1c45 (before
+# the one-engine redesign) by tests/engine_golden_from_main.py: the Trainer for dp, diloco,
+# streaming_diloco and noloco; parallel/combined.py's own pipeline loop for pipeline_*; and
+# skippipe/training.py's make_path_train_step for skippipe. The engine must reproduce them to 1e-6.
+GOLDEN = {}
+
+
+def _devices(case):
+  return ONE_DEVICE.get(case, jax.devices()[:1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden_metrics_and_resume_mid_round_is_bit_identical(case, tmp_path):
+  whole = Trainer(engine_config(case), tmp_path / "whole", devices=_devices(case))
+  summary = whole.run()
+  rows = {r["step"]: r for r in read_metrics(tmp_path / "whole")}
+  for step, (loss, grad_norm) in GOLDEN[case].items():
+    np.testing.assert_allclose(rows[step]["loss"], loss, rtol=0, atol=1e-6, err_msg=f"step {step}")
+    np.testing.assert_allclose(rows[step]["grad_norm"], grad_norm, rtol=0, atol=1e-6,
+                               err_msg=f"step {step}")
+
+  # Killed after step 5 (mid-round for every phased case, checkpoints at 2 and 4), then resumed.
+  stop = engine_config(case, stop_at_step=5, **{"checkpoint.every": 4})
+  Trainer(stop, tmp_path / "resumed", devices=_devices(case)).run()
+  resumed = Trainer(engine_config(case, **{"checkpoint.every": 4}), tmp_path / "resumed",
+                    devices=_devices(case))
+  again = resumed.run()
+  for a, b in zip(jax.tree.leaves(whole.final_state), jax.tree.leaves(resumed.final_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert again["final_eval_loss"] == summary["final_eval_loss"]
+  assert again["bytes_sent_per_worker"] == summary["bytes_sent_per_worker"]
+  strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "tokens_per_s", "mfu")}
+                        for r in rows]
+  assert strip(read_metrics(tmp_path / "resumed")) == strip(read_metrics(tmp_path / "whole"))
+  on_disk = json.loads((tmp_path / "whole" / "summary.json").read_text(),
+                       parse_constant=lambda name: pytest.fail(f"summary.json holds {name}"))
+  assert on_disk["gradients"] == engine_config(case).gradients and on_disk["refused_outer_steps"] == 0
+
+
+# One device (M replicas vmapped) against the 8-device mesh (one replica per slice, or data parallel
+# over 8 devices); the pipeline on its (replica, stage) grid with fixed routing against the same
+# algorithm on whole models (replicas source), since both average each replica's micro-batch losses.
+MESHES = {
+    "dp": ({"mesh.data": 8, "data.batch_size": 8}, {"data.batch_size": 8}),
+    "diloco": ({"mesh.replica": 2, "mesh.data": 4}, {}),
+    "streaming_diloco": ({"mesh.replica": 2, "mesh.data": 4}, {}),
+    "noloco": ({"mesh.replica": 4, "mesh.data": 2}, {}),
+    "skippipe": ({"mesh.data": 4}, {}),
+    "pipeline_noloco": ({"pipeline.routing": "fixed"}, {"gradients": "replicas", "mesh.replica": 1,
+                                                        "mesh.stage": 1}),
+    "pipeline_diloco": ({"pipeline.routing": "fixed"}, {"gradients": "replicas", "mesh.replica": 1,
+                                                        "mesh.stage": 1}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_device_equals_the_mesh(case, tmp_path):
+  on_mesh, alone = MESHES[case]
+  a = Trainer(engine_config(case, num_steps=4, **on_mesh), tmp_path / "mesh")
+  b = Trainer(engine_config(case, num_steps=4, **alone), tmp_path / "one", devices=jax.devices()[:1])
+  a.run(), b.run()
+  ra, rb = read_metrics(tmp_path / "mesh"), read_metrics(tmp_path / "one")
+  for x, y in zip(ra, rb):
+    np.testing.assert_allclose([x["loss"], x["grad_norm"]], [y["loss"], y["grad_norm"]], rtol=2e-5)
+  np.testing.assert_allclose(
+      [x for x in jax.tree.leaves(jax.device_get(a.source.eval_params(a.final_state)))][0],
+      [x for x in jax.tree.leaves(jax.device_get(b.source.eval_params(b.final_state)))][0],
+      rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "dp" and c != "skippipe"])
+def test_ledger_bytes_equal_the_collectives_of_the_compiled_program(case, tmp_path):
+  on_mesh = MESHES[case][0] if not case.startswith("pipeline") else {}
+  trainer = Trainer(engine_config(case, **on_mesh), tmp_path)
+  state = trainer.init_state()
+  for step in (1, ENGINE_CASES[case]["sync"]):
+    program, entries = trainer.program(trainer.algorithm.phase_at(step), state,
+                                       trainer.source.route_at(step))
+    lines = hlo.collectives(program.as_text())
+    # Each ledger entry's payload is one worker's operand: the compiled collectives hold exactly
+    # these operands (the pipeline's permutes: one per distinct transfer pattern and direction).
+    payloads = sorted({e.payload_bytes for e in entries})
+    assert sorted({collective_bytes(l) for l in lines}) == payloads, (step, lines, entries)
+    if step == 1 and not case.startswith("pipeline") and case != "streaming_diloco":
+      assert not lines  # an inner step of a replica algorithm sends nothing
+
+
+def test_data_parallel_bytes_are_xlas_gradient_all_reduce(tmp_path):
+  trainer = Trainer(engine_config("dp", **MESHES["dp"][0]), tmp_path)
+  program, entries = trainer.program(None, trainer.init_state())
+  reduced = sum(collective_bytes(l) for l in hlo.collectives(program.as_text())
+                if "all-reduce" in l.split("=", 1)[1].split("(", 1)[0] + l)
+  assert not entries  # XLA inserts them: the summary counts a float32 ring of the gradients
+  assert 4 * trainer.num_params <= reduced <= 4 * trainer.num_params + 64
+
+
+@pytest.mark.parametrize("case", ["dp", "noloco", "pipeline_noloco"])
+def test_a_huge_learning_rate_never_reaches_the_global_model(case, tmp_path):
+  huge = {"optimizer.learning_rate": 1e30, "optimizer.warmup_steps": 0, "num_steps": 3,
+          "log_every": 1, "checkpoint.every": 3}
+  sync = {"noloco.sync_every": 1}
+  with pytest.raises(codecs.NonFiniteError, match="held NaN or inf"):
+    Trainer(engine_config(case, **huge, **sync), tmp_path / "raise", devices=_devices(case)).run()
+  trainer = Trainer(engine_config(case, nonfinite="skip", **huge, **sync), tmp_path / "skip",
+                    devices=_devices(case))
+  summary = trainer.run()
+  assert summary["refused_outer_steps"] >= 1
+  model = jax.device_get(trainer.source.eval_params(trainer.final_state))
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(model))
+  json.loads((tmp_path / "skip" / "summary.json").read_text(),
+             parse_constant=lambda name: pytest.fail(f"summary.json holds {name}"))
+
+
+BAD = {
+    "gradients": ({"gradients": "tensor"}, "gradients must be one of"),
+    "pipeline_stage_mesh": ({**ENGINE_CASES["pipeline_noloco"]["config"], "mesh.stage": 1},
+                            "mesh.stage must be pipeline.num_stages=2"),
+    "pipeline_slots": ({**ENGINE_CASES["pipeline_noloco"]["config"], "pipeline.slots_per_step": 3},
+                       "pipeline.slots_per_step must be >= 1 and a divisor"),
+    "pipeline_routing": ({**ENGINE_CASES["pipeline_noloco"]["config"], "pipeline.routing": "any"},
+                         "pipeline.routing must be random or fixed"),
+    "skippipe_paths": ({**ENGINE_CASES["skippipe"]["config"], "skippipe.paths": "0-1-7,0-2-3"},
+                       "skippipe.paths=.* micro-batch 0 visits stage 7"),
+    "skippipe_batch": ({**ENGINE_CASES["skippipe"]["config"], "skippipe.paths": "0-1-2,0-2-3,0-3-1"},
+                       "data.batch_size must be a multiple of the 3 skippipe.paths"),
+    "nonfinite": ({"nonfinite": "ignore"}, "nonfinite must be raise or skip"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_is_refused_before_anything_is_written(name, tmp_path):
+  changes, message = BAD[name]
+  earlier = tmp_path / "run"
+  earlier.mkdir()
+  (earlier / "notes.txt").write_text("an earlier run's file")
+  before = tree_digest(earlier)
+  with pytest.raises(ValueError, match=message):
+    Trainer(engine_config("dp", **changes), earlier)
+  assert tree_digest(earlier) == before
