@@ -6,7 +6,9 @@ The model's stacked blocks are split into P strided fragments (blocks p, p+P, ..
 the non-block parameters (embedding, final norm, head). Fragment p syncs every H steps at offset
 (p+1)·H/(P+1); its all-reduce is issued from the parameters entering the step after, overlaps τ inner
 steps, and is merged as θ ← α·θ_local + (1−α)·θ_global. Peak bytes per sync are about 1/(P+1) of
-DiLoCo's; total bytes are the same.
+DiLoCo's; total bytes are the same. Other fragments as data, whole parameters by a regex table over
+their paths (first full match wins): `--config.diloco.fragment_rules="blocks/attn/.*:0,blocks/.*:1,.*:2"`
+(with num_fragments left at 1; H must be divisible by the number of fragments).
 
 Variants (`--config=experiments/configs/streaming_diloco.py:<variant>`):
 - default / small: the `small` model (6 layers), M = 2, H = 60, P = 3 (+1 non-block fragment),
