@@ -45,7 +45,7 @@ ENGINE_CASES = {
     "streaming_diloco": {"config": {
         "algorithm": "streaming_diloco", "num_replicas": 2, "diloco.num_fragments": 2,
         "diloco.non_block_fragment": "fold", "diloco.sync_every": 4, "diloco.overlap_steps": 1,
-        "diloco.merge_alpha": 0.5}, "sync": 2},
+        "diloco.merge_alpha": 0.5}, "sync": 3},
     "noloco": {"config": {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 3,
                           "noloco.num_groupings": 2}, "sync": 3},
     "skippipe": {"config": {"gradients": "skippipe", "pipeline.num_stages": 4,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lowcomm_jax.train import Trainer
-from test_train import tiny_config
+from lowcomm_jax.testing import tiny_config
 
 
 def damage(step_dir, how: str) -> None:

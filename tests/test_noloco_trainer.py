@@ -6,7 +6,7 @@ import pytest
 
 from lowcomm_jax import codecs, config as config_lib, hlo
 from lowcomm_jax.train import Trainer
-from test_train import read_metrics, tiny_config
+from lowcomm_jax.testing import read_metrics, tiny_config
 
 M, H = 4, 5
 
@@ -83,21 +83,6 @@ def test_codec_sends_encoded_outer_gradients(tmp_path):
   wire = sum(codec.wire_bytes(x.size) for x in jax.tree.leaves(trainer.init_params()))
   assert [e.sent_bytes for e in entries] == [4 * trainer.num_params, wire]
   assert wire < 4 * trainer.num_params / 6  # 4 bits and a scale per 256 values
-
-
-def test_resume_is_bit_identical(tmp_path):
-  c = noloco_config(**{"checkpoint.every": H + 2})
-  full = Trainer(c, tmp_path / "full")
-  full.run()
-  first = Trainer(noloco_config(stop_at_step=H + 2, **{"checkpoint.every": H + 2}), tmp_path / "resumed")
-  first.run()
-  second = Trainer(c, tmp_path / "resumed")
-  assert second.resuming
-  second.run()
-  for a, b in zip(jax.tree.leaves(full.final_state), jax.tree.leaves(second.final_state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  spreads = lambda w: [m["weight_spread"] for m in read_metrics(w) if "weight_spread" in m]
-  assert spreads(tmp_path / "full") == spreads(tmp_path / "resumed")
 
 
 @pytest.mark.parametrize("changes,message", [

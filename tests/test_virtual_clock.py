@@ -5,7 +5,7 @@ import pytest
 
 from lowcomm_jax.train import Trainer
 from test_streaming import streaming_config
-from test_train import tiny_config
+from lowcomm_jax.testing import tiny_config
 
 BANDWIDTH, LATENCY = 100e6, 0.030  # "100Mbit,30ms"
 
