@@ -1,7 +1,8 @@
-"""Orbax checkpoints of the train state and the data iterator's state, and the workdir's config guard."""
+"""Orbax checkpoints of the train state and the data iterator's state, each sealed by a checksum."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 
@@ -11,6 +12,8 @@ import orbax.checkpoint as ocp
 from lowcomm_jax import distributed
 
 _HANDLER_REGISTERED = False
+# Written last into a step directory: the SHA-256 of every other file of the step.
+CHECKSUM_FILE = "lowcomm_sha256.json"
 
 
 def _fast_array_handler() -> None:
@@ -22,13 +25,60 @@ def _fast_array_handler() -> None:
     _HANDLER_REGISTERED = True
 
 
+class DamagedCheckpoint(ValueError):
+  """A step directory whose files are not the ones its save wrote."""
+
+
+def file_digests(step_dir: pathlib.Path) -> dict[str, str]:
+  """SHA-256 of every file under `step_dir` (but the checksum file), by relative path."""
+  digests = {}
+  for path in sorted(p for p in step_dir.rglob("*") if p.is_file()):
+    name = str(path.relative_to(step_dir))
+    if name != CHECKSUM_FILE:
+      sha = hashlib.sha256()
+      with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+          sha.update(block)
+      digests[name] = sha.hexdigest()
+  return digests
+
+
+def seal(step_dir: pathlib.Path) -> None:
+  """Writes the checksum file of a finished step (atomically: a torn write is no checksum)."""
+  tmp = step_dir / (CHECKSUM_FILE + ".tmp")
+  tmp.write_text(json.dumps({"sha256": file_digests(step_dir)}, indent=1))
+  tmp.rename(step_dir / CHECKSUM_FILE)
+
+
+def verify(step_dir: pathlib.Path) -> None:
+  """Raises DamagedCheckpoint naming the first file that is missing, added or changed."""
+  try:
+    expected = json.loads((step_dir / CHECKSUM_FILE).read_text())["sha256"]
+  except FileNotFoundError:
+    raise DamagedCheckpoint(f"{CHECKSUM_FILE} is missing: the save never finished, or the step "
+                            "was copied without it") from None
+  except (ValueError, KeyError, TypeError) as error:
+    raise DamagedCheckpoint(f"{CHECKSUM_FILE} is unreadable ({error})") from None
+  actual = file_digests(step_dir)
+  for name in sorted(set(expected) | set(actual)):
+    if name not in actual:
+      raise DamagedCheckpoint(f"file {name} is missing")
+    if name not in expected:
+      raise DamagedCheckpoint(f"file {name} was not written by the save")
+    if actual[name] != expected[name]:
+      raise DamagedCheckpoint(f"file {name} differs from its SHA-256 at save time")
+
+
 class Checkpointer:
-  """Saves every `every` steps under workdir/checkpoints; restores the latest complete one.
+  """Saves every `every` steps under workdir/checkpoints; restores the latest intact one.
 
   A save is written to a temporary directory and renamed when every process has finished it, so a
-  run killed mid-save leaves no step directory (its leftovers are removed at the next start). A
-  step directory damaged afterwards (files truncated or deleted) fails to restore; it is moved to
-  workdir/checkpoints_unreadable/ with a log line and the previous one is restored instead.
+  run killed mid-save leaves no step directory (its leftovers are removed at the next start). Once
+  renamed, process 0 seals it with the SHA-256 of each of its files (CHECKSUM_FILE, written last;
+  done when the next save starts or at close, so saves stay asynchronous). A restore verifies every
+  file first: a step damaged afterwards (a flipped bit, a truncated or deleted file, edited JSON
+  of the data iterator) or never sealed is moved to workdir/checkpoints_unreadable/ with a log line
+  naming it and the file, and the previous one is restored instead.
   """
 
   def __init__(self, workdir: pathlib.Path, keep: int):
@@ -37,15 +87,29 @@ class Checkpointer:
     self.unreadable = self.directory.parent / "checkpoints_unreadable"
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+    self._unsealed = None  # the step whose save is in flight
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state, data_state: dict) -> None:
+    self._seal_pending()
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+    self._unsealed = step
+
+  def _seal_pending(self) -> None:
+    if self._unsealed is None:
+      return
+    step, self._unsealed = self._unsealed, None
+    self.manager.wait_until_finished()
+    distributed.barrier(f"checkpoint {step} written")
+    if distributed.is_primary() and (self.directory / str(step)).is_dir():
+      seal(self.directory / str(step))
+    distributed.barrier(f"checkpoint {step} sealed")
 
   def restore(self, step: int, abstract_state):
+    verify(self.directory / str(step))
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     return restored["state"], restored["data"]
@@ -79,26 +143,6 @@ class Checkpointer:
     self.manager.reload()
 
   def close(self) -> None:
+    self._seal_pending()
     self.manager.wait_until_finished()
     self.manager.close()
-
-
-def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | None = None) -> bool:
-  """Raises if `workdir` holds a run of another config; returns whether it holds a run at all.
-
-  A key the saved run does not know (added to the config since) counts as its default value.
-  Reads only: an existing run directory is never changed by a refused start.
-  """
-  saved = pathlib.Path(workdir) / "config.json"
-  if not saved.exists():
-    return False
-  previous = json.loads(saved.read_text())["fingerprint"]
-  current = json.loads(json.dumps(fingerprint, default=str))
-  for key, value in json.loads(json.dumps(defaults or {}, default=str)).items():
-    previous.setdefault(key, value)
-  differing = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-  if differing:
-    details = ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in differing[:8])
-    raise ValueError(f"workdir {workdir} holds a run of another config ({details}); "
-                     "use a new --workdir or the same config to resume")
-  return True

@@ -25,11 +25,11 @@ from lowcomm_jax import config as config_lib
 from lowcomm_jax import distributed
 from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax import sharding
-from lowcomm_jax.data import pipeline
+from lowcomm_jax.data import corpora, pipeline
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.models import llama
 from lowcomm_jax.optim.noloco import weight_spread
-from lowcomm_jax.train import algorithms, checkpoint, clock_events
+from lowcomm_jax.train import algorithms, checkpoint, clock_events, workdir as workdir_lib
 from lowcomm_jax.train import metrics as metrics_lib, step as step_lib
 
 
@@ -56,7 +56,7 @@ class Trainer:
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, devices=None):
     config_lib.validate(config)
     self.config = config
-    self.workdir = pathlib.Path(workdir)
+    self.workdir = workdir_lib.check_path(workdir)  # reliability: empty, a file, unwritable
     self.mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
     distributed.check_mesh(self.mesh, config.num_replicas)
     data_ways = self.mesh.shape[mesh_lib.DATA]
@@ -75,8 +75,12 @@ class Trainer:
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     self.rules = sharding.rules_for(config.sharding.layout)
     self.algorithm = algorithms.make_algorithm(config, config.num_replicas)
-    self.resuming = checkpoint.check_workdir(self.workdir, config_lib.fingerprint(config),
-                                             config_lib.fingerprint(config_lib.default_config()))
+    # reliability: another config, another corpus, run files without config.json, a finished run
+    self.corpus_identity = corpora.corpus_identity(config.data.corpus)
+    self.run_state = workdir_lib.check_workdir(
+        self.workdir, config_lib.fingerprint(config),
+        config_lib.fingerprint(config_lib.default_config()), self.corpus_identity)
+    self.resuming = self.run_state != workdir_lib.NEW
     abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     abstract_params = abstract_params.to_pure_dict()
@@ -290,16 +294,19 @@ class Trainer:
 
   def run(self) -> dict:
     c = self.config
-    self.workdir.mkdir(parents=True, exist_ok=True)
-    if not self.resuming and distributed.is_primary():
-      (self.workdir / "config.json").write_text(json.dumps(
-          {"config": json.loads(c.to_json_best_effort()),
-           "fingerprint": config_lib.fingerprint(c)}, indent=1, default=str))
+    if self.run_state == workdir_lib.COMPLETE:  # reliability: a finished run is left as it is
+      return workdir_lib.report_complete(self.workdir)
     splits = pipeline.load_splits(c.data.corpus, c.data.eval_permille)
     data_iters = self.data_iterators(splits.train)
     eval_batches = [distributed.replicated_array(b, self.eval_sharding())
                     for b in pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
                                                    c.eval.num_batches)]
+    # reliability: config.json only once the data checks above passed (a refusal writes nothing)
+    if not self.resuming and distributed.is_primary():
+      workdir_lib.write_config(self.workdir, json.loads(c.to_json_best_effort()),
+                               config_lib.fingerprint(c), self.corpus_identity)
+    distributed.barrier("config.json written")
+    preemption = distributed.Preemption()  # reliability: SIGTERM saves at a step boundary
     state = self.init_state()
     eval_step = self.eval_fn()
 
@@ -359,10 +366,20 @@ class Trainer:
         window_start = time.perf_counter()
       if logged:
         writer.write(step, logged)
-      if step % c.checkpoint.every == 0 or step == stop:
+      preempted = preemption.reached(step)  # reliability: every process, every step
+      if step % c.checkpoint.every == 0 or step == stop or preempted:
         data_states = distributed.gather_lists([it.get_state() for it in data_iters])
         ckpt.save(step, state, {"replicas": data_states,
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
+      if preempted:  # reliability: saved; stop with a message
+        ckpt.close()
+        writer.close()
+        preemption.close()
+        raise distributed.Preempted(step, ckpt.directory)
+    preemption.close()
+    if eval_loss is None and start == stop == c.num_steps:  # reliability: killed before the summary
+      eval_losses = self.evaluate(eval_step, state, eval_batches)
+      eval_loss = eval_losses["eval_loss"]
     ckpt.close()
     writer.close()
     wall = time.perf_counter() - run_start
@@ -379,8 +396,10 @@ class Trainer:
       summary["network"] = c.network
       summary["simulated_step_seconds"] = step_seconds
       summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
-    if stop == c.num_steps and distributed.is_primary():
-      (self.workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    if stop == c.num_steps and distributed.is_primary():  # reliability: strict JSON, nulls explained
+      summary = workdir_lib.write_summary(self.workdir, summary, {
+          "tokens_per_s": "no timed step: every step of this start was in the window that compiles",
+          "mfu": "no timed step", "final_eval_loss": "no evaluation ran"})
     self.final_state = state
     self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
     return summary
