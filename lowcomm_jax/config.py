@@ -235,9 +235,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _require(c.mesh.replica in (1, c.num_replicas), "mesh.replica",
              f"1 (replicas simulated on shared devices) or num_replicas={c.num_replicas} "
              "(one replica per device group) for algorithm=noloco", c.mesh.replica)
-    _require(int(n.sync_every) == n.sync_every and 1 <= n.sync_every <= c.num_steps,
-             "noloco.sync_every", f"an integer in [1, num_steps={c.num_steps}] (H > num_steps: no "
-             "outer step would ever happen)", n.sync_every)
+    _require(int(n.sync_every) == n.sync_every and n.sync_every >= 1, "noloco.sync_every",
+             "an integer >= 1", n.sync_every)
+    _require(n.sync_every <= c.num_steps, "noloco.sync_every", f"an integer in [1, num_steps="
+             f"{c.num_steps}] (H > num_steps: no outer step would ever happen)", n.sync_every)
     _number(c, "noloco.outer_learning_rate", 0, low_open=True)
     _number(c, "noloco.outer_momentum", 0, 1)
     _number(c, "noloco.gamma", 0)
@@ -256,14 +257,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
                "diloco.num_fragments/overlap_steps/merge_alpha",
                "1/0/0 for algorithm=diloco (use algorithm=streaming_diloco)",
                (d.num_fragments, d.overlap_steps, d.merge_alpha))
-    _require(int(c.diloco.sync_every) == c.diloco.sync_every and
-             1 <= c.diloco.sync_every <= c.num_steps, "diloco.sync_every",
-             f"an integer in [1, num_steps={c.num_steps}] (H > num_steps: no outer step would ever "
-             "happen)", c.diloco.sync_every)
     from lowcomm_jax.optim import schedule, streaming  # pylint: disable=g-import-not-at-top
     num_rows = streaming.count_fragments(c.diloco.num_fragments, c.diloco.non_block_fragment)
     schedule.make_schedule(num_rows, c.diloco.sync_every, c.diloco.overlap_steps,
                            c.diloco.merge_alpha, c.diloco.staggered)
+    _require(c.diloco.sync_every <= c.num_steps, "diloco.sync_every",
+             f"an integer in [1, num_steps={c.num_steps}] (H > num_steps: no outer step would ever "
+             "happen)", c.diloco.sync_every)
     _require(c.diloco.codec == "none" or c.diloco.codec in _codec_names(), "diloco.codec",
              f"none or one of {_codec_names()}", c.diloco.codec)
     if c.diloco.codec != "none":
@@ -284,6 +284,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
 def _codec_names() -> list[str]:
   from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
   return list(codecs.CODECS)
+
+
+def run_model_config(c: ml_collections.ConfigDict) -> model_config.ModelConfig:
+  """The model a run config trains: the preset, with model.d_ff and room for data.seq_len."""
+  preset = model_config.PRESETS.get(c.model.size)
+  return model_config.get_model_config(c.model.size, dtype=c.model.dtype,
+                                       max_seq_len=max(preset.max_seq_len, c.data.seq_len),
+                                       d_ff=c.model.d_ff or preset.d_ff)
 
 
 def load_run_config(workdir) -> ml_collections.ConfigDict:

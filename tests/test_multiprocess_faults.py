@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launching import (STREAMING, TOLERANCE, launch, max_abs_diff, multiprocess_changes, restored,
+from lowcomm_jax.testing import (STREAMING, TOLERANCE, launch, max_abs_diff, multiprocess_changes, restored,
                        run_streaming_two_processes, single_process)
 
 

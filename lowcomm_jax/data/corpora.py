@@ -167,7 +167,6 @@ def _files_of(name: str) -> list[tuple[str, int]]:
                 if p.is_file() and not p.is_symlink())
 
 
-@functools.lru_cache(maxsize=8)
 def corpus_identity(name: str) -> str:
   """A hash of the list of files corpus `name` is read from and their sizes.
 
@@ -176,8 +175,14 @@ def corpus_identity(name: str) -> str:
   only: about 0.1 s for `stdlib`.
   """
   check_available(name)
-  listing = json.dumps(_files_of(name)).encode()
-  return hashlib.sha256(listing).hexdigest()[:16]
+  from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
+  return _identity(name, str(debian.default_cache_dir()))
+
+
+@functools.lru_cache(maxsize=16)
+def _identity(name: str, cache_dir: str) -> str:
+  del cache_dir  # part of the cache key only: the Debian corpora are read from there
+  return hashlib.sha256(json.dumps(_files_of(name)).encode()).hexdigest()[:16]
 
 
 def is_eval_document(doc_id: str, eval_permille: int) -> bool:

@@ -146,3 +146,37 @@ class Checkpointer:
     self._seal_pending()
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def read_eval_params(workdir) -> tuple:
+  """(model config, evaluated parameters as host arrays) of the latest intact checkpoint of a run.
+
+  The evaluated parameters are what the run evaluates: replica 0's (DiLoCo after its last outer
+  step: all replicas equal), the global φ, or NoLoCo's mean slow weights (`eval_params`). Reads the
+  run's config.json and checkpoints only, on this process's first device.
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import algorithms, step as step_lib  # pylint: disable=g-import-not-at-top
+  workdir = pathlib.Path(workdir)
+  c = config_lib.load_run_config(workdir)
+  model_cfg = config_lib.run_model_config(c)
+  algorithm = algorithms.make_algorithm(c, c.num_replicas)
+  abstract_params = nnx.eval_shape(
+      lambda: nnx.state(llama.Decoder(model_cfg, nnx.Rngs(0)), nnx.Param).to_pure_dict())
+
+  def init(params):
+    params_r, opt_state = algorithm.init(params)
+    return step_lib.TrainState(params_r, opt_state, jax.numpy.zeros((), jax.numpy.int32))
+
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                          jax.eval_shape(init, abstract_params))
+  ckpt = Checkpointer(workdir, c.checkpoint.keep)
+  restored = ckpt.restore_latest(template)
+  ckpt.close()
+  if restored is None:
+    raise ValueError(f"init_from={str(workdir)!r} has no intact checkpoint to start from")
+  state = restored[1]
+  return model_cfg, jax.device_get(jax.jit(algorithm.eval_params)(state.params, state.opt_state))

@@ -66,11 +66,7 @@ class Trainer:
     if config.eval.batch_size % data_ways:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the mesh's "
                        f"data axis ({data_ways})")
-    preset = model_config.PRESETS.get(config.model.size)
-    self.model_cfg = model_config.get_model_config(
-        config.model.size, dtype=config.model.dtype,
-        max_seq_len=max(preset.max_seq_len, config.data.seq_len),
-        d_ff=config.model.d_ff or preset.d_ff)
+    self.model_cfg = config_lib.run_model_config(config)
     if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     self.rules = sharding.rules_for(config.sharding.layout)
@@ -113,12 +109,10 @@ class Trainer:
     return jax.jit(self._init_fn, out_shardings=self.state_shardings(abstract))(params)
 
   def _params_from(self, workdir: pathlib.Path):
-    other = Trainer(config_lib.load_run_config(workdir), workdir)
-    if other.model_cfg != self.model_cfg:
-      raise ValueError(f"init_from={str(workdir)!r} has model {other.model_cfg}, this run {self.model_cfg}")
-    state = other.restore_latest()
-    params = other.algorithm.eval_params(state.params, state.opt_state)
-    return jax.device_put(params, self.param_shardings)
+    model_cfg, params = checkpoint.read_eval_params(workdir)
+    if model_cfg != self.model_cfg:
+      raise ValueError(f"init_from={str(workdir)!r} has model {model_cfg}, this run {self.model_cfg}")
+    return jax.tree.map(distributed.replicated_array, params, self.param_shardings)
 
   def restore_latest(self) -> step_lib.TrainState:
     """The train state of this workdir's latest checkpoint."""

@@ -1,4 +1,7 @@
-"""Helpers of the multi-process tests: launch_local.py runs, and reading their final state back.
+"""Helpers the tests share (no test file imports another): small configs, launch_local.py runs of
+several processes, reading a run's final state back, hashing a directory.
+
+Multi-process runs:
 
 Each process has one fake CPU device and owns whole replicas; the single-process reference
 simulates the same replicas with vmap on one device. All-reduce order differs between the two
@@ -10,6 +13,7 @@ with XLA's default passes). The launched processes run with XLA's expensive opti
 writes the persistent compilation cache from process 0 only), and this halves that time.
 """
 
+import hashlib
 import importlib.util
 import os
 import pathlib
@@ -23,7 +27,7 @@ import numpy as np
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.train import Trainer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository (an editable install)
 LAUNCHER = ROOT / "experiments" / "launch_local.py"
 CONFIGS = ROOT / "experiments" / "configs"
 TOLERANCE = 1e-5
@@ -38,6 +42,34 @@ STREAMING = {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
              "diloco.merge_alpha": 0.5, "num_steps": 12}
 
 
+def tiny_config(**changes):
+  """The `tiny` model on short sequences with small batches: a run of a few steps takes seconds."""
+  c = config_lib.default_config()
+  c.model.size = "tiny"
+  c.num_steps = 40
+  c.data.seq_len = 64
+  c.data.batch_size = 8
+  c.eval.batch_size = 8
+  c.eval.num_batches = 4
+  c.eval.every = 1000
+  c.checkpoint.every = 1000
+  c.log_every = 1
+  c.progress_bar = False
+  c.hardware.peak_flops_per_device = 1e10
+  return config_lib.override(c, changes)
+
+
+def tree_hash(directory) -> dict[str, str]:
+  """SHA-256 of every file under `directory` by relative path ({} when it does not exist)."""
+  root = pathlib.Path(directory)
+  if not root.exists():
+    return {}
+  if root.is_file():
+    return {"": hashlib.sha256(root.read_bytes()).hexdigest()}
+  return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def make_config(config_file: str, changes: dict):
   spec = importlib.util.spec_from_file_location("experiment_config", CONFIGS / config_file)
   module = importlib.util.module_from_spec(spec)
@@ -46,11 +78,11 @@ def make_config(config_file: str, changes: dict):
 
 
 def launch(num_processes: int, workdir, changes: dict, on_line=None,
-           config_file: str = "diloco.py") -> subprocess.CompletedProcess:
+           config_file: str = "diloco.py", extra_flags=()) -> subprocess.CompletedProcess:
   """Runs launch_local.py to the end; `on_line(line, popen)` sees each line of its stdout."""
   command = [sys.executable, str(LAUNCHER), f"--num_processes={num_processes}", "--",
              f"--config={CONFIGS / config_file}:tiny", f"--workdir={workdir}",
-             *(f"--config.{k}={v}" for k, v in changes.items())]
+             *(f"--config.{k}={v}" for k, v in changes.items()), *extra_flags]
   popen = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1"))
   stderr = []
