@@ -138,6 +138,7 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
   """
   address = f"{coordinator_host}:{free_port()}"
   lock, processes, grace = threading.Lock(), [], 5.0
+  print(f"launch_local: coordinator at {address}", flush=True)
   try:
     for i in range(num_processes):
       command = [sys.executable, str(_SCRIPT), *train_args, f"--coordinator_address={address}",

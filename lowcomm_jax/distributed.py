@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import weakref
 
 import jax
 import numpy as np
@@ -110,6 +111,21 @@ class Preempted(Exception):
                      f"{checkpoint_dir}; rerun the same command to resume from it")
 
 
+def _handler_for(preemption_ref):
+  """A SIGTERM handler that tells the run, or, once the run is gone (it ended by an exception
+  without `close`), restores the default handler and lets the signal end the process."""
+
+  def handler(signum, frame):
+    preemption = preemption_ref()
+    if preemption is not None:
+      preemption._on_sigterm()  # pylint: disable=protected-access
+      return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  return handler
+
+
 class Preemption:
   """Whether a SIGTERM asks the run to save and stop now; asked at every step boundary.
 
@@ -125,11 +141,11 @@ class Preemption:
     self.signalled, self._previous = False, None
     if not self.joined:
       try:
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous = signal.signal(signal.SIGTERM, _handler_for(weakref.ref(self)))
       except ValueError:  # not the main thread: the default handler stays
         self._previous = None
 
-  def _on_sigterm(self, *_):
+  def _on_sigterm(self) -> None:
     self.signalled = True
     print("SIGTERM received: saving a checkpoint at the end of this step, then stopping", flush=True)
 

@@ -15,6 +15,7 @@ writes the persistent compilation cache from process 0 only), and this halves th
 
 import hashlib
 import importlib.util
+import ipaddress
 import os
 import pathlib
 import subprocess
@@ -124,3 +125,29 @@ def run_streaming_two_processes(workdir) -> None:
   """An uninterrupted 2-process Streaming DiLoCo run (P=2, τ=1, α=0.5), saved once at the end."""
   proc = launch(2, workdir, multiprocess_changes(2, STREAMING))
   assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def listening_addresses(pid: int) -> list[tuple]:
+  """(IP address, port) of every TCP socket process `pid` listens on (read from /proc, Linux)."""
+  inodes = set()
+  for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir():
+    try:
+      target = os.readlink(fd)
+    except OSError:  # closed meanwhile
+      continue
+    if target.startswith("socket:["):
+      inodes.add(target[8:-1])
+  found = []
+  for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for row in pathlib.Path(table).read_text().splitlines()[1:]:
+      fields = row.split()
+      local, state, inode = fields[1], fields[3], fields[9]
+      if state != "0A" or inode not in inodes:  # 0A: LISTEN
+        continue
+      host, port = local.split(":")
+      raw = b"".join(bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, len(host), 8))
+      address = ipaddress.ip_address(raw)
+      if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+      found.append((address, int(port, 16)))
+  return found

@@ -254,7 +254,7 @@ def test_summary_is_strict_json_with_the_reason_of_each_null(tmp_path):
   assert json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse) == written
   assert written["final_eval_loss"] is None and written["final_eval_loss_replicas"] == [1.5, None]
   assert written["null_reasons"] == {
-      "final_eval_loss": "was nan (not a finite number)", "tokens_per_s": "was nan (not a finite number)",
+      "final_eval_loss": "was nan (not a finite number)", "tokens_per_s": "no timed step",
       "mfu": "was inf (not a finite number)",
       "final_eval_loss_replicas[1]": "was -inf (not a finite number)"}
   workdir_lib.write_summary(tmp_path, {"tokens_per_s": None}, {"tokens_per_s": "no timed step"})

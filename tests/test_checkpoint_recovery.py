@@ -7,13 +7,18 @@ garbage manifest, and a step whose save never finished (no checksum).
 """
 
 import json
+import os
 import shutil
+import signal
+import threading
+import time
 
 import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax.testing import tiny_config
+from lowcomm_jax import distributed
+from lowcomm_jax.testing import tiny_config, tree_hash
 from lowcomm_jax.train import Trainer
 from lowcomm_jax.train import checkpoint
 
@@ -63,14 +68,14 @@ def runs(tmp_path_factory):
   full = Trainer(tiny_config(**CHANGES), root / "full")
   full.run()
   Trainer(tiny_config(stop_at_step=6, **CHANGES), root / "stopped").run()
-  return full.final_state, root / "stopped"
+  return full.final_state, root / "stopped", root / "full"
 
 
 @pytest.mark.parametrize("how", ["bit_flip", "truncated", "missing", "wrong_metadata",
                                  "garbage_manifest", "unsealed"])
 def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restored(
     tmp_path, capfd, runs, how):
-  full_state, stopped = runs
+  full_state, stopped, _ = runs
   workdir = tmp_path / "run"
   shutil.copytree(stopped, workdir)
   checkpoints = workdir / "checkpoints"
@@ -93,10 +98,62 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restored(
 
 
 def test_every_file_of_a_step_is_sealed_and_verified(runs):
-  _, stopped = runs
+  _, stopped, _ = runs
   step_dir = stopped / "checkpoints" / "6"
   sealed = json.loads((step_dir / checkpoint.CHECKSUM_FILE).read_text())["sha256"]
   on_disk = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()}
   assert set(sealed) == on_disk - {checkpoint.CHECKSUM_FILE}
   assert {"data/metadata", str(largest_array_chunk(step_dir).relative_to(step_dir))} <= set(sealed)
   checkpoint.verify(step_dir)  # intact: no error
+
+
+def test_rerunning_a_finished_run_says_so_and_changes_nothing(runs, capsys):
+  _, _, full = runs
+  before = tree_hash(full)
+  summary = Trainer(tiny_config(**CHANGES), full).run()
+  assert f"the run in {full} is complete (summary.json is there); nothing to do" in capsys.readouterr().out
+  assert tree_hash(full) == before
+  saved = json.loads((full / "summary.json").read_text())
+  assert summary["final_eval_loss"] == saved["final_eval_loss"] is not None
+  assert summary["tokens_per_s"] == saved["tokens_per_s"] > 0
+
+
+def test_a_run_killed_after_its_last_checkpoint_writes_the_same_summary(tmp_path, runs):
+  _, _, full = runs
+  shutil.copytree(full, tmp_path / "run")
+  (tmp_path / "run" / "summary.json").unlink()  # killed between the last save and the summary
+  summary = Trainer(tiny_config(**CHANGES), tmp_path / "run").run()
+  saved = json.loads((full / "summary.json").read_text())
+  assert summary["final_eval_loss"] == saved["final_eval_loss"]
+  assert summary["steps"] == 8 and summary["null_reasons"] == {
+      "tokens_per_s": "no timed step: every step of this start was in the window that compiles",
+      "mfu": "no timed step: every step of this start was in the window that compiles"}
+
+
+def test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_bit_identically(
+    tmp_path, runs, capsys):
+  full_state, _, _ = runs
+  c = tiny_config(**{**CHANGES, "checkpoint.every": 1000})  # only the SIGTERM's save
+  metrics = tmp_path / "run" / "metrics.jsonl"
+
+  def sigterm_after_step_2():  # as SLURM or Kubernetes would, from outside the training loop
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+      time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  handler = signal.getsignal(signal.SIGTERM)
+  threading.Thread(target=sigterm_after_step_2, daemon=True).start()
+  with pytest.raises(distributed.Preempted) as stopped:
+    Trainer(c, tmp_path / "run").run()
+  step = stopped.value.step
+  assert 2 <= step < 8
+  assert "rerun the same command to resume from it" in str(stopped.value)
+  assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == [str(step)]
+  assert not (tmp_path / "run" / "summary.json").exists()
+  assert signal.getsignal(signal.SIGTERM) == handler  # the run's handler lives as long as the run
+  capsys.readouterr()
+  resumed = Trainer(c, tmp_path / "run")
+  resumed.run()
+  assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/{step}" in capsys.readouterr().out
+  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed.final_state), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

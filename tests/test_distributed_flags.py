@@ -4,7 +4,7 @@ starts its runtime (these calls never reach jax.distributed)."""
 import pytest
 
 from lowcomm_jax import distributed
-from test_train import tiny_config
+from lowcomm_jax.testing import tiny_config
 from lowcomm_jax.train import Trainer
 
 

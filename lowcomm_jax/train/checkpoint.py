@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import threading
 
 import jax
 import orbax.checkpoint as ocp
@@ -74,8 +75,8 @@ class Checkpointer:
 
   A save is written to a temporary directory and renamed when every process has finished it, so a
   run killed mid-save leaves no step directory (its leftovers are removed at the next start). Once
-  renamed, process 0 seals it with the SHA-256 of each of its files (CHECKSUM_FILE, written last;
-  done when the next save starts or at close, so saves stay asynchronous). A restore verifies every
+  renamed, process 0 seals it with the SHA-256 of each of its files (CHECKSUM_FILE, written last, by
+  a thread, so saves stay asynchronous). A restore verifies every
   file first: a step damaged afterwards (a flipped bit, a truncated or deleted file, edited JSON
   of the data iterator) or never sealed is moved to workdir/checkpoints_unreadable/ with a log line
   naming it and the file, and the previous one is restored instead.
@@ -87,26 +88,33 @@ class Checkpointer:
     self.unreadable = self.directory.parent / "checkpoints_unreadable"
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, cleanup_tmp_directories=True))
-    self._unsealed = None  # the step whose save is in flight
+    self._sealer = None  # process 0's thread that seals the step whose save is in flight
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state, data_state: dict) -> None:
-    self._seal_pending()
+    self._join_sealer()
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
-    self._unsealed = step
+    if distributed.is_primary():  # orbax renames the step once every process has written its part
+      self._sealer = threading.Thread(target=self._seal_when_written, args=(step,), daemon=True,
+                                      name=f"seal checkpoint {step}")
+      self._sealer.start()
 
-  def _seal_pending(self) -> None:
-    if self._unsealed is None:
-      return
-    step, self._unsealed = self._unsealed, None
-    self.manager.wait_until_finished()
-    distributed.barrier(f"checkpoint {step} written")
-    if distributed.is_primary() and (self.directory / str(step)).is_dir():
-      seal(self.directory / str(step))
-    distributed.barrier(f"checkpoint {step} sealed")
+  def _seal_when_written(self, step: int) -> None:
+    try:
+      self.manager.wait_until_finished()
+      if (self.directory / str(step)).is_dir():
+        seal(self.directory / str(step))
+    except Exception as error:  # pylint: disable=broad-except
+      print(f"warning: checkpoint step {step} could not be sealed ({type(error).__name__}: "
+            f"{error}); it will be set aside at the next start", flush=True)
+
+  def _join_sealer(self) -> None:
+    if self._sealer is not None:
+      self._sealer.join()
+      self._sealer = None
 
   def restore(self, step: int, abstract_state):
     verify(self.directory / str(step))
@@ -143,8 +151,9 @@ class Checkpointer:
     self.manager.reload()
 
   def close(self) -> None:
-    self._seal_pending()
     self.manager.wait_until_finished()
+    self._join_sealer()
+    distributed.barrier("checkpoints sealed")  # no process ends before the last step is sealed
     self.manager.close()
 
 

@@ -365,7 +365,7 @@ class Trainer:
         data_states = distributed.gather_lists([it.get_state() for it in data_iters])
         ckpt.save(step, state, {"replicas": data_states,
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
-      if preempted:  # reliability: saved; stop with a message
+      if preempted and step < stop:  # reliability: saved; stop with a message
         ckpt.close()
         writer.close()
         preemption.close()
@@ -391,9 +391,9 @@ class Trainer:
       summary["simulated_step_seconds"] = step_seconds
       summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
     if stop == c.num_steps and distributed.is_primary():  # reliability: strict JSON, nulls explained
-      summary = workdir_lib.write_summary(self.workdir, summary, {
-          "tokens_per_s": "no timed step: every step of this start was in the window that compiles",
-          "mfu": "no timed step", "final_eval_loss": "no evaluation ran"})
+      untimed = "no timed step: every step of this start was in the window that compiles"
+      summary = workdir_lib.write_summary(self.workdir, summary, {} if timed_seconds else {
+          "tokens_per_s": untimed, "mfu": untimed})
     self.final_state = state
     self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
     return summary

@@ -124,13 +124,13 @@ def strict_json(value, path: str = "", reasons: dict | None = None):
 def write_summary(workdir: pathlib.Path, summary: dict, why_null: dict | None = None) -> dict:
   """Writes summary.json as strict JSON and returns what was written.
 
-  `why_null` names the known reason of a value that may be missing (e.g. tokens_per_s: "no timed
-  step"); a NaN/inf without one is reported as such under `null_reasons`.
+  `why_null` names the known cause of a value that is missing (e.g. tokens_per_s: "no timed step");
+  a NaN/inf without one is reported as such under `null_reasons`.
   """
   reasons: dict = {}
   clean = strict_json(summary, reasons=reasons)
-  for key, reason in (why_null or {}).items():
-    if key not in reasons and key in clean and clean[key] is None:
+  for key, reason in (why_null or {}).items():  # the known cause beats "was nan"
+    if key in clean and clean[key] is None:
       reasons[key] = reason
   if reasons:
     clean["null_reasons"] = reasons
