@@ -166,15 +166,21 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
     print(f"launch_local: SIGTERM: all {num_processes} processes saved a checkpoint and stopped "
           f"(exit status {_PREEMPTED}); rerun the same command to resume", file=sys.stderr, flush=True)
     return _PREEMPTED
-  report = [f"launch_local: process {failed.index} (pid {failed.popen.pid}) failed: {describe(code)}; "
-            "the others were stopped"]
+  silent = sorted(set().union(*(p.silent_peers for p in processes)))
+  failure = (f"process {failed.index} (pid {failed.popen.pid}) failed: {describe(code)}; the others "
+             "were stopped")
+  if silent:  # the cause first: the process that went silent, not the one the runtime stopped
+    names = ", ".join(f"process {index}" for index in silent)
+    report = [f"launch_local: {names} stopped answering: no heartbeat within "
+              f"distributed.timeout_seconds, so the runtime stopped the others ({failure})"]
+  else:
+    report = [f"launch_local: {failure}"]
   for p in processes:
     state = describe(p.popen.returncode) if p is failed else f"ended with {describe(p.popen.returncode)}"
     report.append(f"--- process {p.index}, {state}; its last {len(p.lines)} lines:")
     report.extend(f"[{p.index}] {line}" for line in p.lines)
-  for index in sorted(set().union(*(p.silent_peers for p in processes))):
-    report.append(f"launch_local: process {index} stopped answering: no heartbeat within "
-                  "distributed.timeout_seconds, so the runtime stopped the others")
+  if silent:
+    report.append(report[0])  # and again last, after the tails
   print("\n".join(report), file=sys.stderr, flush=True)
   return code if code > 0 else 128 - code
 

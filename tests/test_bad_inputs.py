@@ -7,6 +7,7 @@ changed (`python -m pytest tests/test_bad_inputs.py -q -n 0 -s`).
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -221,6 +222,18 @@ def test_the_binary_refuses_in_one_line_without_a_traceback(tmp_path):
     assert expected in proc.stderr and proc.stderr.startswith("ValueError: ")
     assert "Traceback" not in proc.stderr
     assert tree_hash(tmp_path) == before
+
+
+def test_hdee_refuses_with_the_fetch_command_when_corpora_are_missing(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "experiments" / "hdee.py"), f"--workdir={tmp_path / 'hdee'}",
+       "--quick"], capture_output=True, text=True, timeout=300,
+      env={**os.environ, "LOWCOMM_CACHE": str(tmp_path / "empty_cache"), "PATH": ""})  # no apt-get
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert "HDEE reads 13 Debian corpora that are not in" in proc.stderr
+  assert "python experiments/fetch_corpora.py --sources=python_docs,octave_manual" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "hdee").exists() and not (tmp_path / "empty_cache").exists()
 
 
 @pytest.mark.parametrize("bind,message", [

@@ -157,6 +157,8 @@ def _files_of(name: str) -> list[tuple[str, int]]:
   if name == "docstrings":
     return [(f"{package}/{p.relative_to(root)}", p.stat().st_size)
             for package, root in _package_roots(("numpy", "scipy")) for p in _python_files(root)]
+  if name in CORPORA:  # registered at run time (e.g. HDEE's seed mix): its documents' ids and sizes
+    return [(doc_id, len(text)) for doc_id, text in load_documents(name)]
   kind, _, rest = name.partition(":")
   if kind == "domain":
     from lowcomm_jax.hdee import domains  # pylint: disable=g-import-not-at-top
@@ -168,7 +170,8 @@ def _files_of(name: str) -> list[tuple[str, int]]:
 
 
 def corpus_identity(name: str) -> str:
-  """A hash of the list of files corpus `name` is read from and their sizes.
+  """A hash of the list of files corpus `name` is read from and their sizes (of its documents, for a
+  corpus registered in CORPORA at run time).
 
   It changes when the text may have changed (another Python's stdlib, another numpy, another Debian
   release of a package), so a run records it and a resume on other text is refused. Stat calls
