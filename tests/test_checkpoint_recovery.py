@@ -157,3 +157,16 @@ def test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_bit_ident
   assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/{step}" in capsys.readouterr().out
   for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed.final_state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_from_starts_from_the_evaluated_parameters_of_the_latest_checkpoint(tmp_path, runs):
+  full_state, _, full = runs
+  model_cfg, params = checkpoint.read_eval_params(full)  # no Trainer: config.json and checkpoints
+  follow_up = Trainer(tiny_config(**{**CHANGES, "init_from": str(full)}), tmp_path / "next")
+  assert model_cfg == follow_up.model_cfg
+  evaluated = follow_up.algorithm.eval_params(full_state.params, full_state.opt_state)
+  initial = follow_up.init_params()
+  for leaves in (jax.tree.leaves(params), jax.tree.leaves(initial)):
+    for a, b in zip(leaves, jax.tree.leaves(evaluated), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not (tmp_path / "next").exists()  # reading another run writes nothing
