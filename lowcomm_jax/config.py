@@ -2,7 +2,9 @@
 
 Experiment files in `experiments/configs/` start from `default_config()` and
 change values; they cannot add keys (`lock_config=True`), so a misspelt key
-is an error at the command line. `validate` checks values before any compute.
+is an error at the command line. `validate` checks values before any compute and before anything
+is written: one ValueError naming the option and its allowed values (each key's comment below gives
+its range). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it.
 """
 
 from __future__ import annotations

@@ -250,6 +250,9 @@ def test_a_runtime_policy_may_change_on_resume(tmp_path):
   """diloco.nonfinite (what a NaN outer gradient does) is no part of the trajectory's fingerprint:
   the advice of a `raise` ("set diloco.nonfinite=skip") is taken on the same workdir."""
   _other_run(tmp_path / "run", **{**DILOCO, "diloco.nonfinite": "raise"})
+  saved = json.loads((tmp_path / "run" / "config.json").read_text())
+  saved["fingerprint"]["diloco.nonfinite"] = "raise"  # as a run started before it became run-time
+  (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
   before = tree_hash(tmp_path)
   assert Trainer(tiny_config(**{**DILOCO, "diloco.nonfinite": "skip"}), tmp_path / "run").resuming
   assert tree_hash(tmp_path) == before

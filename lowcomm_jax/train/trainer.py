@@ -1,9 +1,10 @@
 """The Trainer: validated config in, a run directory out.
 
 Outputs in the workdir: config.json, metrics.jsonl, tensorboard/, checkpoints/
-(orbax; train state + data iterator state) and summary.json. Restarting with
-the same workdir and config resumes from the latest checkpoint and ends
-bit-identical to an uninterrupted run.
+(orbax; train state + data iterator state, sealed by checksums) and summary.json
+(strict JSON). Restarting with the same workdir and config resumes from the
+latest intact checkpoint and ends bit-identical to an uninterrupted run; a
+finished run is left as it is. What a workdir may hold: `train.workdir`.
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | Non
                   corpus_identity: str | None = None) -> str:
   """NEW, RESUME or COMPLETE for a start of the run `fingerprint` in `workdir`; raises otherwise.
 
-  A key the saved run does not know (added to the config since) counts as its default value. A saved
+  A key the saved run does not know (added to the config since) counts as its default value; a key
+  it saved that is fingerprinted no more (e.g. diloco.nonfinite, now a run-time key) is not compared. A saved
   corpus identity (`lowcomm_jax.data.corpora.corpus_identity`) must equal `corpus_identity`, so a
   resume never trains on other text (another Python's stdlib, another Debian release) unnoticed.
   Reads only: an existing run directory is never changed by a refused start.
@@ -80,9 +81,11 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | Non
   run = read_run(pathlib.Path(workdir))
   if run is None:
     return NEW
-  previous = dict(run["fingerprint"])
   current = json.loads(json.dumps(fingerprint, default=str))
-  for key, value in json.loads(json.dumps(defaults or {}, default=str)).items():
+  defaults = json.loads(json.dumps(defaults or {}, default=str))
+  # A saved key fingerprinted no more (now a run-time key, or gone from the config) is not compared.
+  previous = {k: v for k, v in run["fingerprint"].items() if k in current or k in defaults}
+  for key, value in defaults.items():
     previous.setdefault(key, value)
   differing = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
   if differing:
