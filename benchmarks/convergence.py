@@ -41,7 +41,7 @@ def runs() -> dict[str, dict]:
     for h in (10, 50, 100) if m < 8 else (100,):
       table[f"diloco M={m} H={h}"] = {"algorithm": "diloco", "num_replicas": m, "diloco.sync_every": h,
                                       "mesh.data": 1, "_m": m}
-  # NoLoCo in pairs at H = 50 against DiLoCo at H = 100, the paper's settings (PAPERS.md 2.5).
+  # NoLoCo in pairs at H = 50 against DiLoCo at H = 100, the paper's settings (docs/algorithms.md §2.5).
   for m in (4, 8):
     table[f"noloco M={m} H=50"] = {"algorithm": "noloco", "num_replicas": m, "noloco.sync_every": 50,
                                    "mesh.data": 1, "_m": m}

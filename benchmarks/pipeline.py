@@ -57,12 +57,12 @@ def measure_bubbles():
   from lowcomm_jax.models import get_model_config  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.parallel import bubble, stages, ticks  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.parallel.executor import PipelineExecutor  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.skippipe import training  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
 
   rows = []
   for name, s, r, routes, order in bubble_cases():
     cfg = get_model_config("tiny", num_layers=s)
-    params_R = jax.tree.map(lambda x: jnp.broadcast_to(x, (r,) + x.shape), training._init_params(cfg, 0))  # pylint: disable=protected-access
+    params_R = jax.tree.map(lambda x: jnp.broadcast_to(x, (r,) + x.shape), llama.init_params(cfg, 0))
     table = ticks.compile_ticks(routes, s, r, order)
     memory = len(routes) if order == "gpipe" else s
     batch = np.random.default_rng(0).integers(0, 256, (len(routes), 2, 17))

@@ -10,9 +10,10 @@ apt-get call: about 10 s here on a fresh machine.
   python experiments/fetch_corpora.py --sources=austen,bible_kjv --cache_dir=/tmp/corpora
   python experiments/fetch_corpora.py --sources=all --domains_table   # + HDEE domains
 
-With ``--domains_table`` it then prints the HDEE domains (`lowcomm_jax.hdee.domains`):
-split sizes, measured difficulty (byte-bigram held-out bits/byte, zlib bits/byte)
-and the chain each training domain joins; about 10 s more.
+With ``--domains_table`` it then prints the domains (`lowcomm_jax.data.domains`)
+with their HDEE chains (`lowcomm_jax.hdee.domains`): split sizes, measured
+difficulty (byte-bigram held-out bits/byte, zlib bits/byte) and the chain each
+training domain joins; about 10 s more.
 
 The cache folder defaults to ``$LOWCOMM_CACHE`` or ``~/.cache/lowcomm_jax/corpora``.
 """

@@ -37,8 +37,8 @@ _QUICK = flags.DEFINE_bool("quick", False, "Tiny model and a few steps: a smoke 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.hdee import domains, experiment, experts  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.data import debian, domains  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.hdee import experiment, experts  # pylint: disable=g-import-not-at-top
   missing = [d.corpus.split(":", 1)[1] for d in domains.DOMAINS.values()
              if d.needs_fetch and not debian.is_fetched(d.corpus.split(":", 1)[1])]
   if missing:  # fetching (apt) is fetch_corpora.py's job, never this run's

@@ -1,4 +1,4 @@
-"""SkipPipe training: skip-trained vs full-pipeline-trained models at equal steps (PAPERS 3.4, 3.6).
+"""SkipPipe training: skip-trained vs full-pipeline-trained models at equal steps (docs/algorithms.md §3.4, §3.6).
 
   python experiments/skippipe.py --workdir=/tmp/skippipe            # ~10 min on 2 CPU cores
   python experiments/skippipe.py --workdir=/tmp/skippipe_quick --quick   # a smoke run

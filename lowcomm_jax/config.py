@@ -46,7 +46,7 @@ def default_config() -> ml_collections.ConfigDict:
   ))
   c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
-      corpus="stdlib",  # stdlib | licenses | docstrings | debian:<source> | domain:<HDEE domain>
+      corpus="stdlib",  # stdlib | licenses | docstrings | debian:<source> | domain:<d> | domain_mix:<d>+<d>
       seq_len=128,  # tokens per training sequence (bytes)
       batch_size=16,  # global sequences per step (per replica for multi-replica algorithms)
       eval_permille=20,  # held-out documents, per mille (by a hash of the document id), in [1, 500]
@@ -78,7 +78,7 @@ def default_config() -> ml_collections.ConfigDict:
                           # | skip (refuse that fragment's outer step, restart it from φ, log it);
                           # a run-time policy: may change when a run is resumed
   ))
-  c.noloco = ml_collections.ConfigDict(dict(  # PAPERS.md 2.3; defaults from the paper's code
+  c.noloco = ml_collections.ConfigDict(dict(  # docs/algorithms.md §2.3; defaults from the paper's code
       sync_every=50,  # H: inner steps between two gossip outer steps, at most num_steps
       group_size=2,  # n: replicas per random group (2: pairs); must divide num_replicas
       outer_learning_rate=0.7,  # β: step along the group-mean outer gradient, > 0
@@ -193,7 +193,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _integer(c, "num_steps", 1)
   _integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
   model_config.get_model_config(c.model.size, dtype=c.model.dtype)
-  corpora.check_available(c.data.corpus)
+  corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
   _require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
   _require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
   _require(c.data.batch_size >= 1, "data.batch_size", ">= 1", c.data.batch_size)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from lowcomm_jax.data import debian
+from lowcomm_jax.data import domains as data_domains
 from lowcomm_jax.data import tokenizer
 from lowcomm_jax.hdee import domains
 
@@ -15,10 +16,10 @@ _PORTABLE_DOMAINS = ("licenses",)
 
 
 def test_registry_has_three_chains_of_training_domains_and_held_out_ones():
-  assert len(domains.TRAIN_DOMAINS) == 9
-  assert len(domains.HELD_OUT_DOMAINS) >= 3
-  assert not set(domains.TRAIN_DOMAINS) & set(domains.HELD_OUT_DOMAINS)
-  for domain in domains.DOMAINS.values():
+  assert len(data_domains.TRAIN_DOMAINS) == 9
+  assert len(data_domains.HELD_OUT_DOMAINS) >= 3
+  assert not set(data_domains.TRAIN_DOMAINS) & set(data_domains.HELD_OUT_DOMAINS)
+  for domain in data_domains.DOMAINS.values():
     assert domain.licence and domain.description
     assert domain.corpus in ("stdlib", "licenses", "docstrings") or (
         domain.corpus.split(":", 1)[1] in debian.SOURCES)
@@ -26,18 +27,18 @@ def test_registry_has_three_chains_of_training_domains_and_held_out_ones():
 
 @pytest.mark.parametrize("name", _DEBIAN_DOMAINS + _PORTABLE_DOMAINS)
 def test_splits_are_disjoint_deterministic_and_non_empty(cache_dir, name):
-  splits = {s: domains.domain_documents(name, s, cache_dir) for s in domains.SPLITS}
+  splits = {s: data_domains.domain_documents(name, s, cache_dir) for s in data_domains.SPLITS}
   ids = {s: [doc_id for doc_id, _ in docs] for s, docs in splits.items()}
   assert all(ids.values()), {s: len(v) for s, v in ids.items()}
   assert not set(ids["train"]) & set(ids["validation"])
   assert not set(ids["train"]) & set(ids["test"])
   assert not set(ids["validation"]) & set(ids["test"])
   # Recomputed from scratch (caches dropped), the splits are the same.
-  stream = domains.domain_bytes(name, "test", cache_dir)
-  domains._splits.cache_clear()
-  domains._domain_bytes.cache_clear()
-  np.testing.assert_array_equal(domains.domain_bytes(name, "test", cache_dir), stream)
-  again = {s: domains.domain_documents(name, s, cache_dir) for s in domains.SPLITS}
+  stream = data_domains.domain_bytes(name, "test", cache_dir)
+  data_domains._splits.cache_clear()
+  data_domains._domain_bytes.cache_clear()
+  np.testing.assert_array_equal(data_domains.domain_bytes(name, "test", cache_dir), stream)
+  again = {s: data_domains.domain_documents(name, s, cache_dir) for s in data_domains.SPLITS}
   assert again == splits
   # Roughly 80/10/10 by documents.
   total = sum(len(v) for v in ids.values())
@@ -45,29 +46,29 @@ def test_splits_are_disjoint_deterministic_and_non_empty(cache_dir, name):
 
 
 def test_domain_bytes_are_the_documents_with_separators(cache_dir):
-  docs = domains.domain_documents("bible_kjv", "validation", cache_dir)
-  stream = domains.domain_bytes("bible_kjv", "validation", cache_dir)
+  docs = data_domains.domain_documents("bible_kjv", "validation", cache_dir)
+  stream = data_domains.domain_bytes("bible_kjv", "validation", cache_dir)
   assert stream.dtype == np.uint8 and stream.ndim == 1
   assert int((stream == tokenizer.DOC_SEPARATOR).sum()) == len(docs)
   first = docs[0][1].encode("utf-8")
   assert stream[:len(first)].tobytes() == first
-  sizes = domains.split_sizes("bible_kjv", cache_dir)
+  sizes = data_domains.split_sizes("bible_kjv", cache_dir)
   assert sizes["validation"] == (len(docs), len(stream))
 
 
 def test_few_documents_are_split_by_byte_ranges(monkeypatch):
   text = "".join(f"line {i}\n" for i in range(1000))
-  monkeypatch.setitem(domains.DOMAINS, "one_book",
-                      domains.Domain("one_book", "one_book", "a single long document", "none",
-                                     held_out=True))
-  monkeypatch.setattr(domains.corpora, "load_documents", lambda name: (("book", text),))
-  domains._splits.cache_clear()
-  domains._domain_bytes.cache_clear()
+  monkeypatch.setitem(data_domains.DOMAINS, "one_book",
+                      data_domains.Domain("one_book", "one_book", "a single long document", "none",
+                                          held_out=True))
+  monkeypatch.setattr(data_domains.corpora, "load_documents", lambda name: (("book", text),))
+  data_domains._splits.cache_clear()
+  data_domains._domain_bytes.cache_clear()
   try:
-    parts = [domains.domain_documents("one_book", s) for s in domains.SPLITS]
+    parts = [data_domains.domain_documents("one_book", s) for s in data_domains.SPLITS]
   finally:
-    domains._splits.cache_clear()
-    domains._domain_bytes.cache_clear()
+    data_domains._splits.cache_clear()
+    data_domains._domain_bytes.cache_clear()
   assert [len(p) for p in parts] == [1, 1, 1]
   assert "".join(p[0][1] for p in parts) == text
   assert [len(p[0][1]) for p in parts] == [int(0.8 * len(text)),
@@ -100,9 +101,9 @@ def test_measured_difficulty_of_real_domains(cache_dir):
 
 
 def test_assign_chains_orders_by_difficulty():
-  scores = {name: float(i) for i, name in enumerate(domains.TRAIN_DOMAINS)}
+  scores = {name: float(i) for i, name in enumerate(data_domains.TRAIN_DOMAINS)}
   chains = domains.assign_chains(scores)
-  names = domains.TRAIN_DOMAINS
+  names = data_domains.TRAIN_DOMAINS
   assert chains == {"hard": (names[8], names[7], names[6]),
                     "moderate": (names[5], names[4], names[3]),
                     "easy": (names[2], names[1], names[0])}
@@ -114,17 +115,17 @@ def test_assign_chains_orders_by_difficulty():
 
 def test_bad_input_errors(tmp_path):
   with pytest.raises(ValueError, match=r"unknown HDEE domain 'math'; allowed: stdlib, "):
-    domains.domain_bytes("math", "train")
+    data_domains.domain_bytes("math", "train")
   with pytest.raises(ValueError, match=r"unknown split 'dev'; allowed: train, validation, test"):
-    domains.domain_bytes("licenses", "dev")
-  domains._splits.cache_clear()
+    data_domains.domain_bytes("licenses", "dev")
+  data_domains._splits.cache_clear()
   with pytest.raises(debian.NotFetchedError, match=r"fetch_corpora\.py --sources=gcide"):
-    domains.domain_bytes("gcide", "train", tmp_path)
+    data_domains.domain_bytes("gcide", "train", tmp_path)
 
 
 def test_measured_chains_match_the_reference():
   try:
-    domains.fetch_domains(domains.TRAIN_DOMAINS)
+    data_domains.fetch_domains(data_domains.TRAIN_DOMAINS)
   except debian.FetchError as error:
     pytest.skip(f"Debian corpora cannot be fetched here: {error}")
   assert domains.measured_chains() == domains.REFERENCE_CHAINS, (

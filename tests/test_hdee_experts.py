@@ -168,7 +168,7 @@ def test_bad_input_gives_one_clear_error(trained, tmp_path):
   with pytest.raises(ValueError, match="model.size must be one of"):
     experts.ExpertSetup(model_size="huge")
   with pytest.raises(ValueError, match="may not read held-out domain 'fortunes'"):
-    experts.seed_documents(["fortunes"])
+    experts.seed_corpus_name(["fortunes"])
   with pytest.raises(ValueError, match="no finished run"):
     scoring.load_expert(tmp_path)
   # A finished run's workdir refuses a different config instead of passing its summary off.

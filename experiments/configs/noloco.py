@@ -1,4 +1,4 @@
-"""NoLoCo: no all-reduce; every H steps random pairs of replicas average slow weights (PAPERS.md 2.3).
+"""NoLoCo: no all-reduce; every H steps random pairs of replicas average slow weights (docs/algorithms.md §2.3).
 
   python experiments/train.py --config=experiments/configs/noloco.py --workdir=runs/noloco
 

@@ -1,4 +1,4 @@
-"""NoLoCo with a 2-stage pipeline inside, 4 replicas per stage, on 8 fake CPU devices (PAPERS.md 2).
+"""NoLoCo with a 2-stage pipeline inside, 4 replicas per stage, on 8 fake CPU devices (docs/algorithms.md §2).
 
   python experiments/pipeline.py --config=experiments/configs/noloco_pipeline.py --workdir=runs/nlp
 

@@ -5,7 +5,7 @@ Until a training run provides real outer gradients,
 :func:`synthetic_outer_gradient` makes one the way DiLoCo does: train a small
 byte-level language model with Adam for a while, then take the parameters
 before and after ``inner_steps`` more steps and return their difference
-``Δ = θ_before - θ_after`` (PAPERS.md 1.1's sign). The text is the source of
+``Δ = θ_before - θ_after`` (docs/algorithms.md §1.1's sign). The text is the source of
 the Python standard library's ``json`` package, present on every install.
 """
 

@@ -107,17 +107,29 @@ CORPORA = {
     "licenses": license_documents,
     "docstrings": docstring_documents,
 }
+# Corpus names beyond CORPORA: a fetched Debian source, a domain (`lowcomm_jax.data.domains`, read
+# with its own splits by `pipeline.load_splits`) and a mix of domains' training text.
+CORPUS_PREFIXES = ("debian:", "domain:", "domain_mix:")
+
+
+def is_corpus_name(name: str) -> bool:
+  """Whether `name` has the form of a corpus: a key of CORPORA or one of CORPUS_PREFIXES + a name."""
+  return name in CORPORA or str(name).startswith(CORPUS_PREFIXES)
 
 
 @functools.lru_cache(maxsize=8)
 def load_documents(name: str) -> tuple[Document, ...]:
-  """Documents of a named corpus: one of CORPORA, or `debian:<source>` once fetched."""
+  """Documents of a named corpus: one of CORPORA, `debian:<source>` once fetched, or `domain_mix:<a>+<b>`."""
   if name in CORPORA:
     return tuple(CORPORA[name]())
   if name.startswith("debian:"):
     from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
     return tuple(debian.load_documents(name.split(":", 1)[1]))
-  raise ValueError(f"data.corpus must be one of {sorted(CORPORA)} or 'debian:<source>', got {name!r}")
+  if name.startswith("domain_mix:"):
+    from lowcomm_jax.data import domains  # pylint: disable=g-import-not-at-top  (domains imports us)
+    return tuple(domains.mix_documents(domains.mix_domains(name)))
+  raise ValueError(f"data.corpus must be one of {sorted(CORPORA)}, 'debian:<source>' or "
+                   f"'domain_mix:<domain>+...', got {name!r}")
 
 
 def check_available(name: str) -> None:
@@ -135,15 +147,17 @@ def check_available(name: str) -> None:
       raise ValueError(f"data.corpus={name!r} is not fetched into {debian.default_cache_dir()}; "
                        f"fetch it first with: {debian.FETCH_COMMAND.format(names=rest)}")
     return
-  if kind == "domain":
-    from lowcomm_jax.hdee import domains  # pylint: disable=g-import-not-at-top
-    if rest not in domains.DOMAINS:
-      raise ValueError(f"data.corpus={name!r}: unknown HDEE domain {rest!r}; allowed: "
-                       f"{', '.join('domain:' + d for d in domains.DOMAINS)}")
-    check_available(domains.DOMAINS[rest].corpus)
+  if kind in ("domain", "domain_mix"):
+    from lowcomm_jax.data import domains  # pylint: disable=g-import-not-at-top  (domains imports us)
+    names = rest.split("+") if kind == "domain_mix" else [rest]
+    for domain in names:
+      if domain not in domains.DOMAINS:
+        raise ValueError(f"data.corpus={name!r}: unknown domain {domain!r}; allowed: "
+                         f"{', '.join(kind + ':' + d for d in domains.DOMAINS)}")
+      check_available(domains.DOMAINS[domain].corpus)
     return
-  raise ValueError(f"data.corpus must be one of {sorted(CORPORA)}, 'debian:<source>' or "
-                   f"'domain:<HDEE domain>', got {name!r}")
+  raise ValueError(f"data.corpus must be one of {sorted(CORPORA)}, 'debian:<source>', "
+                   f"'domain:<domain>' or 'domain_mix:<domain>+<domain>...', got {name!r}")
 
 
 def _files_of(name: str) -> list[tuple[str, int]]:
@@ -157,12 +171,13 @@ def _files_of(name: str) -> list[tuple[str, int]]:
   if name == "docstrings":
     return [(f"{package}/{p.relative_to(root)}", p.stat().st_size)
             for package, root in _package_roots(("numpy", "scipy")) for p in _python_files(root)]
-  if name in CORPORA:  # registered at run time (e.g. HDEE's seed mix): its documents' ids and sizes
+  if name in CORPORA:  # registered by a user at run time: its documents' ids and sizes
     return [(doc_id, len(text)) for doc_id, text in load_documents(name)]
   kind, _, rest = name.partition(":")
-  if kind == "domain":
-    from lowcomm_jax.hdee import domains  # pylint: disable=g-import-not-at-top
-    return _files_of(domains.DOMAINS[rest].corpus)
+  if kind in ("domain", "domain_mix"):
+    from lowcomm_jax.data import domains  # pylint: disable=g-import-not-at-top
+    return [(f"{domain}/{path}", size) for domain in rest.split("+")
+            for path, size in _files_of(domains.DOMAINS[domain].corpus)]
   from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
   folder = debian.SOURCES[rest].folder()
   return sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*")
@@ -171,7 +186,7 @@ def _files_of(name: str) -> list[tuple[str, int]]:
 
 def corpus_identity(name: str) -> str:
   """A hash of the list of files corpus `name` is read from and their sizes (of its documents, for a
-  corpus registered in CORPORA at run time).
+  corpus a user registered in CORPORA).
 
   It changes when the text may have changed (another Python's stdlib, another numpy, another Debian
   release of a package), so a run records it and a resume on other text is refused. Stat calls

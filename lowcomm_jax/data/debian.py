@@ -48,21 +48,21 @@ import shutil
 import tempfile
 from typing import Callable, Mapping, Sequence
 
-from lowcomm_jax.data.debian_readers import (  # pylint: disable=unused-import
+from lowcomm_jax.data.debian_readers import (
     FetchError,
-    _run,
-    _read_austen,
-    _read_bible,
-    _read_dictd,
-    _read_fortunes,
-    _read_info,
-    _read_jargon,
-    _read_man_pages,
-    _read_python_docs,
-    _read_wordnet,
-    _render_austen,
-    _render_bible,
-    _render_man_pages,
+    run_command,
+    read_austen,
+    read_bible,
+    read_dictd,
+    read_fortunes,
+    read_info,
+    read_jargon,
+    read_man_pages,
+    read_python_docs,
+    read_wordnet,
+    render_austen,
+    render_bible,
+    render_man_pages,
 )
 
 Documents = list[tuple[str, str]]
@@ -87,7 +87,8 @@ def default_cache_dir() -> pathlib.Path:
   return pathlib.Path("~/.cache/lowcomm_jax/corpora").expanduser()
 
 
-def _resolve(cache_dir: str | os.PathLike | None) -> pathlib.Path:
+def resolve_cache_dir(cache_dir: str | os.PathLike | None) -> pathlib.Path:
+  """The cache folder: `cache_dir`, or `default_cache_dir()` when it is None."""
   return default_cache_dir() if cache_dir is None else pathlib.Path(cache_dir)
 
 
@@ -104,7 +105,7 @@ def _apt_update_if_possible(packages: Sequence[str], reason: str) -> None:
         f"cannot fetch {', '.join(packages)}: {reason.strip()}; apt's package lists "
         "may be missing and 'apt-get update' needs root. Run 'sudo apt-get update' "
         "once, then fetch again.")
-  result = _run(["apt-get", "update"])
+  result = run_command(["apt-get", "update"])
   if result.returncode != 0:
     raise FetchError(f"'apt-get update' failed:\n{result.stderr.strip()}")
 
@@ -123,7 +124,7 @@ def package_sizes(packages: Sequence[str]) -> dict[str, int]:
                      "installed (Debian/Ubuntu only); the portable domains need no fetch")
   sizes: dict[str, int] = {}
   for attempt in range(2):
-    result = _run(["apt-cache", "show", "--no-all-versions", *packages])
+    result = run_command(["apt-cache", "show", "--no-all-versions", *packages])
     for block in result.stdout.split("\n\n"):
       name = re.search(r"^Package:\s*(\S+)", block, re.MULTILINE)
       size = re.search(r"^Size:\s*(\d+)", block, re.MULTILINE)
@@ -151,10 +152,10 @@ def download_packages(packages: Sequence[str], work: pathlib.Path) -> dict[str, 
   # As root, apt drops to the _apt user, which cannot write a private temp
   # folder; letting the download stay root avoids a warning and a failure.
   cmd = ["apt-get", "download", "-o", "APT::Sandbox::User=root", *packages]
-  result = _run(cmd, cwd=work)
+  result = run_command(cmd, cwd=work)
   if result.returncode != 0:
     _apt_update_if_possible(packages, result.stderr)
-    result = _run(cmd, cwd=work)
+    result = run_command(cmd, cwd=work)
     if result.returncode != 0:
       raise FetchError(f"'{' '.join(cmd)}' failed:\n{result.stderr.strip()}")
   debs = {}
@@ -167,7 +168,7 @@ def download_packages(packages: Sequence[str], work: pathlib.Path) -> dict[str, 
 
 
 def _extract(deb: pathlib.Path, root: pathlib.Path) -> None:
-  result = _run(["dpkg-deb", "-x", str(deb), str(root)])
+  result = run_command(["dpkg-deb", "-x", str(deb), str(root)])
   if result.returncode != 0:
     raise FetchError(f"'dpkg-deb -x {deb.name}' failed:\n{result.stderr.strip()}")
 
@@ -202,7 +203,7 @@ class Source:
   render: Callable[[pathlib.Path], None] | None = None
 
   def folder(self, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    return _resolve(cache_dir) / self.name
+    return resolve_cache_dir(cache_dir) / self.name
 
   def is_fetched(self, cache_dir: str | os.PathLike | None = None) -> bool:
     marker = self.folder(cache_dir) / _MARKER
@@ -257,7 +258,7 @@ class Source:
     if not self.is_fetched(cache_dir):
       raise NotFetchedError(
           f"Debian corpus {self.name!r} is not in the cache folder "
-          f"{_resolve(cache_dir)}; fetch it with: "
+          f"{resolve_cache_dir(cache_dir)}; fetch it with: "
           + FETCH_COMMAND.format(names=self.name)
           + (f" --cache_dir={cache_dir}" if cache_dir is not None else ""))
     return self.reader(self.folder(cache_dir))
@@ -272,53 +273,53 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
             "Jane Austen's six completed novels, one document per chapter",
             "novels public domain; R package MIT",
             "Project Gutenberg via the CRAN package janeaustenr (Julia Silge)",
-            _read_austen, _render_austen),
+            read_austen, render_austen),
     _source("bible_kjv", ["bible-kjv-text", "bible-kjv"],
             "King James Version of the Bible (1611), one document per chapter",
             "public domain text; Bible Retrieval System: unrestricted use",
-            "Bible Retrieval System by Chip Chapin", _read_bible, _render_bible),
+            "Bible Retrieval System by Chip Chapin", read_bible, render_bible),
     _source("gcide", ["dict-gcide"],
             "GNU Collaborative International Dictionary of English, one entry per document",
             "GPL-2+", "GNU GCIDE 0.48 (from Webster's 1913 and WordNet)",
-            lambda src: _read_dictd(src, "gcide")),
+            lambda src: read_dictd(src, "gcide")),
     _source("wordnet", ["wordnet-base"],
             "WordNet 3.0 synset glosses, 100 synsets per document",
             "WordNet 3.0 licence (Princeton University)", "Princeton WordNet 3.0",
-            _read_wordnet),
+            read_wordnet),
     _source("foldoc", ["dict-foldoc"],
             "Free On-line Dictionary of Computing, one entry per document",
             "GFDL-1.1+", "foldoc.org, editor Denis Howe",
-            lambda src: _read_dictd(src, "foldoc")),
+            lambda src: read_dictd(src, "foldoc")),
     _source("jargon", ["jargon-text"],
             "The Jargon File 4.4.7, one entry per document",
-            "public domain", "Eric S. Raymond's Jargon File", _read_jargon),
+            "public domain", "Eric S. Raymond's Jargon File", read_jargon),
     _source("fortunes", ["fortunes"],
             "BSD fortune cookies (quotations, jokes), one cookie per document",
             "BSD (fortune-mod); see the package's copyright file",
-            "fortune-mod 1.99.1", _read_fortunes),
+            "fortune-mod 1.99.1", read_fortunes),
     _source("python_docs", ["python3.11-doc"],
             "Python 3.11 documentation in reStructuredText, one page per document",
-            "PSF-2.0", "docs.python.org sources shipped by Debian", _read_python_docs),
+            "PSF-2.0", "docs.python.org sources shipped by Debian", read_python_docs),
     _source("octave_manual", ["octave-doc"],
             "GNU Octave 7.3 manual (info), one node per document",
             "GPL-3+", "GNU Octave",
-            lambda src: _read_info(src, ("octave.info*", "liboctave.info*"))),
+            lambda src: read_info(src, ("octave.info*", "liboctave.info*"))),
     _source("r_manuals", ["r-doc-info"],
             "R 4.2 manuals (intro, language, extensions, admin, data, FAQ), one info node per document",
             "GPL-2", "R Core Team",
-            lambda src: _read_info(src, ("R-*.info*",))),
+            lambda src: read_info(src, ("R-*.info*",))),
     _source("maxima_manual", ["maxima-doc"],
             "Maxima 5.46 reference manual and share-package manuals (info), one node per document",
             "GPL-2", "Maxima project",
-            lambda src: _read_info(src, ("maxima.info*", "maxima/*.info*"))),
+            lambda src: read_info(src, ("maxima.info*", "maxima/*.info*"))),
     _source("man_pages", ["manpages"],
             "Linux man pages, sections 1, 4, 5, 7, 8, one page (roff stripped) per document",
             "Linux man-pages copyleft, GPL-2+, BSD (per page)",
-            "Linux man-pages project 6.03", _read_man_pages, _render_man_pages),
+            "Linux man-pages project 6.03", read_man_pages, render_man_pages),
     _source("man_pages_dev", ["manpages-dev"],
             "Linux system-call and C library man pages (sections 2, 3), one page (roff stripped) per document",
             "Linux man-pages copyleft, GPL-2+, BSD (per page)",
-            "Linux man-pages project 6.03", _read_man_pages, _render_man_pages),
+            "Linux man-pages project 6.03", read_man_pages, render_man_pages),
 ]}
 
 
@@ -357,14 +358,14 @@ def ensure_fetched(names: Sequence[str],
   """
   pending = [_source_named(name) for name in names if not is_fetched(name, cache_dir)]
   if not pending:
-    return _resolve(cache_dir)
-  _resolve(cache_dir).mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=_resolve(cache_dir)) as work:
+    return resolve_cache_dir(cache_dir)
+  resolve_cache_dir(cache_dir).mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=resolve_cache_dir(cache_dir)) as work:
     packages = list(dict.fromkeys(p for source in pending for p in source.packages))
     debs = download_packages(packages, pathlib.Path(work))
     for source in pending:
       source.fetch(cache_dir, debs=debs)
-  return _resolve(cache_dir)
+  return resolve_cache_dir(cache_dir)
 
 
 # The name `lowcomm_jax.data.corpora` reads `debian:<source>` corpora through.

@@ -1,7 +1,7 @@
 """Readers that turn the extracted Debian packages into documents (used by `lowcomm_jax.data.debian`).
 
 Each reader takes the folder a package was extracted into and returns `(doc_id, text)` pairs in a
-deterministic order; a `_render_*` step, where a source has one, turns the package's own format
+deterministic order; a `render_*` step, where a source has one, turns the package's own format
 (R lazy-load data, the `bible` program's data, roff) into text once, at fetch time.
 """
 
@@ -22,7 +22,8 @@ class FetchError(RuntimeError):
   """A Debian package could not be downloaded or extracted."""
 
 
-def _run(cmd: list[str], cwd: pathlib.Path | None = None) -> subprocess.CompletedProcess:
+def run_command(cmd: list[str], cwd: pathlib.Path | None = None) -> subprocess.CompletedProcess:
+  """Runs `cmd` (apt, dpkg-deb, a package's own program) and captures its text; never raises."""
   return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
 
 # ---------------------------------------------------------------------------
@@ -64,13 +65,13 @@ def _decode_austen(src: pathlib.Path) -> dict[str, list[str]]:
   return novels
 
 
-def _render_austen(src: pathlib.Path) -> None:
+def render_austen(src: pathlib.Path) -> None:
   """Decodes the R data once (rdata takes about a second), keeping plain JSON."""
   (src / "text").mkdir(exist_ok=True)
   (src / "text/novels.json").write_text(json.dumps(_decode_austen(src)), encoding="utf-8")
 
 
-def _read_austen(src: pathlib.Path) -> Documents:
+def read_austen(src: pathlib.Path) -> Documents:
   """One document per chapter (front matter is chapter 0) of six novels."""
   rendered = src / "text/novels.json"
   novels = (json.loads(rendered.read_text(encoding="utf-8")) if rendered.is_file()
@@ -87,10 +88,10 @@ def _read_austen(src: pathlib.Path) -> Documents:
   return docs
 
 
-def _render_bible(src: pathlib.Path) -> None:
+def render_bible(src: pathlib.Path) -> None:
   """Decompresses the BRS data file with the `bible` program, unwrapped."""
   program = src / "root/usr/bin/bible"
-  result = _run([str(program), "-p", str(src / "root/usr/lib"), "-l0",
+  result = run_command([str(program), "-p", str(src / "root/usr/lib"), "-l0",
                  "Gen1:1-Rev22:21"])
   if result.returncode != 0 or len(result.stdout) < 1_000_000:
     raise FetchError(f"the bible program failed to render the KJV text:\n{result.stderr}")
@@ -98,7 +99,7 @@ def _render_bible(src: pathlib.Path) -> None:
   (src / "text/kjv.txt").write_text(result.stdout, encoding="utf-8")
 
 
-def _read_bible(src: pathlib.Path) -> Documents:
+def read_bible(src: pathlib.Path) -> Documents:
   """One document per chapter (1189), e.g. ``Genesis 1``."""
   text = (src / "text/kjv.txt").read_text(encoding="utf-8")
   # Chapter headings are the only unindented non-empty lines.
@@ -117,7 +118,7 @@ def _dictd_number(code: str) -> int:
   return value
 
 
-def _read_dictd(src: pathlib.Path, name: str) -> Documents:
+def read_dictd(src: pathlib.Path, name: str) -> Documents:
   """One document per dictionary entry of a dictd database (gzip-compatible .dz)."""
   text = gzip.decompress((src / f"root/usr/share/dictd/{name}.dict.dz").read_bytes())
   spans = {}
@@ -133,7 +134,7 @@ def _read_dictd(src: pathlib.Path, name: str) -> Documents:
           for (start, length), head in sorted(spans.items())]
 
 
-def _read_wordnet(src: pathlib.Path) -> Documents:
+def read_wordnet(src: pathlib.Path) -> Documents:
   """Synset glosses ("lemma, lemma (pos): gloss"), 100 synsets per document."""
   docs = []
   for pos in ("noun", "verb", "adj", "adv"):
@@ -152,7 +153,7 @@ def _read_wordnet(src: pathlib.Path) -> Documents:
   return docs
 
 
-def _read_jargon(src: pathlib.Path) -> Documents:
+def read_jargon(src: pathlib.Path) -> Documents:
   """One document per Jargon File entry (``:term: pronunciation, pos.``)."""
   text = _read_text(src / "root/usr/share/doc/jargon-text/jargon.txt.gz")
   parts = re.split(r"^   (:[^:\n]+:.*)$", text, flags=re.MULTILINE)
@@ -161,7 +162,7 @@ def _read_jargon(src: pathlib.Path) -> Documents:
           for i, j in enumerate(range(1, len(parts) - 1, 2))]
 
 
-def _read_fortunes(src: pathlib.Path) -> Documents:
+def read_fortunes(src: pathlib.Path) -> Documents:
   """One document per fortune cookie; files are lists separated by ``%`` lines."""
   folder = src / "root/usr/share/games/fortunes"
   docs = []
@@ -174,14 +175,14 @@ def _read_fortunes(src: pathlib.Path) -> Documents:
   return docs
 
 
-def _read_python_docs(src: pathlib.Path) -> Documents:
+def read_python_docs(src: pathlib.Path) -> Documents:
   """One document per reStructuredText source page of the Python 3.11 docs."""
   folder = src / "root/usr/share/doc/python3.11/html/_sources"
   return [(str(p.relative_to(folder)), _read_text(p))
           for p in sorted(folder.rglob("*.txt"))]
 
 
-def _read_info(src: pathlib.Path, patterns: tuple[str, ...]) -> Documents:
+def read_info(src: pathlib.Path, patterns: tuple[str, ...]) -> Documents:
   """One document per node of GNU info manuals matching the glob patterns."""
   folder = src / "root/usr/share/info"
   paths = sorted({p for pattern in patterns for p in folder.glob(pattern)},
@@ -282,7 +283,7 @@ def strip_roff(source: str) -> str:
   return text.strip() + "\n"
 
 
-def _render_man_pages(src: pathlib.Path) -> None:
+def render_man_pages(src: pathlib.Path) -> None:
   """Strips every man page (not links, not ``.so`` stubs) into one JSON file."""
   rendered = {}
   for path in sorted((src / "root/usr/share/man").rglob("*.gz")):
@@ -296,7 +297,7 @@ def _render_man_pages(src: pathlib.Path) -> None:
   (src / "text/pages.json").write_text(json.dumps(rendered), encoding="utf-8")
 
 
-def _read_man_pages(src: pathlib.Path) -> Documents:
+def read_man_pages(src: pathlib.Path) -> Documents:
   """One document per man page, e.g. ``man7/signal-safety.7``."""
   rendered = json.loads((src / "text/pages.json").read_text(encoding="utf-8"))
   return sorted(rendered.items())

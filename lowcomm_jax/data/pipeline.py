@@ -17,6 +17,7 @@ import grain
 import numpy as np
 
 from lowcomm_jax.data import corpora
+from lowcomm_jax.data import domains
 from lowcomm_jax.data.tokenizer import ByteTokenizer
 
 
@@ -38,8 +39,7 @@ def load_splits(corpus: str, eval_permille: int = 20) -> TokenSplits:
     raise ValueError(f"data.eval_permille must be in [1, 500], got {eval_permille}")
   key = (corpus, eval_permille)
   if key not in _SPLITS_CACHE and corpus.startswith("domain:"):
-    # An HDEE domain brings its own document-level splits; its validation split is the eval text.
-    from lowcomm_jax.hdee import domains  # pylint: disable=g-import-not-at-top
+    # A domain brings its own document-level splits; its validation split is the eval text.
     name = corpus.split(":", 1)[1]
     _SPLITS_CACHE[key] = TokenSplits(corpus, np.array(domains.domain_bytes(name, "train")),
                                      np.array(domains.domain_bytes(name, "validation")))

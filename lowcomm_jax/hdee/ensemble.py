@@ -6,7 +6,7 @@ that actually comes next, for each expert ``e``, sequence ``b`` and position
 never appear here, so the same math serves trained experts, toy experts in the
 tests and byte-bigram experts in the colab.
 
-The mixture (PAPERS.md 4.2, the Branch-Train-Merge "ELM forest" posterior)::
+The mixture (docs/algorithms.md §4.2, the Branch-Train-Merge "ELM forest" posterior)::
 
   p(x_t | x_<t) = sum_e w_e(t) p_e(x_t | x_<t)
   w_e(t)        = softmax_e( log pi_e + sum_{s<t} log p_e(x_s | x_<s) )

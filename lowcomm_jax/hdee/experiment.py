@@ -6,7 +6,7 @@ expert chains (`lowcomm_jax.hdee.experts`), then scores every evaluation
 domain's test split with:
 
 - the posterior-weighted ensemble, with the uniform prior and with the cached
-  prior built from the domain's validation sequences (PAPERS.md 4.2);
+  prior built from the domain's validation sequences (docs/algorithms.md §4.2);
 - the single best expert, chosen on the validation sequences;
 - the parameter-averaged model: the mean of the setting's expert parameters,
   defined only when its experts share a size (not for heterogeneous sizes).
@@ -26,7 +26,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from lowcomm_jax.hdee import domains as domains_lib
+from lowcomm_jax.data import domains as domains_lib
+from lowcomm_jax.hdee import domains as chains_lib
 from lowcomm_jax.hdee import ensemble
 from lowcomm_jax.hdee import experts as experts_lib
 from lowcomm_jax.hdee import scoring
@@ -45,7 +46,7 @@ def _log(message: str) -> None:
 
 
 def run_experiment(root: str | pathlib.Path, setup: experts_lib.ExpertSetup, steps_per_domain: int,
-                   chains: Mapping[str, Sequence[str]] = domains_lib.REFERENCE_CHAINS,
+                   chains: Mapping[str, Sequence[str]] = chains_lib.REFERENCE_CHAINS,
                    eval_domains: Sequence[str] | None = None, validation_sequences: int = 32,
                    test_sequences: int = 64, log: Callable[[str], None] = _log) -> dict:
   """Trains and evaluates all three settings; returns the results (also `root`/results.json).

@@ -1,6 +1,6 @@
 """HDEE experts: seed models and expert chains trained by chained Trainer runs.
 
-An expert chain (PAPERS.md 4.1) starts from a seed model of its size and
+An expert chain (docs/algorithms.md §4.1) starts from a seed model of its size and
 trains on its domains in turn; each domain is one `lowcomm_jax.train.Trainer`
 run whose ``init_from`` is the previous run's workdir, so an expert continues
 from its own previous checkpoint with a fresh optimizer, as in the reference
@@ -22,11 +22,12 @@ finished and is skipped; an interrupted one resumes from its checkpoint.
 
 Seed text. The paper pretrains its seeds on OpenWebText, broad text that is
 none of its domains' test sets. This machine has no corpus outside the 16
-domains, so the seed trains on `SEED_CORPUS`: equal-sized samples of the
-*training* splits of the domains the chains will visit (evenly spaced chunks,
-so a sorted corpus is not read from its start only). It never reads a
-validation or test split, nor any held-out domain, so every test score is on
-unseen text and the held-out domains measure transfer. The price, compared
+domains, so the seed trains on a mix of the domains the chains will visit
+(`seed_corpus_name`, a `lowcomm_jax.data.domains` mix: equal-sized samples of
+their *training* splits in evenly spaced chunks, so a sorted corpus is not read
+from its start only). It never reads a validation or test split, nor any
+held-out domain, so every test score is on unseen text and the held-out
+domains measure transfer. The price, compared
 with the paper, is that the seed has already seen a little of each expert's
 domain; the experts then specialize on far more of it.
 
@@ -49,20 +50,12 @@ from typing import Mapping, Sequence
 
 import jax
 import ml_collections
-import numpy as np
 
 from lowcomm_jax import config as config_lib
-from lowcomm_jax.data import corpora
-from lowcomm_jax.hdee import domains as domains_lib
+from lowcomm_jax.data import domains as domains_lib
 from lowcomm_jax.hdee import plan as plan_lib
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.train import trainer as trainer_lib
-
-SEED_CORPUS = "hdee_seed_mix"
-# Bytes of each training domain in the seed mix, cut into chunks of this size (small chunks
-# so that the Trainer's 2% held-out documents are never an empty set).
-SEED_BYTES_PER_DOMAIN = 1 << 19
-SEED_CHUNK_BYTES = 1 << 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +67,7 @@ class ExpertSetup:
       S and L change only the feed-forward width, `plan.ffn_widths`).
     seq_len: tokens per training and evaluation sequence (bytes).
     batch_size: sequences per optimizer step.
-    seed_steps: optimizer steps of each seed model on `SEED_CORPUS`.
+    seed_steps: optimizer steps of each seed model on its seed corpus (`seed_corpus_name`).
     seed_learning_rate: peak learning rate of the seed runs.
     domain_learning_rate: peak learning rate of every expert run; lower than
       the seed's, as the paper's 6e-5 is to its seed's 6e-4 (we use 1/3, since
@@ -143,45 +136,22 @@ def make_plans(setup: ExpertSetup, steps_per_domain: int,
 # ---------------------------------------------------------------------------
 
 
-def seed_documents(domain_names: Sequence[str]) -> list[tuple[str, str]]:
-  """Evenly spaced chunks of the training splits of `domain_names` (see the module docstring)."""
-  docs = []
+def seed_corpus_name(domain_names: Sequence[str]) -> str:
+  """The `data.corpus` of the seed mix of `domain_names` (a `lowcomm_jax.data.domains` mix).
+
+  The name lists the domains, so seeds of different mixes never share a
+  workdir.
+
+  Raises:
+    ValueError: no domain, an unknown one, or a held-out one (the seed may
+      read training domains only).
+  """
   for name in domain_names:
     if domains_lib.get_domain(name).held_out:
       raise ValueError(f"the seed corpus may not read held-out domain {name!r}")
-    stream = domains_lib.domain_bytes(name, "train")
-    count = max(1, min(len(stream) // SEED_CHUNK_BYTES, SEED_BYTES_PER_DOMAIN // SEED_CHUNK_BYTES))
-    starts = np.linspace(0, max(len(stream) - SEED_CHUNK_BYTES, 0), count).astype(np.int64)
-    for i, start in enumerate(starts):
-      chunk = stream[start:start + SEED_CHUNK_BYTES].tobytes()
-      docs.append((f"{name}/{i}", chunk.decode("utf-8", errors="replace")))
-  return docs
-
-
-def seed_corpus_name(domain_names: Sequence[str]) -> str:
-  """Registers the seed mix of `domain_names` as a corpus the Trainer can read; returns its name.
-
-  The name lists the domains, so seeds of different mixes never share a
-  workdir. `lowcomm_jax.data.corpora.CORPORA` is the Trainer's registry of
-  named corpora (`data.corpus`); a mix is not one of its built-in kinds, so
-  it is added here, in every process that trains or loads a seed.
-  """
-  names = tuple(sorted(set(domain_names)))
-  if not names:
+  if not domain_names:
     raise ValueError("the seed corpus needs at least one training domain")
-  corpus = f"{SEED_CORPUS}:{'+'.join(names)}"
-  corpora.CORPORA.setdefault(corpus, functools.partial(seed_documents, names))
-  return corpus
-
-
-def register_seed_corpus_of(workdir: pathlib.Path) -> None:
-  """Re-registers the seed corpus a run (or the seed of its chain) was trained on."""
-  saved = json.loads((workdir / "config.json").read_text())["config"]
-  corpus = saved["data"]["corpus"]
-  if corpus.startswith(SEED_CORPUS + ":"):
-    seed_corpus_name(corpus.split(":", 1)[1].split("+"))
-  if saved.get("init_from"):
-    register_seed_corpus_of(pathlib.Path(saved["init_from"]))
+  return domains_lib.mix_corpus_name(domain_names)
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """HDEE compute plans: model size and steps per expert chain at equal total FLOPs.
 
-The paper (PAPERS.md 4.1) compares three ensembles of three expert chains, each
+The paper (docs/algorithms.md §4.1) compares three ensembles of three expert chains, each
 chain training on three domains in turn, at the same compute:
 
 | setting | paper name | sizes (hard/moderate/easy) | steps per domain (hard/moderate/easy) |
@@ -40,7 +40,8 @@ import dataclasses
 import math
 from typing import Callable, Mapping, Sequence
 
-from lowcomm_jax.hdee import domains as domains_lib
+from lowcomm_jax.data import domains as domains_lib
+from lowcomm_jax.hdee import domains as chains_lib
 
 SIZE_NAMES = ("S", "M", "L")
 # Setting key -> the paper's name for it.
@@ -141,15 +142,15 @@ class Plan:
 
 
 def _check_chains(chains: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
-  if set(chains) != set(domains_lib.CHAIN_NAMES):
-    raise ValueError(f"chains must have exactly the keys {list(domains_lib.CHAIN_NAMES)}, "
+  if set(chains) != set(chains_lib.CHAIN_NAMES):
+    raise ValueError(f"chains must have exactly the keys {list(chains_lib.CHAIN_NAMES)}, "
                      f"got {sorted(chains)}")
   for names in chains.values():
     if not names:
       raise ValueError("every chain needs at least one domain")
     for name in names:
       domains_lib.get_domain(name)  # ValueError naming the allowed domains.
-  return {c: tuple(chains[c]) for c in domains_lib.CHAIN_NAMES}
+  return {c: tuple(chains[c]) for c in chains_lib.CHAIN_NAMES}
 
 
 def _flops_of_sizes(flops_per_token: Callable[[str], float]) -> dict[str, float]:
@@ -266,7 +267,7 @@ def make_plans(budget_flops: float, flops_per_token: Callable[[str], float],
 
 def format_plans(plans: Mapping[str, Plan]) -> str:
   """A Markdown table: per setting, each chain's size, steps and FLOPs, and the total."""
-  chain_names = domains_lib.CHAIN_NAMES
+  chain_names = chains_lib.CHAIN_NAMES
   header = ("| setting | " + " | ".join(f"{c} chain: size, steps/domain, FLOPs" for c in chain_names)
             + " | total FLOPs | vs homogeneous |")
   lines = [header, "|---" * (len(chain_names) + 3) + "|"]

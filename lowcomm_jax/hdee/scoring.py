@@ -19,9 +19,8 @@ import numpy as np
 from flax import nnx
 
 from lowcomm_jax import config as config_lib
+from lowcomm_jax.data import domains as domains_lib
 from lowcomm_jax.data import pipeline
-from lowcomm_jax.hdee import domains as domains_lib
-from lowcomm_jax.hdee import experts
 from lowcomm_jax.train import trainer as trainer_lib
 
 
@@ -45,7 +44,6 @@ def load_expert(workdir: str | pathlib.Path, name: str = "") -> Expert:
   workdir = pathlib.Path(workdir).absolute()
   if not (workdir / "summary.json").exists():
     raise ValueError(f"{workdir} holds no finished run (no summary.json)")
-  experts.register_seed_corpus_of(workdir)  # a seed corpus is registered at run time
   trainer = trainer_lib.Trainer(config_lib.load_run_config(workdir), workdir)
   state = trainer.restore_latest()
   params = trainer.algorithm.eval_params(state.params, state.opt_state)

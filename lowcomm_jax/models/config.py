@@ -1,7 +1,7 @@
 """Model shapes: a frozen dataclass and the named sizes.
 
 `tiny` is for tests, `small` for CPU runs and benchmarks, and the `sdl_*`
-presets are the Streaming DiLoCo paper's C4 scaling models (PAPERS.md 1.4:
+presets are the Streaming DiLoCo paper's C4 scaling models (docs/algorithms.md §1.4:
 layers 6/9/12/15/18/24/36, heads 8..48, d_model = 64·heads, hidden = 4·d_model,
 vocabulary 32k), sized for accelerators.
 """
@@ -65,7 +65,7 @@ def _paper_preset(layers: int, heads: int) -> ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_seq_len=128),
     "small": ModelConfig(d_model=128, num_layers=6, num_heads=4, d_ff=384, max_seq_len=256),
-    # Streaming DiLoCo C4 scaling presets (PAPERS.md 1.4), for accelerators.
+    # Streaming DiLoCo C4 scaling presets (docs/algorithms.md §1.4), for accelerators.
     "sdl_35m": _paper_preset(6, 8),
     "sdl_100m": _paper_preset(9, 12),
     "sdl_200m": _paper_preset(12, 16),

@@ -2,7 +2,7 @@
 
 A `Fragment` names, for each parameter path ("blocks/attn/wq"), either the
 whole array or a strided slice of its leading layer axis. Stacked blocks make
-the paper's patterns (PAPERS.md 1.2(a)) static slices:
+the paper's patterns (docs/algorithms.md §1.2(a)) static slices:
 - sequential: fragment p holds blocks [p·L/P, (p+1)·L/P);
 - strided: fragment p holds blocks p, p+P, p+2P, ...
 Parameters outside the blocks (embedding, final norm, head) form their own

@@ -4,7 +4,7 @@ Each replica i keeps fast weights θ_i, slow weights φ_i and an outer momentum 
 steps the replicas are split into random groups of n (pairs by default); the split is drawn from a
 seed that every replica shares, so all agree without talking. Inside a group the peers exchange φ_j
 and Δ_j = φ_j − θ_j with static permutations (`lax.ppermute`), and each replica applies
-(PAPERS.md 2.3, heavy-ball form):
+(docs/algorithms.md §2.3, heavy-ball form):
 
   δ_i ← α·δ_i − β·mean_G(Δ) − γ·(φ_i − mean_G(φ));   φ_i ← φ_i + δ_i;   θ_i ← φ_i
 

@@ -10,7 +10,7 @@ import optax
 
 
 def outer_nesterov(learning_rate: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
-  """DiLoCo's outer optimizer: SGD with Nesterov momentum (PAPERS.md 1.1).
+  """DiLoCo's outer optimizer: SGD with Nesterov momentum (docs/algorithms.md §1.1).
 
   .. math::
     b ← μ·b + Δ;  φ ← φ − η·(Δ + μ·b)

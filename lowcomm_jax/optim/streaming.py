@@ -5,7 +5,7 @@ parameters keeps a global copy φ_p (float32) and its own outer optimizer
 state. When the schedule says so (see `schedule.py`), the outer gradient
 Δ_p = φ_p − θ_{m,p} is averaged over replicas, the outer optimizer steps
 φ_p ← OuterOpt(φ_p, mean_m Δ_p), and the replica's fragment becomes
-θ_{m,p} ← α·θ_{m,p} + (1 − α)·φ_p (PAPERS.md 1.2(c)). Vanilla DiLoCo is one
+θ_{m,p} ← α·θ_{m,p} + (1 − α)·φ_p (docs/algorithms.md §1.2(c)). Vanilla DiLoCo is one
 fragment, τ = 0, α = 0: the same code.
 
 Use it inside `jax.vmap(..., axis_name="replica")` (simulated replicas) or

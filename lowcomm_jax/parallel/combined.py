@@ -2,7 +2,7 @@
 
 Each of the S·R devices holds stage s of replica r (grid layout, `stages.py`). A training step is
 (1) the pipeline executor over the batch's micro-batches — routed at random between the replicas of
-consecutive stages (PAPERS.md 2.2), or fixed — giving each device the gradient of its stage slice,
+consecutive stages (docs/algorithms.md §2.2), or fixed — giving each device the gradient of its stage slice,
 then (2) the optimizer under `jax.shard_map` over (replica, stage): the inner step is local, and the
 outer step's collectives run over the axis name "replica", which inside this shard_map pairs or
 averages the replicas *of the same stage*, exactly as NoLoCo's per-stage process groups do. NoLoCo
@@ -163,7 +163,7 @@ def train(c, log: Callable[[str], None] = print, on_metrics: Callable[[dict], No
   s, r, k = c.num_stages, c.num_replicas, c.pipeline.slots_per_step
   cfg = get_model_config(c.model.size, num_layers=s * c.model.layers_per_stage)
   graphdef = nnx.split(nnx.eval_shape(lambda: llama.Decoder(cfg, nnx.Rngs(c.seed))), nnx.Param)[0]
-  params = training._init_params(cfg, c.seed)  # pylint: disable=protected-access
+  params = llama.init_params(cfg, c.seed)
   params_R = jax.tree.map(lambda x: jnp.broadcast_to(x, (r,) + x.shape), params)
   mesh = mesh_lib.make_mesh({mesh_lib.REPLICA: r, mesh_lib.STAGE: s})
   fns = stages.StageFunctions(cfg)

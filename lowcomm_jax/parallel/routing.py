@@ -6,7 +6,7 @@ retraces the route in reverse, and the loss is computed back on the origin (as i
 stage-0 node holds the embedding and the head; NoLoCo's code computes it on the last stage instead,
 which moves one hop but not a single number of the gradient).
 
-NoLoCo's random routing (PAPERS.md 2.2): micro-batches go in *slots*; in slot k every replica of
+NoLoCo's random routing (docs/algorithms.md §2.2): micro-batches go in *slots*; in slot k every replica of
 stage 0 starts one micro-batch, and at the boundary s → s+1 the replica i of stage s sends to replica
 π_{k,s}[i] of stage s+1, where π_{k,s} = Perm_R(seed, k·S + s) is drawn from a seed every device
 shares. Each π is a permutation, so every replica of every stage takes exactly one micro-batch per

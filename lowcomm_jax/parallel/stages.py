@@ -3,7 +3,7 @@ sequential reference a pipeline must equal.
 
 Stage s holds layers [s·l, (s+1)·l) (l = layers per stage). Stage 0 also holds the embedding, the final
 norm and the head: a micro-batch starts there and its loss is computed there (SkipPipe's convention,
-PAPERS.md 3.1). The functions a device runs:
+docs/algorithms.md §3.1). The functions a device runs:
 
   embed(outer, tokens) → x;   layers(blocks_l, x) → x;   head_loss(outer, x, targets) → loss
 

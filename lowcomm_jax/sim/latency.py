@@ -1,6 +1,6 @@
 """How long one synchronization of N workers takes: NoLoCo against all-reduce.
 
-NoLoCo (arXiv 2506.10911, PAPERS.md 2.3, 2.6) never all-reduces: at each
+NoLoCo (arXiv 2506.10911, docs/algorithms.md §2.3, §2.6) never all-reduces: at each
 outer step every worker swaps two tensors, its slow weights φ and its outer
 gradient Δ, with one random peer. DiLoCo all-reduces one tensor, the outer
 gradient, over all N workers. With ``S`` bytes per tensor, bandwidth ``B``
@@ -24,7 +24,7 @@ about 10× at N = 1024, the paper's claim. Against the ring the gain comes
 only from latency: the ring moves about as many bytes per worker (2b) but
 pays 2(N−1) latencies.
 
-Model sizes are the NoLoCo configs' shapes (PAPERS.md 2.5), counted as a
+Model sizes are the NoLoCo configs' shapes (docs/algorithms.md §2.5), counted as a
 Llama decoder: per layer 4d² attention weights (full multi-head, no grouped
 keys and values in the configs), a SwiGLU MLP of 3·d·f and two RMSNorm
 scales of d; a final norm d; untied input embedding and output head of V·d
@@ -62,7 +62,7 @@ def llama_param_count(d_model: int, num_layers: int, ffn_dim: int,
   return num_layers * per_layer + d_model + embeddings
 
 
-# PAPERS.md 2.5: (d_model, layers, FFN) of the NoLoCo configs.
+# docs/algorithms.md §2.5: (d_model, layers, FFN) of the NoLoCo configs.
 NOLOCO_MODELS = {
     "125M": llama_param_count(768, 12, 3072),
     "1.3B": llama_param_count(2048, 24, 8192),

@@ -1,7 +1,7 @@
 """Compute utilization of one worker under DP, DiLoCo and Streaming DiLoCo.
 
 Reproduces the simulator behind Streaming DiLoCo's Table 4 (arXiv 2501.18512,
-PAPERS.md 1.3): how much WAN bandwidth each method needs so that the
+docs/algorithms.md §1.3): how much WAN bandwidth each method needs so that the
 accelerators spend a target fraction of the wall time computing.
 
 The model (all workers are alike, so one worker's timeline is enough):
@@ -195,7 +195,7 @@ def table4_methods(sync_every: int = 100) -> list[Method]:
 
 
 # The paper's three simulated models with its own layer counts and step times
-# (Table 4, PAPERS.md 1.3). N is the model's label, as the first author's
+# (Table 4, docs/algorithms.md §1.3). N is the model's label, as the first author's
 # public bandwidth simulator takes it (N in billions). The step time is the
 # paper's, which fixes the tokens per step: t·peak·MFU / (6N), e.g. 2^20
 # tokens per step for the 1B at ≈1.05e17 FLOP/s of peak per worker (≈100

@@ -1,4 +1,4 @@
-"""Baselines SkipPipe is measured against (PAPERS 3.3 step 4).
+"""Baselines SkipPipe is measured against (docs/algorithms.md §3.3 step 4).
 
 * Full pipeline (DT-FM, Yuan et al. 2022): no skipping. Pipeline j is node j
   of every stage (after `placement.order_for_pipelines`); there are as many

@@ -1,4 +1,4 @@
-"""Conflicts between micro-batch agents' plans (SkipPipe's CBS, PAPERS 3.3).
+"""Conflicts between micro-batch agents' plans (SkipPipe's CBS, docs/algorithms.md §3.3).
 
 The conflict-based search in `scheduler.py` branches on these, in the
 paper's order: TC1 load (a node on more paths than memory x num_waves), then,

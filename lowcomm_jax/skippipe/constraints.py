@@ -1,4 +1,4 @@
-"""An independent checker of SkipPipe's constraints (PAPERS 3.2).
+"""An independent checker of SkipPipe's constraints (docs/algorithms.md §3.2).
 
 It shares no logic with the scheduler: it re-derives every rule from the
 paths and the timeline alone, so tests can hold the scheduler to it.

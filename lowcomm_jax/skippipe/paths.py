@@ -138,7 +138,7 @@ class Schedule:
     """int[k * layers_per_stage] per micro-batch: layer indices in order.
 
     A swapped path runs the two stages' layer blocks in swapped order, each
-    block in its own order (PAPERS 3.4).
+    block in its own order (docs/algorithms.md §3.4).
     """
     offsets = np.arange(layers_per_stage)
     return [np.concatenate([s * layers_per_stage + offsets for s in p.stages])

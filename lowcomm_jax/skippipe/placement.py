@@ -1,6 +1,6 @@
 """Placement of nodes onto pipeline stages (SkipPipe step 1, after DT-FM).
 
-SkipPipe (arXiv 2502.19913, section 3.3 of PAPERS.md) first decides which
+SkipPipe (arXiv 2502.19913, docs/algorithms.md §3.3) first decides which
 nodes serve which stage, with the stage sizes fixed. The reference runs the
 genetic search GCMA of DT-FM (Yuan et al. 2022); here a seeded simulated
 annealing over node swaps minimises the same kind of cost:

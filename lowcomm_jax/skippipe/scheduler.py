@@ -1,4 +1,4 @@
-"""SkipPipe's collision-aware path scheduler (PAPERS 3.3 steps 2 and 3).
+"""SkipPipe's collision-aware path scheduler (docs/algorithms.md §3.3 steps 2 and 3).
 
 Every micro-batch of an iteration is an *agent* in a multi-agent path-finding
 problem. Each agent's path is found by the best-first search of `search.py`;

@@ -4,7 +4,7 @@ The search grows a path stage by stage over the node graph: each state is a
 prefix of stages and the nodes serving them, with the time its last forward
 ends. Waiting is part of the time: a task cannot overlap the agent's
 forbidden windows on a node (constraints added by the conflict-based search,
-PAPERS 3.3 step 3), so it starts at the first gap that fits. A state's key
+docs/algorithms.md §3.3 step 3), so it starts at the first gap that fits. A state's key
 is its time plus an admissible bound on what remains (forwards still to run,
 the trip back to the stage-0 node for the loss, and the whole backward pass
 along the reversed path). Completed paths are re-keyed with their exact

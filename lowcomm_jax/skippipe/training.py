@@ -1,4 +1,4 @@
-"""Training and evaluation along SkipPipe paths (PAPERS 3.4).
+"""Training and evaluation along SkipPipe paths (docs/algorithms.md §3.4).
 
 Every micro-batch of a batch runs the embedding, then the layer blocks of the
 stages on its path in path order (stage 0 first; a swap runs the two stages'
@@ -171,14 +171,8 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation,
                seed: int = 0) -> tuple[nnx.GraphDef, TrainState]:
   """A fresh Decoder's graphdef and its training state (pure-dict params)."""
   graphdef = nnx.split(nnx.eval_shape(lambda: llama.Decoder(cfg, nnx.Rngs(seed))), nnx.Param)[0]
-  params = _init_params(cfg, seed)
+  params = llama.init_params(cfg, seed)
   return graphdef, TrainState(params, jax.jit(tx.init)(params), jnp.zeros((), jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_params(cfg: ModelConfig, seed: int):
-  # One compiled program instead of hundreds of eager ops, which take seconds to dispatch on CPU.
-  return nnx.to_pure_dict(nnx.state(llama.Decoder(cfg, nnx.Rngs(seed)), nnx.Param))
 
 
 def make_path_train_step(graphdef, tx: optax.GradientTransformation, num_stages: int,
