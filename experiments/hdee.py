@@ -9,7 +9,13 @@ M_Ho-I_He, heterogeneous sizes M_He-I_Ho) at the FLOPs of
 (one Trainer run per workdir; finished runs are skipped, so rerunning resumes),
 scores every domain's test split and writes results.md, results.json and
 results.png into the workdir. See docs/data_and_hdee.md for the results.
+
+It reads the Debian-packaged domains from the corpora cache and never downloads
+them: when some are missing it stops at once, before writing anything, with the
+command that fetches them (experiments/fetch_corpora.py, about 10 s).
 """
+
+import sys
 
 from absl import app, flags, logging
 
@@ -31,7 +37,14 @@ _QUICK = flags.DEFINE_bool("quick", False, "Tiny model and a few steps: a smoke 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  from lowcomm_jax.data import debian, domains  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.hdee import experiment, experts  # pylint: disable=g-import-not-at-top
+  missing = [d.corpus.split(":", 1)[1] for d in domains.DOMAINS.values()
+             if d.needs_fetch and not debian.is_fetched(d.corpus.split(":", 1)[1])]
+  if missing:  # fetching (apt) is fetch_corpora.py's job, never this run's
+    sys.exit(f"HDEE reads {len(missing)} Debian corpora that are not in {debian.default_cache_dir()}: "
+             f"{', '.join(missing)}; fetch them first with:\n  "
+             + debian.FETCH_COMMAND.format(names=",".join(missing)))
   experts.enable_compilation_cache(f"{_WORKDIR.value}/jax_cache")
 
   if _QUICK.value:

@@ -1,5 +1,8 @@
 """Runs experiments/train.py as N processes on this machine, joined by jax.distributed on 127.0.0.1.
 
+Process 0's coordinator listens on 127.0.0.1 only (train.py binds it to the coordinator address's
+host unless --coordinator_bind_address is given).
+
   python experiments/launch_local.py --num_processes=2 -- \
       --config=experiments/configs/diloco.py:tiny --workdir=runs/diloco_2proc --config.mesh.replica=2
 
@@ -9,6 +12,10 @@ Everything after `--` goes to every process unchanged; the launcher adds --coord
 process fails, the others are stopped at once and the launcher prints which process failed with
 its exit status, then every process's last lines, and exits non-zero (the failed process's code, or
 128 + its signal). Rerunning the same command resumes from the last complete checkpoint.
+
+A SIGTERM to one process (or to the launcher, which passes it on) is a preemption notice: every
+process saves the checkpoint of one agreed step and exits with status 143; the launcher then says
+so and exits 143. Rerunning the command resumes from that checkpoint.
 
 This is a stand-in for a cluster scheduler on one machine (tests, debugging); on real clusters
 every host runs train.py itself (README, "Multi-host").
@@ -90,6 +97,21 @@ class Process:
         print(f"[{self.index}] {line}", flush=True)
 
 
+# Grace for children the launcher stops because it got SIGTERM itself: they save a checkpoint first.
+_PREEMPTION_GRACE_SECONDS = 120.0
+_PREEMPTED = 128 + signal.SIGTERM  # lowcomm_jax.distributed.PREEMPTED_EXIT_CODE
+
+
+def wait_all(processes: list[Process], seconds: float) -> None:
+  """Waits up to `seconds` for every child to end by itself."""
+  deadline = time.monotonic() + seconds
+  for p in processes:
+    try:
+      p.popen.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      return
+
+
 def stop_all(processes: list[Process], grace_seconds: float = 5.0) -> None:
   """SIGTERM to every running child, SIGKILL to those still running after the grace period."""
   for p in processes:
@@ -115,7 +137,8 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
   its own network namespace, where process 0's coordinator listens on `coordinator_host`).
   """
   address = f"{coordinator_host}:{free_port()}"
-  lock, processes = threading.Lock(), []
+  lock, processes, grace = threading.Lock(), [], 5.0
+  print(f"launch_local: coordinator at {address}", flush=True)
   try:
     for i in range(num_processes):
       command = [sys.executable, str(_SCRIPT), *train_args, f"--coordinator_address={address}",
@@ -128,21 +151,36 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
       failed = next((p for p in processes if p.popen.poll() not in (None, 0)), None)
       time.sleep(0.05)
     failed = failed or next((p for p in processes if p.popen.returncode != 0), None)
+    if failed is not None and failed.popen.returncode == _PREEMPTED:
+      wait_all(processes, _PREEMPTION_GRACE_SECONDS)  # the others save the same step: let them
+  except SystemExit:  # the launcher got SIGTERM: pass it on, and give the save its time
+    grace = _PREEMPTION_GRACE_SECONDS
+    raise
   finally:
-    stop_all(processes)
+    stop_all(processes, grace)
   if failed is None:
     print(f"launch_local: all {num_processes} processes finished", flush=True)
     return 0
   code = failed.popen.returncode
-  report = [f"launch_local: process {failed.index} (pid {failed.popen.pid}) failed: {describe(code)}; "
-            "the others were stopped"]
+  if all(p.popen.returncode == _PREEMPTED for p in processes):
+    print(f"launch_local: SIGTERM: all {num_processes} processes saved a checkpoint and stopped "
+          f"(exit status {_PREEMPTED}); rerun the same command to resume", file=sys.stderr, flush=True)
+    return _PREEMPTED
+  silent = sorted(set().union(*(p.silent_peers for p in processes)))
+  failure = (f"process {failed.index} (pid {failed.popen.pid}) failed: {describe(code)}; the others "
+             "were stopped")
+  if silent:  # the cause first: the process that went silent, not the one the runtime stopped
+    names = ", ".join(f"process {index}" for index in silent)
+    report = [f"launch_local: {names} stopped answering: no heartbeat within "
+              f"distributed.timeout_seconds, so the runtime stopped the others ({failure})"]
+  else:
+    report = [f"launch_local: {failure}"]
   for p in processes:
     state = describe(p.popen.returncode) if p is failed else f"ended with {describe(p.popen.returncode)}"
     report.append(f"--- process {p.index}, {state}; its last {len(p.lines)} lines:")
     report.extend(f"[{p.index}] {line}" for line in p.lines)
-  for index in sorted(set().union(*(p.silent_peers for p in processes))):
-    report.append(f"launch_local: process {index} stopped answering: no heartbeat within "
-                  "distributed.timeout_seconds, so the runtime stopped the others")
+  if silent:
+    report.append(report[0])  # and again last, after the tails
   print("\n".join(report), file=sys.stderr, flush=True)
   return code if code > 0 else 128 - code
 

@@ -12,6 +12,8 @@ command plus --coordinator_address, --num_processes and --process_id; under SLUR
 TPU pod slice JAX reads those from the environment (see the README's "Multi-host" section).
 """
 
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -27,6 +29,10 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0's coordinator (all processes the same).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in the run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
+_BIND = flags.DEFINE_string(
+    "coordinator_bind_address", None,
+    "host:port process 0's coordinator listens on; default the host of --coordinator_address "
+    "(e.g. 127.0.0.1 stays loopback). 0.0.0.0:PORT listens on every interface.")
 
 
 def main(argv):
@@ -34,20 +40,37 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   from lowcomm_jax import config as config_lib, distributed  # after flag parsing
   config = _CONFIG.value
-  config_lib.validate(config)  # bad values fail before any process waits for another
+  from lowcomm_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  try:  # bad values fail before any process waits for another, in one line
+    config_lib.validate(config)
+    workdir_lib.check_path(_WORKDIR.value)
+  except ValueError as error:
+    sys.exit(f"ValueError: {error}")
   distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
                          _PROCESS_ID.value, config.distributed.timeout_seconds,
-                         config.distributed.init_timeout_seconds)
+                         config.distributed.init_timeout_seconds, _BIND.value)
   from lowcomm_jax import train  # pylint: disable=g-import-not-at-top
-  summary = train.run(config, _WORKDIR.value)
-  if not distributed.is_primary():
+  trainer = None
+  try:
+    trainer = train.Trainer(config, _WORKDIR.value)
+    summary = trainer.run()
+  except distributed.Preempted as stopped:
+    print(stopped, flush=True)
+    sys.exit(distributed.PREEMPTED_EXIT_CODE)
+  except ValueError as error:
+    # A refused start (config, workdir, data checks: nothing written) is one line, no traceback.
+    if trainer is None or not (trainer.resuming or (trainer.workdir / "config.json").exists()):
+      sys.exit(f"ValueError: {error}")
+    raise
+  if not distributed.is_primary() or summary.get("complete_before_start"):
     return
-  if summary["final_eval_loss"] is None:  # stopped early (stop_at_step): no summary.json yet
+  if summary["steps"] < config.num_steps:  # stopped early (stop_at_step): no summary.json yet
     print(f"stopped after step {summary['steps']}, wall {summary['wall_time_s']:.0f} s; rerun "
           "without --config.stop_at_step to go on")
     return
-  print(f"final eval loss {summary['final_eval_loss']:.4f}, "
-        f"{summary['tokens_per_s']:.0f} tokens/s, wall {summary['wall_time_s']:.0f} s")
+  number = lambda key, form: "n/a" if summary[key] is None else format(summary[key], form)
+  print(f"final eval loss {number('final_eval_loss', '.4f')}, "
+        f"{number('tokens_per_s', '.0f')} tokens/s, wall {summary['wall_time_s']:.0f} s")
   print(f"summary: {summary['workdir']}/summary.json")
 
 

@@ -2,13 +2,16 @@
 
 Experiment files in `experiments/configs/` start from `default_config()` and
 change values; they cannot add keys (`lock_config=True`), so a misspelt key
-is an error at the command line. `validate` checks values before any compute.
+is an error at the command line. `validate` checks values before any compute and before anything
+is written: one ValueError naming the option and its allowed values (each key's comment below gives
+its range). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 import ml_collections
 
@@ -19,11 +22,12 @@ from lowcomm_jax import sharding
 
 ALGORITHMS = ("dp", "diloco", "streaming_diloco", "noloco")
 
-# Keys that may change when a run is resumed: they do not change the trajectory.
+# Keys that may change when a run is resumed: they do not change the trajectory (nonfinite
+# only decides what happens once a non-finite outer gradient appears: stop, or refuse it and go on).
 RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "checkpoint.every",
                 "checkpoint.keep", "hardware.peak_flops_per_device", "hardware.step_seconds",
                 "network", "progress_bar", "distributed.timeout_seconds",
-                "distributed.init_timeout_seconds")
+                "distributed.init_timeout_seconds", "nonfinite")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -41,7 +45,7 @@ def default_config() -> ml_collections.ConfigDict:
   # summary.json's refused_outer_steps; raise stops the run naming it, skip logs it and goes on.
   c.nonfinite = "raise"
   c.num_replicas = 1  # M: model replicas (workers); mesh.replica devices hold them, M/mesh.replica each
-  c.seed = 0  # parameter init and data order.
+  c.seed = 0  # parameter init and data order; in [0, 2**32).
   c.num_steps = 300  # optimizer steps.
   c.model = ml_collections.ConfigDict(dict(
       size="tiny",  # a preset of lowcomm_jax.models.PRESETS
@@ -53,21 +57,21 @@ def default_config() -> ml_collections.ConfigDict:
       corpus="stdlib",  # stdlib | licenses | docstrings | debian:<source> | domain:<d> | domain_mix:<d>+<d>
       seq_len=128,  # tokens per training sequence (bytes)
       batch_size=16,  # global sequences per step (per replica for multi-replica algorithms)
-      eval_permille=20,  # held-out documents, per mille (by a hash of the document id)
+      eval_permille=20,  # held-out documents, per mille (by a hash of the document id), in [1, 500]
   ))
   c.optimizer = ml_collections.ConfigDict(dict(
       name="adamw",  # adamw | adam | sgd
-      learning_rate=3e-3,  # peak learning rate
+      learning_rate=3e-3,  # peak learning rate, finite and >= 0
       warmup_steps=30,  # linear warm-up, then cosine decay to min_lr_ratio · peak
-      min_lr_ratio=0.1,
-      weight_decay=0.1,
-      b1=0.9,
-      b2=0.95,
-      momentum=0.0,  # sgd only
-      grad_clip=1.0,  # global-norm clip; 0 disables
+      min_lr_ratio=0.1,  # in [0, 1]
+      weight_decay=0.1,  # >= 0
+      b1=0.9,  # Adam's β1, in [0, 1)
+      b2=0.95,  # Adam's β2, in [0, 1)
+      momentum=0.0,  # sgd only, in [0, 1)
+      grad_clip=1.0,  # global-norm clip, >= 0; 0 disables
   ))
   c.diloco = ml_collections.ConfigDict(dict(
-      sync_every=50,  # H: inner steps between two syncs of a fragment
+      sync_every=50,  # H: inner steps between two syncs of a fragment, at most num_steps
       num_fragments=1,  # P: block fragments (1 = the whole model, vanilla DiLoCo)
       fragment_pattern="strided",  # strided (blocks p, p+P, ...) | sequential
       non_block_fragment="own",  # own: embeddings/norm/head form one more fragment | fold: into fragment 0
@@ -79,24 +83,24 @@ def default_config() -> ml_collections.ConfigDict:
       overlap_steps=0,  # τ: inner steps a fragment's all-reduce overlaps before it is applied
       merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied
       codec="none",  # none (float32 all-reduce) | e3m0 | e2m1 | int4 | int8 | bf16 | fp32 (compressed mean)
-      codec_block_size=1024,  # values per absmax scale in the codec
+      codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2
       codec_rounding="nearest",  # nearest | stochastic
       error_feedback=False,  # add each replica's quantization residual to its next outer gradient
   ))
   c.noloco = ml_collections.ConfigDict(dict(  # docs/algorithms.md §2.3; defaults from the paper's code
-      sync_every=50,  # H: inner steps between two gossip outer steps
+      sync_every=50,  # H: inner steps between two gossip outer steps, at most num_steps
       group_size=2,  # n: replicas per random group (2: pairs); must divide num_replicas
-      outer_learning_rate=0.7,  # β: step along the group-mean outer gradient
-      outer_momentum=0.5,  # α: heavy-ball momentum of δ
-      gamma=0.7,  # γ: pull of φ_i toward its group's mean slow weights
+      outer_learning_rate=0.7,  # β: step along the group-mean outer gradient, > 0
+      outer_momentum=0.5,  # α: heavy-ball momentum of δ, in [0, 1)
+      gamma=0.7,  # γ: pull of φ_i toward its group's mean slow weights, >= 0
       num_groupings=16,  # random partitions drawn from `seed`; bounds the compiled programs
       codec="none",  # none (float32) | a diloco.codec name: the outer gradients' wire format
-      codec_block_size=1024,  # values per absmax scale in the codec
+      codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2
   ))
   c.outer_optimizer = ml_collections.ConfigDict(dict(
       name="nesterov",  # nesterov | sgd | adam, applied to the outer gradient Δ = φ − θ
-      learning_rate=0.7,
-      momentum=0.9,
+      learning_rate=0.7,  # > 0
+      momentum=0.9,  # in [0, 1)
   ))
   c.pipeline = ml_collections.ConfigDict(dict(  # gradients=pipeline or skippipe (docs/pipelines.md)
       num_stages=2,  # S: the model's layers cut into S stages (mesh.stage = S for the pipeline)
@@ -124,8 +128,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.stop_at_step = -1  # stop (with a checkpoint) after this step; -1 runs to num_steps
   c.progress_bar = True  # a tqdm bar on a terminal; plain log lines otherwise
   c.hardware = ml_collections.ConfigDict(dict(
-      peak_flops_per_device=0.0,  # for MFU; 0 measures a float32 matmul on the first device
-      step_seconds=0.0,  # compute seconds per step for the virtual clock; 0: as measured in the run
+      peak_flops_per_device=0.0,  # for MFU, >= 0; 0 measures a float32 matmul on the first device
+      step_seconds=0.0,  # compute seconds per step for the virtual clock, >= 0; 0: as measured
   ))
   # Virtual clock: "" (off), a preset (datacenter, cross_region, internet, home) or
   # "<bandwidth>,<latency>" such as "1Gbit,50ms"; summary.json then reports the run's wall time on
@@ -175,6 +179,31 @@ def _require(cond: bool, option: str, allowed: str, value) -> None:
     raise ValueError(f"{option} must be {allowed}, got {value!r}")
 
 
+def _number(c, key: str, low: float, high: float = math.inf, *, low_open: bool = False,
+            high_open: bool = True) -> None:
+  """Requires the (finite) number at dotted `key` to lie in the interval, named in the message."""
+  section, _, name = key.rpartition(".")
+  value = (c[section] if section else c)[name]
+  left, right = "(" if low_open else "[", ")" if high_open else "]"
+  finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  inside = finite and (value > low if low_open else value >= low) and (
+      value < high if high_open else value <= high)
+  if high == math.inf:
+    allowed = f"a finite number {'>' if low_open else '>='} {low:g}"
+  else:
+    allowed = f"a number in {left}{low:g}, {high:g}{right}"
+  _require(inside, key, allowed, value)
+
+
+def _integer(c, key: str, low: int, high: int | None = None, note: str = "") -> None:
+  section, _, name = key.rpartition(".")
+  value = (c[section] if section else c)[name]
+  ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (
+      high is None or value < high)
+  allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high})"
+  _require(ok, key, allowed + note, value)
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
   """One clear ValueError naming the option and the allowed values; no compute happens before."""
   known = set(_flatten(default_config()))
@@ -186,20 +215,24 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if missing:
     raise ValueError(f"config is missing keys {missing}; start from lowcomm_jax.config.default_config()")
   _require(c.algorithm in ALGORITHMS, "algorithm", f"one of {ALGORITHMS}", c.algorithm)
-  _require(c.num_steps >= 1, "num_steps", ">= 1", c.num_steps)
+  _integer(c, "num_steps", 1)
+  _integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
   model_config.get_model_config(c.model.size, dtype=c.model.dtype)
-  _require(corpora.is_corpus_name(c.data.corpus), "data.corpus",
-           f"one of {sorted(corpora.CORPORA)}, 'debian:<source>', 'domain:<name>' or "
-           "'domain_mix:<name>+<name>...'", c.data.corpus)
+  corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
   _require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
   _require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
   _require(c.data.batch_size >= 1, "data.batch_size", ">= 1", c.data.batch_size)
+  _require(1 <= c.data.eval_permille <= 500, "data.eval_permille",
+           "in [1, 500] (per mille of documents held out)", c.data.eval_permille)
   _require(c.optimizer.name in ("adamw", "adam", "sgd"), "optimizer.name", "adamw, adam or sgd",
            c.optimizer.name)
-  _require(c.optimizer.learning_rate >= 0, "optimizer.learning_rate", ">= 0", c.optimizer.learning_rate)
-  _require(0 <= c.optimizer.min_lr_ratio <= 1, "optimizer.min_lr_ratio", "in [0, 1]",
-           c.optimizer.min_lr_ratio)
+  _number(c, "optimizer.learning_rate", 0)
+  _number(c, "optimizer.min_lr_ratio", 0, 1, high_open=False)
   _require(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", ">= 0", c.optimizer.warmup_steps)
+  _number(c, "optimizer.weight_decay", 0)
+  for key in ("optimizer.b1", "optimizer.b2", "optimizer.momentum"):
+    _number(c, key, 0, 1)
+  _number(c, "optimizer.grad_clip", 0)
   sharding.rules_for(c.sharding.layout)
   for key in ("eval.every", "eval.batch_size", "eval.num_batches", "checkpoint.every",
               "checkpoint.keep", "log_every"):
@@ -209,10 +242,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.network:
     from lowcomm_jax.sim import network  # pylint: disable=g-import-not-at-top
     network.parse_network(c.network)
-  _require(c.hardware.step_seconds >= 0, "hardware.step_seconds", ">= 0", c.hardware.step_seconds)
+  _number(c, "hardware.step_seconds", 0)
+  _number(c, "hardware.peak_flops_per_device", 0)
   for key in ("timeout_seconds", "init_timeout_seconds"):
     _require(c.distributed[key] >= 1, f"distributed.{key}", ">= 1 (seconds)", c.distributed[key])
-  mesh_lib.mesh_shape(c.mesh.to_dict(), 10**9)  # axis names and sizes; devices are checked later
+  # Axis names and sizes only: the device count (checked by the Trainer) is not known here, so ask
+  # for exactly as many devices as the fixed axes use.
+  fixed = math.prod(max(int(n), 1) for n in c.mesh.to_dict().values() if isinstance(n, int))
+  mesh_lib.mesh_shape(c.mesh.to_dict(), fixed)
   _require(c.nonfinite in ("raise", "skip"), "nonfinite", "raise or skip", c.nonfinite)
   _validate_gradients(c)
   if c.algorithm == "dp":
@@ -229,12 +266,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
              "(one replica per device group) for algorithm=noloco", c.mesh.replica)
     _require(int(n.sync_every) == n.sync_every and n.sync_every >= 1, "noloco.sync_every",
              "an integer >= 1", n.sync_every)
+    _require(n.sync_every <= c.num_steps, "noloco.sync_every", f"an integer in [1, num_steps="
+             f"{c.num_steps}] (H > num_steps: no outer step would ever happen)", n.sync_every)
+    _number(c, "noloco.outer_learning_rate", 0, low_open=True)
+    _number(c, "noloco.outer_momentum", 0, 1)
+    _number(c, "noloco.gamma", 0)
     _require(n.num_groupings >= 1, "noloco.num_groupings", ">= 1", n.num_groupings)
     _require(n.codec == "none" or n.codec in _codec_names(), "noloco.codec",
              f"none or one of {_codec_names()}", n.codec)
     if n.codec != "none":
-      from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
-      codecs.get_codec(n.codec, n.codec_block_size)
+      _integer(c, "noloco.codec_block_size", 2, note=" (values per absmax scale)")
   else:
     _require(c.num_replicas >= 1, "num_replicas", ">= 1 (the number of DiLoCo workers M)", c.num_replicas)
     _require(c.mesh.replica >= 1 and c.num_replicas % c.mesh.replica == 0, "mesh.replica",
@@ -251,15 +292,22 @@ def validate(c: ml_collections.ConfigDict) -> None:
     num_rows = streaming.count_fragments(fragments_of(c), c.diloco.non_block_fragment)
     schedule.make_schedule(num_rows, c.diloco.sync_every, c.diloco.overlap_steps,
                            c.diloco.merge_alpha, c.diloco.staggered)
+    _require(c.diloco.sync_every <= c.num_steps, "diloco.sync_every",
+             f"an integer in [1, num_steps={c.num_steps}] (H > num_steps: no outer step would ever "
+             "happen)", c.diloco.sync_every)
     _require(c.diloco.codec == "none" or c.diloco.codec in _codec_names(), "diloco.codec",
              f"none or one of {_codec_names()}", c.diloco.codec)
     if c.diloco.codec != "none":
-      from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
-      codecs.get_codec(c.diloco.codec, c.diloco.codec_block_size, c.diloco.codec_rounding)
+      from lowcomm_jax.codecs import base  # pylint: disable=g-import-not-at-top
+      _integer(c, "diloco.codec_block_size", 2, note=" (values per absmax scale)")
+      _require(c.diloco.codec_rounding in base.ROUNDING_MODES, "diloco.codec_rounding",
+               f"one of {', '.join(base.ROUNDING_MODES)}", c.diloco.codec_rounding)
     _require(not c.diloco.error_feedback or c.diloco.codec != "none", "diloco.error_feedback",
              "False unless diloco.codec is set", c.diloco.error_feedback)
     _require(c.outer_optimizer.name in ("nesterov", "sgd", "adam"), "outer_optimizer.name",
-             "nesterov, sgd or adam", c.outer_optimizer.name)  # axis names and sizes; the device count is checked later
+             "nesterov, sgd or adam", c.outer_optimizer.name)
+    _number(c, "outer_optimizer.learning_rate", 0, low_open=True)
+    _number(c, "outer_optimizer.momentum", 0, 1)
 
 
 def fragments_of(c: ml_collections.ConfigDict):

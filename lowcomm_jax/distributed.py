@@ -11,12 +11,20 @@ NCCL and TPUs ICI/DCN, chosen by JAX, never a transport of ours.
 A process that stops answering is found by the runtime's heartbeats: after
 `distributed.timeout_seconds` without one, every other process stops with an error naming it
 (see `initialize`), instead of waiting in a collective forever.
+
+Process 0's coordinator listens on the host of the coordinator address only (127.0.0.1 for
+experiments/launch_local.py), never on every interface unless `--coordinator_bind_address` says
+so. A SIGTERM (what SLURM and Kubernetes send before a kill) to any process is a preemption notice:
+`Preemption` makes every process agree on one step boundary, where the run saves a checkpoint and
+stops with `Preempted` (exit status PREEMPTED_EXIT_CODE); rerunning the command resumes from it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import weakref
 
 import jax
 import numpy as np
@@ -34,15 +42,30 @@ def detected_cluster() -> str | None:
   return None
 
 
+def bind_address(coordinator_address: str | None, requested: str | None = None) -> str | None:
+  """Where process 0's coordinator listens: `requested`, else the coordinator address itself
+  (its host and port: loopback stays loopback), else None (JAX's choice, for detected clusters)."""
+  if requested:
+    if ":" not in requested:
+      raise ValueError(f"--coordinator_bind_address must be host:port (e.g. 0.0.0.0:1234 for every "
+                       f"interface), got {requested!r}")
+    return requested
+  return (os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or coordinator_address or
+          os.environ.get("JAX_COORDINATOR_ADDRESS"))
+
+
 def initialize(mode: str = "auto", coordinator_address: str | None = None,
                num_processes: int | None = None, process_id: int | None = None,
-               timeout_seconds: int = 60, init_timeout_seconds: int = 300) -> bool:
+               timeout_seconds: int = 60, init_timeout_seconds: int = 300,
+               coordinator_bind_address: str | None = None) -> bool:
   """Joins this process to the others; returns whether the run is multi-process.
 
   mode: `off` stays a single process; `on` always calls `jax.distributed.initialize` (JAX detects
   the coordinator on TPU pod slices, SLURM and Open MPI when the three flags are not given);
   `auto` does so when the flags are given, `JAX_COORDINATOR_ADDRESS` is set, or SLURM/Open MPI
   report more than one task. Must run before anything touches a JAX device.
+  coordinator_bind_address: host:port process 0's coordinator listens on; default the coordinator
+  address (JAX's own default is every interface, `[::]:port`).
 
   Raises:
     ValueError: naming the flag, for an unknown mode or flags that contradict each other.
@@ -51,7 +74,7 @@ def initialize(mode: str = "auto", coordinator_address: str | None = None,
     raise ValueError(f"--distributed must be auto, on or off, got {mode!r}")
   explicit = (coordinator_address, num_processes, process_id)
   if mode == "off":
-    if any(v is not None for v in explicit):
+    if any(v is not None for v in explicit) or coordinator_bind_address:
       raise ValueError("--distributed=off cannot be combined with --coordinator_address, "
                        "--num_processes or --process_id")
     return False
@@ -65,11 +88,76 @@ def initialize(mode: str = "auto", coordinator_address: str | None = None,
   if mode == "auto" and coordinator_address is None and not (
       os.environ.get("JAX_COORDINATOR_ADDRESS") or detected_cluster()):
     return False
+  bind = bind_address(coordinator_address, coordinator_bind_address)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address, num_processes, process_id,
                              initialization_timeout=int(init_timeout_seconds),
-                             heartbeat_timeout_seconds=int(timeout_seconds))
+                             heartbeat_timeout_seconds=int(timeout_seconds),
+                             coordinator_bind_address=bind)
   return jax.process_count() > 1
+
+
+# The exit status of a run stopped by a preemption notice after saving (128 + SIGTERM, as a shell
+# reports a process SIGTERM ended): non-zero, so schedulers and launchers see it did not finish.
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Preempted(Exception):
+  """Raised after the checkpoint of the step every process agreed on has been saved."""
+
+  def __init__(self, step: int, checkpoint_dir):
+    self.step = step
+    super().__init__(f"SIGTERM received: stopped after saving the checkpoint of step {step} in "
+                     f"{checkpoint_dir}; rerun the same command to resume from it")
+
+
+def _handler_for(preemption_ref):
+  """A SIGTERM handler that tells the run, or, once the run is gone (it ended by an exception
+  without `close`), restores the default handler and lets the signal end the process."""
+
+  def handler(signum, frame):
+    preemption = preemption_ref()
+    if preemption is not None:
+      preemption._on_sigterm()  # pylint: disable=protected-access
+      return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  return handler
+
+
+class Preemption:
+  """Whether a SIGTERM asks the run to save and stop now; asked at every step boundary.
+
+  With several processes JAX's preemption sync service catches the SIGTERM of any of them and
+  picks the step every process saves at (the largest step any has reached, plus one), so all
+  save the same step; `reached` must then be called at every step by every process. Alone, a
+  Python handler records the signal and the next boundary is the step.
+  """
+
+  def __init__(self):
+    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+    self.joined = jax_distributed.global_state.client is not None
+    self.signalled, self._previous = False, None
+    if not self.joined:
+      try:
+        self._previous = signal.signal(signal.SIGTERM, _handler_for(weakref.ref(self)))
+      except ValueError:  # not the main thread: the default handler stays
+        self._previous = None
+
+  def _on_sigterm(self) -> None:
+    self.signalled = True
+    print("SIGTERM received: saving a checkpoint at the end of this step, then stopping", flush=True)
+
+  def reached(self, step: int) -> bool:
+    if self.joined:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.signalled
+
+  def close(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
 
 
 def is_primary() -> bool:

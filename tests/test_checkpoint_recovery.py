@@ -1,43 +1,172 @@
-"""A damaged newest checkpoint is detected and the previous complete one restored, with a log line."""
+"""A damaged newest checkpoint is detected, set aside with a log line naming it, and the previous one
+restored: the resumed run then ends bit-identical to an uninterrupted one.
+
+Damage of every kind a disk, a copy or a hand can do: one flipped bit in a compressed array chunk,
+files truncated, a file deleted, the data iterator's JSON edited into valid but wrong JSON, a
+garbage manifest, and a step whose save never finished (no checksum).
+"""
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
 
 import jax
 import numpy as np
 import pytest
 
+from lowcomm_jax import distributed
+from lowcomm_jax.testing import tiny_config, tree_hash
 from lowcomm_jax.train import Trainer
-from lowcomm_jax.testing import tiny_config
+from lowcomm_jax.train import checkpoint
+
+CHANGES = {"num_steps": 8, "checkpoint.every": 2, "checkpoint.keep": 3}
 
 
-def damage(step_dir, how: str) -> None:
-  files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.stat().st_size > 0)
-  assert files, step_dir
-  if how == "truncated":  # every file cut to half its size, as a disk-full or torn write leaves it
-    for p in files:
-      p.write_bytes(p.read_bytes()[:p.stat().st_size // 2])
-  else:  # the array data gone, as a partial copy or an interrupted clean-up leaves it
-    for p in files:
-      if "state" in p.relative_to(step_dir).parts:
-        p.unlink()
+def largest_array_chunk(step_dir):
+  return max((p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+             key=lambda p: p.stat().st_size)
 
 
-@pytest.mark.parametrize("how", ["truncated", "deleted"])
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys, how):
-  c = tiny_config(num_steps=8, **{"checkpoint.every": 2, "checkpoint.keep": 3})
-  full = Trainer(c, tmp_path / "full")
+def damage(step_dir, how: str) -> str:
+  """Damages a step directory; returns the file the log line must name."""
+  if how == "bit_flip":  # one bit in the middle of the largest compressed array chunk
+    chunk = largest_array_chunk(step_dir)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    return str(chunk.relative_to(step_dir))
+  if how == "truncated":  # cut to half its size, as a disk-full or torn write leaves it
+    chunk = largest_array_chunk(step_dir)
+    chunk.write_bytes(chunk.read_bytes()[:chunk.stat().st_size // 2])
+    return str(chunk.relative_to(step_dir))
+  if how == "missing":  # as a partial copy or an interrupted clean-up leaves it
+    chunk = largest_array_chunk(step_dir)
+    chunk.unlink()
+    return str(chunk.relative_to(step_dir))
+  if how == "wrong_metadata":  # valid JSON, wrong value: the data iterator back at its start
+    metadata = step_dir / "data" / "metadata"
+    data_state = json.loads(metadata.read_text())
+    data_state["replicas"][0]["next_index"] = 0
+    metadata.write_text(json.dumps(data_state))
+    return "data/metadata"
+  if how == "garbage_manifest":
+    (step_dir / "state" / "manifest.ocdbt").write_bytes(b"\x00garbage" * 8)
+    return "state/manifest.ocdbt"
+  if how == "unsealed":  # the save finished but the checksum was never written (killed between)
+    (step_dir / checkpoint.CHECKSUM_FILE).unlink()
+    return checkpoint.CHECKSUM_FILE
+  raise ValueError(how)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """An uninterrupted run of 8 steps and one stopped after step 6 (checkpoints 2, 4, 6)."""
+  root = tmp_path_factory.mktemp("recovery")
+  full = Trainer(tiny_config(**CHANGES), root / "full")
   full.run()
-  Trainer(tiny_config(num_steps=8, stop_at_step=6, **{"checkpoint.every": 2, "checkpoint.keep": 3}),
-          tmp_path / "run").run()
-  damage(tmp_path / "run" / "checkpoints" / "6", how)
-  # A save killed before its rename leaves only a temporary directory: never a step to restore.
-  (tmp_path / "run" / "checkpoints" / "8.orbax-checkpoint-tmp-1").mkdir()
-  capsys.readouterr()
+  Trainer(tiny_config(stop_at_step=6, **CHANGES), root / "stopped").run()
+  return full.final_state, root / "stopped", root / "full"
 
+
+@pytest.mark.parametrize("how", ["bit_flip", "truncated", "missing", "wrong_metadata",
+                                 "garbage_manifest", "unsealed"])
+def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restored(
+    tmp_path, capfd, runs, how):
+  full_state, stopped, _ = runs
+  workdir = tmp_path / "run"
+  shutil.copytree(stopped, workdir)
+  checkpoints = workdir / "checkpoints"
+  named = damage(checkpoints / "6", how)
+  # A save killed before its rename leaves only a temporary directory: never a step to restore.
+  (checkpoints / "8.orbax-checkpoint-tmp-1").mkdir()
+  capfd.readouterr()
+
+  resumed = Trainer(tiny_config(**CHANGES), workdir)
+  resumed.run()
+  out = capfd.readouterr()
+  assert f"checkpoint step 6 in {checkpoints} cannot be restored (DamagedCheckpoint: " in out.out
+  assert named in out.out.split("checkpoint step 6")[1].splitlines()[0]
+  assert "restoring the previous complete one" in out.out
+  assert f"resumed from {checkpoints}/4" in out.out
+  assert "Event loop is closed" not in out.out + out.err  # orbax never saw the damaged step
+  assert (workdir / "checkpoints_unreadable" / "6").is_dir()
+  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed.final_state), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_every_file_of_a_step_is_sealed_and_verified(runs):
+  _, stopped, _ = runs
+  step_dir = stopped / "checkpoints" / "6"
+  sealed = json.loads((step_dir / checkpoint.CHECKSUM_FILE).read_text())["sha256"]
+  on_disk = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()}
+  assert set(sealed) == on_disk - {checkpoint.CHECKSUM_FILE}
+  assert {"data/metadata", str(largest_array_chunk(step_dir).relative_to(step_dir))} <= set(sealed)
+  checkpoint.verify(step_dir)  # intact: no error
+
+
+def test_rerunning_a_finished_run_says_so_and_changes_nothing(runs, capsys):
+  _, _, full = runs
+  before = tree_hash(full)
+  summary = Trainer(tiny_config(**CHANGES), full).run()
+  assert f"the run in {full} is complete (summary.json is there); nothing to do" in capsys.readouterr().out
+  assert tree_hash(full) == before
+  saved = json.loads((full / "summary.json").read_text())
+  assert summary["final_eval_loss"] == saved["final_eval_loss"] is not None
+  assert summary["tokens_per_s"] == saved["tokens_per_s"] > 0
+
+
+def test_a_run_killed_after_its_last_checkpoint_writes_the_same_summary(tmp_path, runs):
+  _, _, full = runs
+  shutil.copytree(full, tmp_path / "run")
+  (tmp_path / "run" / "summary.json").unlink()  # killed between the last save and the summary
+  summary = Trainer(tiny_config(**CHANGES), tmp_path / "run").run()
+  saved = json.loads((full / "summary.json").read_text())
+  assert summary["final_eval_loss"] == saved["final_eval_loss"]
+  assert summary["steps"] == 8 and summary["null_reasons"] == {
+      "tokens_per_s": "no timed step: every step of this start was in the window that compiles",
+      "mfu": "no timed step: every step of this start was in the window that compiles"}
+
+
+def test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_bit_identically(
+    tmp_path, runs, capsys):
+  full_state, _, _ = runs
+  c = tiny_config(**{**CHANGES, "checkpoint.every": 1000})  # only the SIGTERM's save
+  metrics = tmp_path / "run" / "metrics.jsonl"
+
+  def sigterm_after_step_2():  # as SLURM or Kubernetes would, from outside the training loop
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+      time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  handler = signal.getsignal(signal.SIGTERM)
+  threading.Thread(target=sigterm_after_step_2, daemon=True).start()
+  with pytest.raises(distributed.Preempted) as stopped:
+    Trainer(c, tmp_path / "run").run()
+  step = stopped.value.step
+  assert 2 <= step < 8
+  assert "rerun the same command to resume from it" in str(stopped.value)
+  assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == [str(step)]
+  assert not (tmp_path / "run" / "summary.json").exists()
+  assert signal.getsignal(signal.SIGTERM) == handler  # the run's handler lives as long as the run
+  capsys.readouterr()
   resumed = Trainer(c, tmp_path / "run")
   resumed.run()
-  out = capsys.readouterr().out
-  assert f"checkpoint step 6 in {tmp_path / 'run' / 'checkpoints'} cannot be restored" in out
-  assert "restoring the previous complete one" in out
-  assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/4" in out
-  assert (tmp_path / "run" / "checkpoints_unreadable" / "6").is_dir()
-  for a, b in zip(jax.tree.leaves(full.final_state), jax.tree.leaves(resumed.final_state)):
+  assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/{step}" in capsys.readouterr().out
+  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed.final_state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_from_starts_from_the_evaluated_parameters_of_the_latest_checkpoint(tmp_path, runs):
+  full_state, _, full = runs
+  model_cfg, params = checkpoint.read_eval_params(full)  # no Trainer: config.json and checkpoints
+  follow_up = Trainer(tiny_config(**{**CHANGES, "init_from": str(full)}), tmp_path / "next")
+  assert model_cfg == follow_up.model_cfg
+  evaluated = follow_up.algorithm.eval_params(full_state.params, full_state.opt_state)
+  initial = follow_up.init_params()
+  for leaves in (jax.tree.leaves(params), jax.tree.leaves(initial)):
+    for a, b in zip(leaves, jax.tree.leaves(evaluated), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not (tmp_path / "next").exists()  # reading another run writes nothing

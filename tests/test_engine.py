@@ -11,7 +11,7 @@ import pytest
 
 from lowcomm_jax import codecs, hlo
 from lowcomm_jax.parallel.executor import transfer_patterns
-from lowcomm_jax.testing import ENGINE_CASES, collective_bytes, engine_config, read_metrics, tree_digest
+from lowcomm_jax.testing import ENGINE_CASES, collective_bytes, engine_config, read_metrics, tree_hash
 from lowcomm_jax.train import Trainer
 
 CASES = sorted(ENGINE_CASES)
@@ -158,7 +158,7 @@ def test_bad_input_is_refused_before_anything_is_written(name, tmp_path):
   earlier = tmp_path / "run"
   earlier.mkdir()
   (earlier / "notes.txt").write_text("an earlier run's file")
-  before = tree_digest(earlier)
+  before = tree_hash(earlier)
   with pytest.raises(ValueError, match=message):
     Trainer(engine_config("dp", **changes), earlier)
-  assert tree_digest(earlier) == before
+  assert tree_hash(earlier) == before

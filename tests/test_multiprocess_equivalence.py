@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from launching import (NOLOCO, TOLERANCE, launch, max_abs_diff, multiprocess_changes, restored,
+from lowcomm_jax.testing import (NOLOCO, TOLERANCE, launch, max_abs_diff, multiprocess_changes, restored,
                        single_process)
 
 

@@ -1,16 +1,20 @@
-"""Faults in real multi-process runs: SIGKILL mid-round then a restart, a frozen process, a crash
-reported by the launcher. The kill-restart run is compared bit for bit to the same uninterrupted
-2-process Streaming DiLoCo run, which is itself compared to the single-process simulation."""
+"""Faults in real multi-process runs: SIGKILL mid-round then a restart, SIGTERM (a preemption
+notice) then a restart, a frozen process, a crash reported by the launcher; and what the processes
+listen on. The restarted runs are compared bit for bit to the same uninterrupted 2-process Streaming
+DiLoCo run, which is itself compared to the single-process simulation."""
 
 import json
 import os
+import re
 import signal
 import time
 
 import pytest
 
-from launching import (STREAMING, TOLERANCE, launch, max_abs_diff, multiprocess_changes, restored,
-                       run_streaming_two_processes, single_process)
+from lowcomm_jax.testing import (STREAMING, TOLERANCE, launch, listening_addresses, max_abs_diff,
+                                 multiprocess_changes, restored, run_streaming_two_processes,
+                                 single_process)
+from lowcomm_jax.train import checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +59,10 @@ def test_sigkill_mid_round_then_restart_ends_with_the_uninterrupted_parameters(
   assert "--- process 0, ended with" in crashed.stderr
   assert crashed.stderr.split("--- process 0")[1].split("--- process 1")[0].count("\n[0] ") >= 5
   assert not (workdir / "summary.json").exists()
-  # Saves are asynchronous: the one of step 6 may still have been in flight, and is then not used.
-  last_complete = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  # Saves are asynchronous: the one of step 6 may still have been in flight (or not yet sealed by
+  # its checksum), and is then not used.
+  last_complete = max(int(p.name) for p in (workdir / "checkpoints").iterdir()
+                      if p.name.isdigit() and (p / checkpoint.CHECKSUM_FILE).exists())
   assert last_complete in (3, 6)
 
   resumed = launch(2, workdir, changes)
@@ -67,6 +73,51 @@ def test_sigkill_mid_round_then_restart_ends_with_the_uninterrupted_parameters(
   print(f"killed at step {killed[0]}, resumed from {last_complete}: max abs diff {diff}")
   assert diff == 0.0
   steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+  assert steps == list(range(1, 13))
+
+
+def test_sigterm_to_one_process_saves_one_agreed_step_and_the_rerun_resumes_bit_identically(
+    tmp_path, streaming_two_processes):
+  workdir = tmp_path / "preempted"
+  pids, sent, listening = {}, [], []
+
+  def sigterm_process_1_after_step_2(line, popen):
+    if line.startswith("launch_local: process"):
+      pids[int(line.split()[2])] = int(line.split()[-1])
+    if not sent and line.startswith("[0] step 2:"):  # early: later steps take milliseconds
+      listening.extend(a for pid in pids.values() for a in listening_addresses(pid))
+      os.kill(pids[1], signal.SIGTERM)  # what SLURM or Kubernetes sends before a kill
+      sent.append(True)
+
+  changes = multiprocess_changes(2, STREAMING)  # checkpoint.every=1000: only the preemption saves
+  stopped = launch(2, workdir, changes, sigterm_process_1_after_step_2)
+  assert sent, "the run ended before process 1 got its SIGTERM"
+  assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+  assert "launch_local: SIGTERM: all 2 processes saved a checkpoint and stopped" in stopped.stderr
+  saved = re.findall(r"\[(\d)\] SIGTERM received: stopped after saving the checkpoint of step (\d+)",
+                     stopped.stdout)
+  assert sorted(index for index, _ in saved) == ["0", "1"]
+  assert len({step for _, step in saved}) == 1, saved  # both processes saved the same step
+  step = int(saved[0][1])
+  assert 2 <= step < 12
+  assert [p.name for p in (workdir / "checkpoints").iterdir()] == [str(step)]
+  checkpoint.verify(workdir / "checkpoints" / str(step))  # sealed: complete and intact
+  assert not (workdir / "summary.json").exists()
+
+  # The coordinator listens on the launcher's 127.0.0.1 only, and nothing else listens elsewhere.
+  port = int(re.search(r"coordinator at 127\.0\.0\.1:(\d+)", stopped.stdout).group(1))
+  print(f"listening sockets of the two processes: {listening}")
+  assert port in [p for _, p in listening]
+  assert listening and all(address.is_loopback for address, _ in listening)
+
+  resumed = launch(2, workdir, changes)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  for index in (0, 1):
+    assert f"[{index}] resumed from {workdir.absolute()}/checkpoints/{step}" in resumed.stdout
+  diff = max_abs_diff(restored(workdir), restored(streaming_two_processes))
+  print(f"SIGTERM after step 2, saved at step {step}, resumed: max abs diff {diff}")
+  assert diff == 0.0
+  steps = [json.loads(l)["step"] for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert steps == list(range(1, 13))
 
 
@@ -86,8 +137,9 @@ def test_a_process_that_stops_answering_stops_the_others_naming_it(tmp_path):
   elapsed = time.monotonic() - frozen_at[0]
   print(f"process 1 frozen: the launcher exited {elapsed:.1f} s later")
   assert proc.returncode != 0
-  assert "launch_local: process 0" in proc.stderr and "failed: killed by signal SIGABRT" in proc.stderr
-  assert "launch_local: process 1 stopped answering: no heartbeat within" in proc.stderr
+  first_line = proc.stderr[proc.stderr.index("launch_local:"):].splitlines()[0]
+  assert first_line.startswith("launch_local: process 1 stopped answering: no heartbeat within")
+  assert "(process 0 (pid" in first_line and "failed: killed by signal SIGABRT" in first_line
   assert elapsed < timeout + 25  # detection, then the launcher's 5 s grace for the others
 
 
@@ -98,4 +150,5 @@ def test_launcher_reports_a_failed_process_with_its_status_and_last_lines(tmp_pa
   assert "failed: exit status 1; the others were stopped" in proc.stderr
   assert ("ValueError: mesh.replica=1 must be a multiple of the 2 processes (the replica axis "
           "spans processes") in proc.stderr
+  assert "Traceback" not in proc.stderr  # a refused start is one line per process
   assert not (tmp_path / "bad").exists()

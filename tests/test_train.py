@@ -12,7 +12,7 @@ import pytest
 
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.data import pipeline, stats
-from lowcomm_jax.testing import read_metrics, tiny_config, tree_digest  # pylint: disable=unused-import
+from lowcomm_jax.testing import read_metrics, tiny_config, tree_hash  # pylint: disable=unused-import
 from lowcomm_jax.train import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -87,10 +87,10 @@ def test_unknown_and_bad_values_are_named(tmp_path):
 
 def test_workdir_of_another_config_is_refused_and_left_as_it_was(tmp_path):
   Trainer(tiny_config(num_steps=4, **{"checkpoint.every": 2}), tmp_path).run()
-  before = tree_digest(tmp_path)
+  before = tree_hash(tmp_path)
   with pytest.raises(ValueError, match=r"holds a run of another config \(optimizer.learning_rate"):
     Trainer(tiny_config(num_steps=4, **{"optimizer.learning_rate": 0.5}), tmp_path)
-  assert tree_digest(tmp_path) == before
+  assert tree_hash(tmp_path) == before
 
 
 def test_binary_rejects_an_unknown_config_key_before_compute(tmp_path):

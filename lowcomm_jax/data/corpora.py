@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import functools
 import gzip
+import hashlib
 import importlib.util
 import json
 import os
@@ -55,13 +56,17 @@ def stdlib_documents() -> list[Document]:
 _LICENSE_MARKUP = re.compile(r"//\*\*.*?\*\*//", re.S)
 
 
-def license_documents() -> list[Document]:
-  """SPDX licence texts from the `licenseclassifier` package, markup stripped."""
+def _licenses_file() -> pathlib.Path:
   spec = importlib.util.find_spec("licenseclassifier")
   if spec is None or spec.origin is None:
     raise RuntimeError("corpus 'licenses' needs the package licenseclassifier (a dependency of "
                        "lowcomm-jax); reinstall with `pip install -e .`")
-  path = pathlib.Path(spec.origin).parent / "_engine" / "licenses.json.gz"
+  return pathlib.Path(spec.origin).parent / "_engine" / "licenses.json.gz"
+
+
+def license_documents() -> list[Document]:
+  """SPDX licence texts from the `licenseclassifier` package, markup stripped."""
+  path = _licenses_file()
   entries = json.loads(gzip.decompress(path.read_bytes()))
   docs = []
   for entry in sorted(entries, key=lambda e: e["id"]):
@@ -71,14 +76,19 @@ def license_documents() -> list[Document]:
   return docs
 
 
+def _package_roots(packages: tuple[str, ...]) -> list[tuple[str, pathlib.Path]]:
+  roots = []
+  for package in packages:
+    spec = importlib.util.find_spec(package)
+    if spec is not None and spec.submodule_search_locations:
+      roots.append((package, pathlib.Path(list(spec.submodule_search_locations)[0])))
+  return roots
+
+
 def docstring_documents(packages: tuple[str, ...] = ("numpy", "scipy")) -> list[Document]:
   """Docstrings of modules, classes and functions of installed packages, one document per module."""
   docs = []
-  for package in packages:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-      continue
-    root = pathlib.Path(list(spec.submodule_search_locations)[0])
+  for package, root in _package_roots(packages):
     for path in _python_files(root):
       try:
         tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
@@ -120,6 +130,77 @@ def load_documents(name: str) -> tuple[Document, ...]:
     return tuple(domains.mix_documents(domains.mix_domains(name)))
   raise ValueError(f"data.corpus must be one of {sorted(CORPORA)}, 'debian:<source>' or "
                    f"'domain_mix:<domain>+...', got {name!r}")
+
+
+def check_available(name: str) -> None:
+  """Raises a ValueError naming `data.corpus`, the allowed values and the fetch command when the
+  corpus is unknown or not fetched; reads nothing but names and marker files."""
+  if name in CORPORA:
+    return
+  kind, _, rest = str(name).partition(":")
+  if kind == "debian":
+    from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
+    if rest not in debian.SOURCES:
+      raise ValueError(f"data.corpus={name!r}: unknown Debian source {rest!r}; allowed: "
+                       f"{', '.join('debian:' + s for s in debian.SOURCES)}")
+    if not debian.is_fetched(rest):
+      raise ValueError(f"data.corpus={name!r} is not fetched into {debian.default_cache_dir()}; "
+                       f"fetch it first with: {debian.FETCH_COMMAND.format(names=rest)}")
+    return
+  if kind in ("domain", "domain_mix"):
+    from lowcomm_jax.data import domains  # pylint: disable=g-import-not-at-top  (domains imports us)
+    names = rest.split("+") if kind == "domain_mix" else [rest]
+    for domain in names:
+      if domain not in domains.DOMAINS:
+        raise ValueError(f"data.corpus={name!r}: unknown domain {domain!r}; allowed: "
+                         f"{', '.join(kind + ':' + d for d in domains.DOMAINS)}")
+      check_available(domains.DOMAINS[domain].corpus)
+    return
+  raise ValueError(f"data.corpus must be one of {sorted(CORPORA)}, 'debian:<source>', "
+                   f"'domain:<domain>' or 'domain_mix:<domain>+<domain>...', got {name!r}")
+
+
+def _files_of(name: str) -> list[tuple[str, int]]:
+  """(path, size) of every file corpus `name` is read from."""
+  if name == "stdlib":
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    return [(str(p.relative_to(root)), p.stat().st_size) for p in _python_files(root)]
+  if name == "licenses":
+    path = _licenses_file()
+    return [(path.name, path.stat().st_size)]
+  if name == "docstrings":
+    return [(f"{package}/{p.relative_to(root)}", p.stat().st_size)
+            for package, root in _package_roots(("numpy", "scipy")) for p in _python_files(root)]
+  if name in CORPORA:  # registered by a user at run time: its documents' ids and sizes
+    return [(doc_id, len(text)) for doc_id, text in load_documents(name)]
+  kind, _, rest = name.partition(":")
+  if kind in ("domain", "domain_mix"):
+    from lowcomm_jax.data import domains  # pylint: disable=g-import-not-at-top
+    return [(f"{domain}/{path}", size) for domain in rest.split("+")
+            for path, size in _files_of(domains.DOMAINS[domain].corpus)]
+  from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
+  folder = debian.SOURCES[rest].folder()
+  return sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*")
+                if p.is_file() and not p.is_symlink())
+
+
+def corpus_identity(name: str) -> str:
+  """A hash of the list of files corpus `name` is read from and their sizes (of its documents, for a
+  corpus a user registered in CORPORA).
+
+  It changes when the text may have changed (another Python's stdlib, another numpy, another Debian
+  release of a package), so a run records it and a resume on other text is refused. Stat calls
+  only: about 0.1 s for `stdlib`.
+  """
+  check_available(name)
+  from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
+  return _identity(name, str(debian.default_cache_dir()))
+
+
+@functools.lru_cache(maxsize=16)
+def _identity(name: str, cache_dir: str) -> str:
+  del cache_dir  # part of the cache key only: the Debian corpora are read from there
+  return hashlib.sha256(json.dumps(_files_of(name)).encode()).hexdigest()[:16]
 
 
 def is_eval_document(doc_id: str, eval_permille: int) -> bool:

@@ -84,8 +84,10 @@ def train_dataset(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
   """Infinite, shuffled batches [batch_size, seq_len + 1] of one shard."""
   first, last = shard_range(num_windows(tokens, seq_len), shard_index, num_shards)
   if last - first < batch_size:
-    raise ValueError(f"shard {shard_index} of {num_shards} has {last - first} windows of "
-                     f"{seq_len + 1} tokens, fewer than data.batch_size={batch_size}")
+    raise ValueError(f"data.batch_size={batch_size} with data.seq_len={seq_len}: shard {shard_index} "
+                     f"of {num_shards} has only {last - first} windows of {seq_len + 1} tokens; "
+                     f"data.batch_size must be <= {last - first}, or data.seq_len at most "
+                     f"{max((len(tokens) - 1) // (num_shards * batch_size), 1)}")
   source = _Windows(tokens, seq_len, first, last - first)
   ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
   return ds.batch(batch_size, drop_remainder=True, batch_fn=np.stack)
@@ -96,8 +98,11 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches:
   total = num_windows(tokens, seq_len)
   n = min(total // batch_size, max_batches)
   if n < 1:
-    raise ValueError(f"eval text has {len(tokens)} tokens, too few for one batch of "
-                     f"{batch_size} × {seq_len + 1}; lower eval.batch_size or data.seq_len")
+    fixes = [f"eval.batch_size must be <= {total}"] if total else []
+    fixes.append(f"data.seq_len at most {max((len(tokens) - 1) // batch_size, 1)}")
+    raise ValueError(f"eval.batch_size={batch_size} with data.seq_len={seq_len}: the eval text has "
+                     f"{len(tokens)} tokens, {total} windows of {seq_len + 1}, too few for one "
+                     f"batch; {', or '.join(fixes)} (or raise data.eval_permille)")
   src = _Windows(tokens, seq_len, 0, total)
   # Evenly spaced windows sample every part of the held-out text, not just its first documents.
   picks = np.linspace(0, total - 1, n * batch_size).astype(np.int64)

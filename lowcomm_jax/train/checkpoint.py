@@ -1,9 +1,11 @@
-"""Orbax checkpoints of the train state and the data iterator's state, and the workdir's config guard."""
+"""Orbax checkpoints of the train state and the data iterator's state, each sealed by a checksum."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
+import threading
 
 import jax
 import orbax.checkpoint as ocp
@@ -11,6 +13,8 @@ import orbax.checkpoint as ocp
 from lowcomm_jax import distributed
 
 _HANDLER_REGISTERED = False
+# Written last into a step directory: the SHA-256 of every other file of the step.
+CHECKSUM_FILE = "lowcomm_sha256.json"
 
 
 def _fast_array_handler() -> None:
@@ -22,13 +26,60 @@ def _fast_array_handler() -> None:
     _HANDLER_REGISTERED = True
 
 
+class DamagedCheckpoint(ValueError):
+  """A step directory whose files are not the ones its save wrote."""
+
+
+def file_digests(step_dir: pathlib.Path) -> dict[str, str]:
+  """SHA-256 of every file under `step_dir` (but the checksum file), by relative path."""
+  digests = {}
+  for path in sorted(p for p in step_dir.rglob("*") if p.is_file()):
+    name = str(path.relative_to(step_dir))
+    if name != CHECKSUM_FILE:
+      sha = hashlib.sha256()
+      with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+          sha.update(block)
+      digests[name] = sha.hexdigest()
+  return digests
+
+
+def seal(step_dir: pathlib.Path) -> None:
+  """Writes the checksum file of a finished step (atomically: a torn write is no checksum)."""
+  tmp = step_dir / (CHECKSUM_FILE + ".tmp")
+  tmp.write_text(json.dumps({"sha256": file_digests(step_dir)}, indent=1))
+  tmp.rename(step_dir / CHECKSUM_FILE)
+
+
+def verify(step_dir: pathlib.Path) -> None:
+  """Raises DamagedCheckpoint naming the first file that is missing, added or changed."""
+  try:
+    expected = json.loads((step_dir / CHECKSUM_FILE).read_text())["sha256"]
+  except FileNotFoundError:
+    raise DamagedCheckpoint(f"{CHECKSUM_FILE} is missing: the save never finished, or the step "
+                            "was copied without it") from None
+  except (ValueError, KeyError, TypeError) as error:
+    raise DamagedCheckpoint(f"{CHECKSUM_FILE} is unreadable ({error})") from None
+  actual = file_digests(step_dir)
+  for name in sorted(set(expected) | set(actual)):
+    if name not in actual:
+      raise DamagedCheckpoint(f"file {name} is missing")
+    if name not in expected:
+      raise DamagedCheckpoint(f"file {name} was not written by the save")
+    if actual[name] != expected[name]:
+      raise DamagedCheckpoint(f"file {name} differs from its SHA-256 at save time")
+
+
 class Checkpointer:
-  """Saves every `every` steps under workdir/checkpoints; restores the latest complete one.
+  """Saves every `every` steps under workdir/checkpoints; restores the latest intact one.
 
   A save is written to a temporary directory and renamed when every process has finished it, so a
-  run killed mid-save leaves no step directory (its leftovers are removed at the next start). A
-  step directory damaged afterwards (files truncated or deleted) fails to restore; it is moved to
-  workdir/checkpoints_unreadable/ with a log line and the previous one is restored instead.
+  run killed mid-save leaves no step directory (its leftovers are removed at the next start). Once
+  renamed, process 0 seals it with the SHA-256 of each of its files (CHECKSUM_FILE, written last, by
+  a thread, so saves stay asynchronous). A restore verifies every
+  file first: a step damaged afterwards (a flipped bit, a truncated or deleted file, edited JSON
+  of the data iterator) or never sealed is moved to workdir/checkpoints_unreadable/ with a log line
+  naming it and the file, and the previous one is restored instead.
   """
 
   def __init__(self, workdir: pathlib.Path, keep: int):
@@ -37,15 +88,36 @@ class Checkpointer:
     self.unreadable = self.directory.parent / "checkpoints_unreadable"
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+    self._sealer = None  # process 0's thread that seals the step whose save is in flight
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state, data_state: dict) -> None:
+    self._join_sealer()
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+    if distributed.is_primary():  # orbax renames the step once every process has written its part
+      self._sealer = threading.Thread(target=self._seal_when_written, args=(step,), daemon=True,
+                                      name=f"seal checkpoint {step}")
+      self._sealer.start()
+
+  def _seal_when_written(self, step: int) -> None:
+    try:
+      self.manager.wait_until_finished()
+      if (self.directory / str(step)).is_dir():
+        seal(self.directory / str(step))
+    except Exception as error:  # pylint: disable=broad-except
+      print(f"warning: checkpoint step {step} could not be sealed ({type(error).__name__}: "
+            f"{error}); it will be set aside at the next start", flush=True)
+
+  def _join_sealer(self) -> None:
+    if self._sealer is not None:
+      self._sealer.join()
+      self._sealer = None
 
   def restore(self, step: int, abstract_state):
+    verify(self.directory / str(step))
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     return restored["state"], restored["data"]
@@ -80,25 +152,43 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.wait_until_finished()
+    self._join_sealer()
+    distributed.barrier("checkpoints sealed")  # no process ends before the last step is sealed
     self.manager.close()
 
 
-def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | None = None) -> bool:
-  """Raises if `workdir` holds a run of another config; returns whether it holds a run at all.
+def read_eval_params(workdir) -> tuple:
+  """(model config, evaluated parameters as host arrays) of the latest intact checkpoint of a run.
 
-  A key the saved run does not know (added to the config since) counts as its default value.
-  Reads only: an existing run directory is never changed by a refused start.
+  The evaluated parameters are what the run evaluates: replica 0's (DiLoCo after its last outer
+  step: all replicas equal), the global φ, or NoLoCo's mean slow weights (`eval_params`). Reads the
+  run's config.json and checkpoints only, on this process's first device.
   """
-  saved = pathlib.Path(workdir) / "config.json"
-  if not saved.exists():
-    return False
-  previous = json.loads(saved.read_text())["fingerprint"]
-  current = json.loads(json.dumps(fingerprint, default=str))
-  for key, value in json.loads(json.dumps(defaults or {}, default=str)).items():
-    previous.setdefault(key, value)
-  differing = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-  if differing:
-    details = ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in differing[:8])
-    raise ValueError(f"workdir {workdir} holds a run of another config ({details}); "
-                     "use a new --workdir or the same config to resume")
-  return True
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax import config as config_lib, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import algorithms, sources, step as step_lib  # pylint: disable=g-import-not-at-top
+  workdir = pathlib.Path(workdir)
+  c = config_lib.load_run_config(workdir)
+  model_cfg = config_lib.model_config_of(c)
+  graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0))),
+                                        nnx.Param)
+  abstract_params = abstract_params.to_pure_dict()
+  algorithm = algorithms.make_algorithm(c, c.num_replicas, abstract_params)
+  # The run's own gradient source knows its state's layout (stacked replicas, or the pipeline grid).
+  source = sources.make_source(c, graphdef, model_cfg, algorithm, mesh_lib.make_mesh(c.mesh.to_dict()))
+
+  def init(params):
+    params_r, opt_state = source.init(params)
+    return step_lib.TrainState(params_r, opt_state, jax.numpy.zeros((), jax.numpy.int32))
+
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                          jax.eval_shape(init, abstract_params))
+  ckpt = Checkpointer(workdir, c.checkpoint.keep)
+  restored = ckpt.restore_latest(template)
+  ckpt.close()
+  if restored is None:
+    raise ValueError(f"init_from={str(workdir)!r} has no intact checkpoint to start from")
+  state = restored[1]
+  return model_cfg, jax.device_get(jax.jit(source.eval_params)(state))

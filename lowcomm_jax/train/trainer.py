@@ -1,11 +1,13 @@
 """The Trainer: validated config in, a run directory out. The one training loop of the package.
 
 Outputs in the workdir: config.json, metrics.jsonl, tensorboard/, checkpoints/
-(orbax; train state + data iterator state) and summary.json. Restarting with
-the same workdir and config resumes from the latest checkpoint and ends
-bit-identical to an uninterrupted run. The algorithm (`optim.replicated`) and
-the source of the gradients (`train.sources`: replicas, SkipPipe paths, the
-pipeline executor) are whatever the config names; the loop knows neither.
+(orbax; train state + data iterator state, sealed by checksums) and summary.json
+(strict JSON). Restarting with the same workdir and config resumes from the
+latest intact checkpoint and ends bit-identical to an uninterrupted run; a
+finished run is left as it is (what a workdir may hold: `train.workdir`). The
+algorithm (`optim.replicated`) and the source of the gradients (`train.sources`:
+replicas, SkipPipe paths, the pipeline executor) are whatever the config names;
+the loop knows neither.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from lowcomm_jax import config as config_lib
 from lowcomm_jax import distributed
 from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax import sharding
-from lowcomm_jax.data import pipeline
+from lowcomm_jax.data import corpora, pipeline
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.models import llama
-from lowcomm_jax.train import algorithms, checkpoint, sources
-from lowcomm_jax.train import metrics as metrics_lib, step as step_lib, summary as summary_lib
+from lowcomm_jax.train import algorithms, checkpoint, sources, workdir as workdir_lib
+from lowcomm_jax.train import metrics as metrics_lib, step as step_lib
 
 
 def measure_peak_flops(device=None, size: int = 1024, seconds: float = 0.3) -> float:
@@ -56,7 +58,7 @@ class Trainer:
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, devices=None):
     config_lib.validate(config)
     self.config = config
-    self.workdir = pathlib.Path(workdir)
+    self.workdir = workdir_lib.check_path(workdir)  # reliability: empty, a file, unwritable
     self.mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
     distributed.check_mesh(self.mesh, config.num_replicas)
     data_ways = self.mesh.shape[mesh_lib.DATA]
@@ -70,14 +72,18 @@ class Trainer:
     if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     self.rules = sharding.rules_for(config.sharding.layout)
+    # reliability: another config, another corpus, run files without config.json, a finished run
+    self.corpus_identity = corpora.corpus_identity(config.data.corpus)
+    self.run_state = workdir_lib.check_workdir(
+        self.workdir, config_lib.fingerprint(config),
+        config_lib.fingerprint(config_lib.default_config()), self.corpus_identity)
+    self.resuming = self.run_state != workdir_lib.NEW
     abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     abstract_params = abstract_params.to_pure_dict()
     self.algorithm = algorithms.make_algorithm(config, config.num_replicas, abstract_params)
     self.fragment_names = getattr(self.algorithm, "fragment_names", [])
     self.source = sources.make_source(config, self.graphdef, self.model_cfg, self.algorithm, self.mesh)
-    self.resuming = checkpoint.check_workdir(self.workdir, config_lib.fingerprint(config),
-                                             config_lib.fingerprint(config_lib.default_config()))
     self.axes = llama.logical_axes(abstract_model)
     self.param_specs = sharding.param_specs(self.axes, abstract_params, self.rules, self.mesh)
     self.param_shardings = sharding.named(self.mesh, self.param_specs)
@@ -105,11 +111,10 @@ class Trainer:
     return jax.jit(self._init_fn, out_shardings=self.state_shardings(abstract))(params)
 
   def _params_from(self, workdir: pathlib.Path):
-    other = Trainer(config_lib.load_run_config(workdir), workdir)
-    if other.model_cfg != self.model_cfg:
-      raise ValueError(f"init_from={str(workdir)!r} has model {other.model_cfg}, this run {self.model_cfg}")
-    params = other.source.eval_params(other.restore_latest())
-    return jax.device_put(params, self.param_shardings)
+    model_cfg, params = checkpoint.read_eval_params(workdir)
+    if model_cfg != self.model_cfg:
+      raise ValueError(f"init_from={str(workdir)!r} has model {model_cfg}, this run {self.model_cfg}")
+    return jax.tree.map(distributed.replicated_array, params, self.param_shardings)
 
   def restore_latest(self) -> step_lib.TrainState:
     """The train state of this workdir's latest checkpoint."""
@@ -228,16 +233,19 @@ class Trainer:
 
   def run(self) -> dict:
     c = self.config
-    self.workdir.mkdir(parents=True, exist_ok=True)
-    if not self.resuming and distributed.is_primary():
-      (self.workdir / "config.json").write_text(json.dumps(
-          {"config": json.loads(c.to_json_best_effort()),
-           "fingerprint": config_lib.fingerprint(c)}, indent=1, default=str))
+    if self.run_state == workdir_lib.COMPLETE:  # reliability: a finished run is left as it is
+      return workdir_lib.report_complete(self.workdir)
     splits = pipeline.load_splits(c.data.corpus, c.data.eval_permille)
     data_iters = self.data_iterators(splits.train)
     eval_batches = [distributed.replicated_array(b, self.eval_sharding())
                     for b in pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
                                                    c.eval.num_batches)]
+    # reliability: config.json only once the data checks above passed (a refusal writes nothing)
+    if not self.resuming and distributed.is_primary():
+      workdir_lib.write_config(self.workdir, json.loads(c.to_json_best_effort()),
+                               config_lib.fingerprint(c), self.corpus_identity)
+    distributed.barrier("config.json written")
+    preemption = distributed.Preemption()  # reliability: SIGTERM saves at a step boundary
     state = self.init_state()
     eval_step = self.eval_fn()
 
@@ -297,10 +305,20 @@ class Trainer:
         window_start = time.perf_counter()
       if logged:
         writer.write(step, logged)
-      if step % c.checkpoint.every == 0 or step == stop:
+      preempted = preemption.reached(step)  # reliability: every process, every step
+      if step % c.checkpoint.every == 0 or step == stop or preempted:
         data_states = distributed.gather_lists([it.get_state() for it in data_iters])
         ckpt.save(step, state, {"replicas": data_states,
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
+      if preempted and step < stop:  # reliability: saved; stop with a message
+        ckpt.close()
+        writer.close()
+        preemption.close()
+        raise distributed.Preempted(step, ckpt.directory)
+    preemption.close()
+    if eval_loss is None and start == stop == c.num_steps:  # reliability: killed before the summary
+      eval_losses = self.evaluate(eval_step, state, eval_batches)
+      eval_loss = eval_losses["eval_loss"]
     ckpt.close()
     writer.close()
     wall = time.perf_counter() - run_start
@@ -316,8 +334,10 @@ class Trainer:
       summary["network"] = c.network
       summary["simulated_step_seconds"] = step_seconds
       summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
-    if stop == c.num_steps and distributed.is_primary():
-      summary_lib.write(self.workdir / "summary.json", summary)
+    if stop == c.num_steps and distributed.is_primary():  # strict JSON, nulls explained
+      untimed = "no timed step: every step of this start was in the window that compiles"
+      summary = workdir_lib.write_summary(self.workdir, summary, {} if timed_seconds else {
+          "tokens_per_s": untimed, "mfu": untimed})
     self.final_state = state
     self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
     return summary

@@ -1,0 +1,280 @@
+"""Every bad input a user can give is refused with one ValueError naming the option and the allowed
+values, before anything is written: the workdir (and the folder around it) is byte for byte as
+before. One table, from issue 19's reproductions and the checks that were already clean.
+
+The test prints the figure of the closing note: bad inputs tried / refused cleanly / workdirs
+changed (`python -m pytest tests/test_bad_inputs.py -q -n 0 -s`).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lowcomm_jax import config as config_lib
+from lowcomm_jax import distributed
+from lowcomm_jax.data import corpora
+from lowcomm_jax.testing import CONFIGS, ROOT, tiny_config, tree_hash
+from lowcomm_jax.train import Trainer
+from lowcomm_jax.train import workdir as workdir_lib
+
+DILOCO = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 4}
+STREAMING = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 6,
+             "diloco.num_fragments": 2, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5}
+NOLOCO = {"algorithm": "noloco", "num_replicas": 2, "noloco.sync_every": 4, "mesh.data": 1}
+
+# (config changes, the option the message must name, the allowed values it must state)
+CONFIG_CASES = [
+    # issue 19, defect 6: values that make no sense
+    ({"optimizer.b1": 1.5}, "optimizer.b1", "[0, 1)"),
+    ({"optimizer.b2": -0.1}, "optimizer.b2", "[0, 1)"),
+    ({"optimizer.weight_decay": -1.0}, "optimizer.weight_decay", ">= 0"),
+    ({"optimizer.grad_clip": -1.0}, "optimizer.grad_clip", ">= 0"),
+    ({"optimizer.learning_rate": float("inf")}, "optimizer.learning_rate", "a finite number >= 0"),
+    ({"optimizer.learning_rate": float("nan")}, "optimizer.learning_rate", "a finite number >= 0"),
+    ({"optimizer.momentum": 1.0, "optimizer.name": "sgd"}, "optimizer.momentum", "[0, 1)"),
+    ({**DILOCO, "outer_optimizer.learning_rate": -0.7}, "outer_optimizer.learning_rate", "> 0"),
+    ({**DILOCO, "outer_optimizer.momentum": 1.5}, "outer_optimizer.momentum", "[0, 1)"),
+    ({**NOLOCO, "noloco.gamma": -1.0}, "noloco.gamma", ">= 0"),
+    ({**NOLOCO, "noloco.outer_momentum": 1.0}, "noloco.outer_momentum", "[0, 1)"),
+    ({**NOLOCO, "noloco.outer_learning_rate": 0.0}, "noloco.outer_learning_rate", "> 0"),
+    ({"hardware.peak_flops_per_device": -1.0}, "hardware.peak_flops_per_device", ">= 0"),
+    ({"hardware.step_seconds": float("inf")}, "hardware.step_seconds", ">= 0"),
+    ({**DILOCO, "diloco.sync_every": 50, "num_steps": 20}, "diloco.sync_every", "[1, num_steps=20]"),
+    ({**NOLOCO, "noloco.sync_every": 50, "num_steps": 20}, "noloco.sync_every", "[1, num_steps=20]"),
+    # defect 5: refused only after config.json was written before
+    ({"seed": -1}, "seed", "[0, 4294967296)"),
+    ({"seed": 2**32}, "seed", "[0, 4294967296)"),
+    ({"data.eval_permille": 0}, "data.eval_permille", "[1, 500]"),
+    ({"data.eval_permille": 900}, "data.eval_permille", "[1, 500]"),
+    ({"data.corpus": "debian:no_such_source"}, "data.corpus", "debian:austen"),
+    ({"data.corpus": "debian:austen"}, "data.corpus", "fetch_corpora.py --sources=austen"),
+    ({"data.corpus": "domain:no_such_domain"}, "data.corpus", "domain:stdlib"),
+    ({"data.corpus": "domain:gcide"}, "data.corpus", "fetch_corpora.py --sources=gcide"),
+    ({"data.corpus": "domain_mix:stdlib+no_such_domain"}, "data.corpus", "domain_mix:stdlib"),
+    ({"data.corpus": "domain_mix:stdlib+austen"}, "data.corpus", "fetch_corpora.py --sources=austen"),
+    ({"data.corpus": "wikipedia"}, "data.corpus", "'domain_mix:<domain>+<domain>...'"),
+    ({"data.seq_len": 1_000_000}, "data.seq_len=1000000", "data.seq_len at most"),
+    ({"eval.batch_size": 100_000}, "eval.batch_size=100000", "eval.batch_size must be <="),
+    ({"data.batch_size": 200_000}, "data.batch_size=200000", "data.batch_size must be <="),
+    # defect 10: messages that named the wrong thing
+    ({**DILOCO, "num_replicas": 3, "mesh.replica": 3}, "mesh.data=-1", "the 8 devices"),
+    ({**DILOCO, "diloco.codec": "int8", "diloco.codec_block_size": 1}, "diloco.codec_block_size",
+     "an integer >= 2"),
+    ({**DILOCO, "diloco.codec": "int8", "diloco.codec_rounding": "up"}, "diloco.codec_rounding",
+     "nearest, stochastic"),
+    ({**NOLOCO, "noloco.codec": "int8", "noloco.codec_block_size": 0}, "noloco.codec_block_size",
+     "an integer >= 2"),
+    # refused cleanly before issue 19; they stay so
+    ({"algorithm": "sgd"}, "algorithm", "'dp', 'diloco'"),
+    ({"num_steps": 0}, "num_steps", ">= 1"),
+    ({"model.size": "huge"}, "model.size", "one of"),
+    ({"model.d_ff": -1}, "model.d_ff", ">= 0"),
+    ({"data.seq_len": 1}, "data.seq_len", ">= 2"),
+    ({"data.batch_size": 0}, "data.batch_size", ">= 1"),
+    ({"data.batch_size": 12}, "data.batch_size=12", "multiple of 8"),
+    ({"eval.batch_size": 12}, "eval.batch_size=12", "data axis (8)"),
+    ({"optimizer.name": "lion"}, "optimizer.name", "adamw, adam or sgd"),
+    ({"optimizer.learning_rate": -1.0}, "optimizer.learning_rate", ">= 0"),
+    ({"optimizer.min_lr_ratio": 2.0}, "optimizer.min_lr_ratio", "[0, 1]"),
+    ({"optimizer.warmup_steps": -1}, "optimizer.warmup_steps", ">= 0"),
+    ({"sharding.layout": "zero3"}, "sharding.layout", "one of"),
+    ({"eval.every": 0}, "eval.every", ">= 1"),
+    ({"eval.num_batches": 0}, "eval.num_batches", ">= 1"),
+    ({"checkpoint.every": 0}, "checkpoint.every", ">= 1"),
+    ({"checkpoint.keep": 0}, "checkpoint.keep", ">= 1"),
+    ({"log_every": 0}, "log_every", ">= 1"),
+    ({"network": "dial-up"}, "network", "datacenter"),
+    ({"hardware.step_seconds": -1.0}, "hardware.step_seconds", ">= 0"),
+    ({"distributed.timeout_seconds": 0}, "distributed.timeout_seconds", ">= 1"),
+    ({"distributed.init_timeout_seconds": 0}, "distributed.init_timeout_seconds", ">= 1"),
+    ({"mesh.tensor": 0}, "mesh axis sizes", ">= 1 or -1"),
+    ({"mesh.tensor": -1}, "at most one mesh axis may be -1", "-1"),
+    ({"mesh.data": 16}, "mesh", "at most 8"),
+    ({"num_replicas": 2}, "num_replicas and mesh.replica", "1 for algorithm=dp"),
+    ({**DILOCO, "num_replicas": 0}, "num_replicas", ">= 1"),
+    ({**DILOCO, "mesh.replica": 3}, "mesh.replica", "a divisor of num_replicas=2"),
+    ({**DILOCO, "diloco.sync_every": 0}, "diloco.sync_every", "an integer >= 1"),
+    ({**DILOCO, "diloco.num_fragments": 2}, "diloco.num_fragments", "algorithm=streaming_diloco"),
+    ({**DILOCO, "diloco.codec": "fp5"}, "diloco.codec", "none or one of"),
+    ({**DILOCO, "diloco.error_feedback": True}, "diloco.error_feedback", "unless diloco.codec"),
+    ({**DILOCO, "diloco.nonfinite": "ignore"}, "diloco.nonfinite", "raise or skip"),
+    ({**DILOCO, "outer_optimizer.name": "lamb"}, "outer_optimizer.name", "nesterov, sgd or adam"),
+    ({**STREAMING, "diloco.sync_every": 7}, "diloco.sync_every", "divisible by the number of fragments"),
+    ({**STREAMING, "diloco.overlap_steps": 3}, "diloco.overlap_steps", "smaller than H/P"),
+    ({**STREAMING, "diloco.merge_alpha": 1.5}, "diloco.merge_alpha", "[0, 1]"),
+    ({**STREAMING, "diloco.fragment_pattern": "random"}, "fragment_pattern", "strided"),
+    ({**NOLOCO, "num_replicas": 1, "noloco.group_size": 1}, "num_replicas", ">= 2"),
+    ({**NOLOCO, "num_replicas": 4, "noloco.group_size": 3}, "noloco.group_size", "divisor of"),
+    ({**NOLOCO, "num_replicas": 4, "mesh.replica": 2}, "mesh.replica", "num_replicas=4"),
+    ({**NOLOCO, "noloco.sync_every": 0}, "noloco.sync_every", "an integer >= 1"),
+    ({**NOLOCO, "noloco.num_groupings": 0}, "noloco.num_groupings", ">= 1"),
+    ({**NOLOCO, "noloco.codec": "fp3"}, "noloco.codec", "none or one of"),
+    ({"init_from": "/nonexistent/run"}, "init_from", "checkpoints/ of a finished run"),
+]
+
+
+def _other_run(workdir, **changes):
+  """A workdir holding the config.json a run of `changes` writes (nothing else is needed)."""
+  c = tiny_config(**changes)
+  workdir_lib.write_config(workdir, json.loads(c.to_json_best_effort()), config_lib.fingerprint(c),
+                           corpora.corpus_identity(c.data.corpus))
+
+
+def _prepare(kind: str, root):
+  """Makes the workdir of a workdir case; returns it (a path, or a string as given on a command line)."""
+  workdir = root / "run"
+  if kind == "empty path":
+    return ""
+  if kind == "a file":
+    workdir.write_text("notes\n")
+  elif kind == "under a file":
+    (root / "notes").write_text("notes\n")
+    return root / "notes" / "run"
+  elif kind == "unwritable":
+    return "/sys/lowcomm_jax_run"  # refuses new files even for root
+  elif kind == "broken config.json":
+    workdir.mkdir()
+    (workdir / "config.json").write_text('{"config": {"algorithm": "dp"')
+  elif kind == "config.json without fingerprint":
+    workdir.mkdir()
+    (workdir / "config.json").write_text('{"config": {}}')
+  elif kind == "checkpoints without config.json":
+    (workdir / "checkpoints" / "10").mkdir(parents=True)
+    (workdir / "checkpoints" / "10" / "_CHECKPOINT_METADATA").write_text("{}")
+  elif kind == "metrics without config.json":
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+  elif kind == "another config":
+    _other_run(workdir, **{"optimizer.learning_rate": 1e-3})
+  elif kind == "another copy of the corpus":
+    _other_run(workdir)
+    saved = json.loads((workdir / "config.json").read_text())
+    saved["corpus_identity"] = "0123456789abcdef"  # as another Python's stdlib would give
+    (workdir / "config.json").write_text(json.dumps(saved))
+  return workdir
+
+
+# (workdir case, what the message must say)
+WORKDIR_CASES = [
+    ("empty path", ["--workdir must name a directory", "got an empty path"]),
+    ("a file", ["is a file", "give a directory"]),
+    ("under a file", ["cannot be created", "is a file"]),
+    ("unwritable", ["cannot be written", "give a writable directory"]),
+    ("broken config.json", ["config.json that cannot be read", "use a new --workdir"]),
+    ("config.json without fingerprint", ["config.json that cannot be read", "fingerprint"]),
+    ("checkpoints without config.json", ["holds checkpoints but no config.json", "use a new --workdir"]),
+    ("metrics without config.json", ["holds metrics.jsonl but no config.json", "use a new --workdir"]),
+    ("another config", ["holds a run of another config (optimizer.learning_rate: 0.001 -> 0.003)"]),
+    ("another copy of the corpus", ["another copy of data.corpus='stdlib'", "0123456789abcdef"]),
+]
+
+
+def _attempt(config, workdir) -> str | None:
+  """The ValueError's message of a start, None when it was not refused."""
+  try:
+    Trainer(config, workdir).run()
+  except ValueError as error:
+    return str(error)
+  return None
+
+
+def test_every_bad_input_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+  monkeypatch.setenv("LOWCOMM_CACHE", str(tmp_path / "empty_cache"))  # no Debian corpus fetched
+  monkeypatch.chdir(tmp_path)  # an empty --workdir must not write into the current directory
+  rows = []
+  for i, (changes, option, allowed) in enumerate(CONFIG_CASES):
+    root = tmp_path / f"config{i}"
+    root.mkdir()
+    before = tree_hash(tmp_path)
+    message = _attempt(tiny_config(**changes), root / "run")
+    rows.append((f"config {changes}", message, [option, allowed], before != tree_hash(tmp_path)))
+  for kind, expected in WORKDIR_CASES:
+    root = tmp_path / kind.replace(" ", "_")
+    root.mkdir()
+    workdir = _prepare(kind, root)
+    before = tree_hash(tmp_path)
+    message = _attempt(tiny_config(), workdir)
+    rows.append((f"workdir: {kind}", message, expected, before != tree_hash(tmp_path)))
+
+  failures = []
+  for name, message, expected, changed in rows:
+    clean = message is not None and all(e in message for e in expected) and not changed
+    if not clean:
+      failures.append(f"{name}: message {message!r}, expected {expected}, files changed: {changed}")
+  print(f"\nbad inputs tried: {len(rows)}, refused cleanly: {len(rows) - len(failures)}, "
+        f"workdirs changed: {sum(changed for *_, changed in rows)}")
+  assert not failures, "\n".join(failures)
+
+
+def test_the_binary_refuses_in_one_line_without_a_traceback(tmp_path):
+  (tmp_path / "file").write_text("notes\n")
+  (tmp_path / "broken").mkdir()
+  (tmp_path / "broken" / "config.json").write_text("{")
+  for workdir, expected in [("", "--workdir must name a directory"),
+                            (tmp_path / "file", "is a file"),
+                            (tmp_path / "broken", "config.json that cannot be read")]:
+    before = tree_hash(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "train.py"), f"--config={CONFIGS / 'dp.py'}:tiny",
+         f"--workdir={workdir}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert expected in proc.stderr and proc.stderr.startswith("ValueError: ")
+    assert "Traceback" not in proc.stderr
+    assert tree_hash(tmp_path) == before
+
+
+def test_hdee_refuses_with_the_fetch_command_when_corpora_are_missing(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "experiments" / "hdee.py"), f"--workdir={tmp_path / 'hdee'}",
+       "--quick"], capture_output=True, text=True, timeout=300,
+      env={**os.environ, "LOWCOMM_CACHE": str(tmp_path / "empty_cache"), "PATH": ""})  # no apt-get
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert "HDEE reads 13 Debian corpora that are not in" in proc.stderr
+  assert "python experiments/fetch_corpora.py --sources=python_docs,octave_manual" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "hdee").exists() and not (tmp_path / "empty_cache").exists()
+
+
+@pytest.mark.parametrize("bind,message", [
+    ("127.0.0.1", "--coordinator_bind_address must be host:port"),
+])
+def test_bad_bind_address_is_named(bind, message):
+  with pytest.raises(ValueError, match=message):
+    distributed.initialize("on", "127.0.0.1:1234", 2, 0, coordinator_bind_address=bind)
+  with pytest.raises(ValueError, match="--distributed=off cannot be combined"):
+    distributed.initialize("off", coordinator_bind_address="127.0.0.1:1234")
+
+
+def test_a_runtime_policy_may_change_on_resume(tmp_path):
+  """diloco.nonfinite (what a NaN outer gradient does) is no part of the trajectory's fingerprint:
+  the advice of a `raise` ("set diloco.nonfinite=skip") is taken on the same workdir."""
+  _other_run(tmp_path / "run", **{**DILOCO, "diloco.nonfinite": "raise"})
+  saved = json.loads((tmp_path / "run" / "config.json").read_text())
+  saved["fingerprint"]["diloco.nonfinite"] = "raise"  # as a run started before it became run-time
+  (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
+  before = tree_hash(tmp_path)
+  assert Trainer(tiny_config(**{**DILOCO, "diloco.nonfinite": "skip"}), tmp_path / "run").resuming
+  assert tree_hash(tmp_path) == before
+  assert _attempt(tiny_config(**{**DILOCO, "diloco.sync_every": 8}), tmp_path / "run") is not None
+
+
+def test_summary_is_strict_json_with_the_reason_of_each_null(tmp_path):
+  summary = {"final_eval_loss": float("nan"), "tokens_per_s": float("nan"), "mfu": float("inf"),
+             "final_eval_loss_replicas": [1.5, float("-inf")], "steps": 40}
+  written = workdir_lib.write_summary(tmp_path, summary, {"tokens_per_s": "no timed step"})
+
+  def refuse(constant):
+    raise AssertionError(f"summary.json holds {constant}, which is not JSON")
+
+  assert json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse) == written
+  assert written["final_eval_loss"] is None and written["final_eval_loss_replicas"] == [1.5, None]
+  assert written["null_reasons"] == {
+      "final_eval_loss": "was nan (not a finite number)", "tokens_per_s": "no timed step",
+      "mfu": "was inf (not a finite number)",
+      "final_eval_loss_replicas[1]": "was -inf (not a finite number)"}
+  workdir_lib.write_summary(tmp_path, {"tokens_per_s": None}, {"tokens_per_s": "no timed step"})
+  assert json.loads((tmp_path / "summary.json").read_text())["null_reasons"] == {
+      "tokens_per_s": "no timed step"}
