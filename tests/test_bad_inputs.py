@@ -100,7 +100,7 @@ CONFIG_CASES = [
     ({**DILOCO, "diloco.num_fragments": 2}, "diloco.num_fragments", "algorithm=streaming_diloco"),
     ({**DILOCO, "diloco.codec": "fp5"}, "diloco.codec", "none or one of"),
     ({**DILOCO, "diloco.error_feedback": True}, "diloco.error_feedback", "unless diloco.codec"),
-    ({**DILOCO, "diloco.nonfinite": "ignore"}, "diloco.nonfinite", "raise or skip"),
+    ({**DILOCO, "nonfinite": "ignore"}, "nonfinite", "raise or skip"),
     ({**DILOCO, "outer_optimizer.name": "lamb"}, "outer_optimizer.name", "nesterov, sgd or adam"),
     ({**STREAMING, "diloco.sync_every": 7}, "diloco.sync_every", "divisible by the number of fragments"),
     ({**STREAMING, "diloco.overlap_steps": 3}, "diloco.overlap_steps", "smaller than H/P"),
@@ -249,14 +249,14 @@ def test_bad_bind_address_is_named(bind, message):
 
 
 def test_a_runtime_policy_may_change_on_resume(tmp_path):
-  """diloco.nonfinite (what a NaN outer gradient does) is no part of the trajectory's fingerprint:
-  the advice of a `raise` ("set diloco.nonfinite=skip") is taken on the same workdir."""
-  _other_run(tmp_path / "run", **{**DILOCO, "diloco.nonfinite": "raise"})
+  """nonfinite (what a NaN in the global model does) is no part of the trajectory's fingerprint:
+  the advice of a `raise` ("set nonfinite=skip") is taken on the same workdir."""
+  _other_run(tmp_path / "run", **{**DILOCO, "nonfinite": "raise"})
   saved = json.loads((tmp_path / "run" / "config.json").read_text())
   saved["fingerprint"]["diloco.nonfinite"] = "raise"  # as a run started before it became run-time
   (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
   before = tree_hash(tmp_path)
-  assert Trainer(tiny_config(**{**DILOCO, "diloco.nonfinite": "skip"}), tmp_path / "run").resuming
+  assert Trainer(tiny_config(**{**DILOCO, "nonfinite": "skip"}), tmp_path / "run").resuming
   assert tree_hash(tmp_path) == before
   assert _attempt(tiny_config(**{**DILOCO, "diloco.sync_every": 8}), tmp_path / "run") is not None
 
