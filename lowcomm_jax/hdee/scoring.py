@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lowcomm_jax import config as config_lib
+from lowcomm_jax.models import llama
 from lowcomm_jax.data import domains as domains_lib
 from lowcomm_jax.data import pipeline
-from lowcomm_jax.train import trainer as trainer_lib
+from lowcomm_jax.train import checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +44,9 @@ def load_expert(workdir: str | pathlib.Path, name: str = "") -> Expert:
   workdir = pathlib.Path(workdir).absolute()
   if not (workdir / "summary.json").exists():
     raise ValueError(f"{workdir} holds no finished run (no summary.json)")
-  trainer = trainer_lib.Trainer(config_lib.load_run_config(workdir), workdir)
-  state = trainer.restore_latest()
-  params = trainer.algorithm.eval_params(state.params, state.opt_state)
-  return Expert(name or workdir.parent.name, trainer.graphdef, params)
+  model_cfg, params = checkpoint.read_eval_params(workdir)
+  graphdef = nnx.split(nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0))), nnx.Param)[0]
+  return Expert(name or workdir.parent.name, graphdef, params)
 
 
 def average_parameters(experts: Sequence[Expert], name: str = "parameter average") -> Expert:
