@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lowcomm_jax.models import llama
 from lowcomm_jax.data import domains as domains_lib
 from lowcomm_jax.data import pipeline
+from lowcomm_jax.models import llama
 from lowcomm_jax.train import checkpoint
 
 
