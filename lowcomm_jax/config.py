@@ -23,7 +23,7 @@ ALGORITHMS = ("dp", "diloco", "streaming_diloco", "noloco")
 RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "checkpoint.every",
                 "checkpoint.keep", "hardware.peak_flops_per_device", "hardware.step_seconds",
                 "network", "progress_bar", "distributed.timeout_seconds",
-                "distributed.init_timeout_seconds")
+                "distributed.init_timeout_seconds", "diloco.codec_kernels")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -65,11 +65,19 @@ def default_config() -> ml_collections.ConfigDict:
       non_block_fragment="own",  # own: embeddings/norm/head form one more fragment | fold: into fragment 0
       staggered=True,  # fragment p syncs at offset (p+1)·H/P; False: all at the same step
       overlap_steps=0,  # τ: inner steps a fragment's all-reduce overlaps before it is applied
+      # Where the τ steps sit around a fragment's nominal sync step n (docs/overlap.md):
+      #   send:  Δ after step n, all-reduce issued with step n+1, merged after step n+τ (the paper's)
+      #   apply: Δ after step n−τ, issued with step n−τ+1, merged after step n (torchft's convention)
+      overlap_anchor="send",
       merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied
       codec="none",  # none (float32 all-reduce) | e3m0 | e2m1 | int4 | int8 | bf16 | fp32 (compressed mean)
       codec_block_size=1024,  # values per absmax scale in the codec
       codec_rounding="nearest",  # nearest | stochastic
       error_feedback=False,  # add each replica's quantization residual to its next outer gradient
+      codec_kernels="auto",  # the codec's encode/decode on the wire: auto (Pallas kernels where the
+                             # platform compiles them, GPU/TPU; jnp reference on CPU) | pallas (also
+                             # on CPU, interpreted: slow, for tests) | reference (jnp); all three
+                             # give bit-identical results, so a resumed run may change it
       nonfinite="raise",  # NaN/inf in an averaged outer gradient: raise (stop, naming the fragment)
                           # | skip (refuse that fragment's outer step, restart it from φ, log it)
   ))
@@ -220,12 +228,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
     from lowcomm_jax.optim import schedule, streaming  # pylint: disable=g-import-not-at-top
     num_rows = streaming.count_fragments(c.diloco.num_fragments, c.diloco.non_block_fragment)
     schedule.make_schedule(num_rows, c.diloco.sync_every, c.diloco.overlap_steps,
-                           c.diloco.merge_alpha, c.diloco.staggered)
+                           c.diloco.merge_alpha, c.diloco.staggered, c.diloco.overlap_anchor)
     _require(c.diloco.codec == "none" or c.diloco.codec in _codec_names(), "diloco.codec",
              f"none or one of {_codec_names()}", c.diloco.codec)
+    from lowcomm_jax import codecs as codecs_lib  # pylint: disable=g-import-not-at-top
     if c.diloco.codec != "none":
-      from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
-      codecs.get_codec(c.diloco.codec, c.diloco.codec_block_size, c.diloco.codec_rounding)
+      codecs_lib.get_codec(c.diloco.codec, c.diloco.codec_block_size, c.diloco.codec_rounding)
+    _require(c.diloco.codec_kernels in codecs_lib.KERNEL_MODES, "diloco.codec_kernels",
+             f"one of {codecs_lib.KERNEL_MODES}", c.diloco.codec_kernels)
     _require(not c.diloco.error_feedback or c.diloco.codec != "none", "diloco.error_feedback",
              "False unless diloco.codec is set", c.diloco.error_feedback)
     _require(c.diloco.nonfinite in ("raise", "skip"), "diloco.nonfinite", "raise or skip",

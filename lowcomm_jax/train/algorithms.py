@@ -92,5 +92,6 @@ def make_algorithm(config: ml_collections.ConfigDict, num_replicas: int) -> Algo
       staggered=d.staggered, fragment_pattern=d.fragment_pattern,
       non_block_fragment=d.non_block_fragment,
       codec=None if d.codec == "none" else codecs.get_codec(d.codec, d.codec_block_size, d.codec_rounding),
-      error_feedback=d.error_feedback)
+      error_feedback=d.error_feedback, codec_kernels=d.codec_kernels,
+      overlap_anchor=d.overlap_anchor)
   return Algorithm(config.algorithm, tx, tx.state_axes, num_replicas)
