@@ -89,6 +89,8 @@ def test_one_process_vmap_equals_inline_and_ledger_counts_each_submission():
       plain.submit(5, 0, delta, residual)
   with pytest.raises(RuntimeError, match="after close"):
     plain.submit(9, 0, delta)
+  with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of auto, pallas, reference"):
+    comm.OuterCommExecutor(codec, kernels="cuda")
 
 
 def test_a_failing_program_fails_its_future_only():

@@ -92,7 +92,7 @@ def _array_mean(x: jax.Array, axis_name, codec: codecs.Codec, axis_size: int,
 
 def compressed_mean(tree: Any, axis_name, codec: codecs.Codec, name: str = "compressed mean", *,
                     key: jax.Array | None = None, residual: Any = None,
-                    kernels: str = "reference"):
+                    kernels: str = "auto"):
   """Mean of every leaf over ``axis_name`` with codec-encoded traffic; recorded in the ledger.
 
   Args:

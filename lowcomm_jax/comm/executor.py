@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 
-from lowcomm_jax import mesh as mesh_lib
+from lowcomm_jax import codecs, mesh as mesh_lib
 from lowcomm_jax.comm import collectives
 from lowcomm_jax.comm.compressed_mean import compressed_mean
 from lowcomm_jax.comm import ledger as ledger_lib
@@ -107,13 +107,11 @@ class OuterCommExecutor:
     mesh: when given, checked with `check_layout` (inner axes inside one process).
   """
 
-  def __init__(self, codec=None, kernels: str = "reference", axis_name: str = mesh_lib.REPLICA,
+  def __init__(self, codec=None, kernels: str = "auto", axis_name: str = mesh_lib.REPLICA,
                mesh=None):
     if mesh is not None:
       check_layout(mesh)
-    if codec is None and kernels != "reference":
-      from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
-      codecs.kernel_options(kernels)  # an unknown mode is refused even without a codec
+    codecs.kernel_options(kernels)  # an unknown mode is refused here, before the thread starts
     self.codec, self.kernels, self.axis_name = codec, kernels, axis_name
     self.issued: list[Issued] = []  # in the order the thread ran them
     self._programs: dict[tuple, Any] = {}  # (fragment, input layout) -> compiled program
@@ -230,7 +228,7 @@ class OuterCommExecutor:
       future.set_result(result)
 
 
-def fragment_mean(fragment: int, codec=None, kernels: str = "reference",
+def fragment_mean(fragment: int, codec=None, kernels: str = "auto",
                   axis_name: str = mesh_lib.REPLICA):
   """The body of fragment p's program: `(delta_R, residual_R, key) -> mean_R` (or with a residual
   `(mean_R, new residual_R)`), vmapped over the leading replica axis.

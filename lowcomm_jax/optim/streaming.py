@@ -54,7 +54,7 @@ class StreamingDiLoCo:
   def __init__(self, inner, outer, schedule: schedule_lib.FragmentSchedule,
                fragments: Callable[[Any], tuple[frag_lib.Fragment, ...]],
                axis_name: str = mesh_lib.REPLICA, codec=None, error_feedback: bool = False,
-               codec_kernels: str = "reference"):
+               codec_kernels: str = "auto"):
     check_transformation(inner, "inner optimizer")
     check_transformation(outer, "outer optimizer")
     if error_feedback and codec is None:
@@ -175,7 +175,7 @@ def streaming_diloco(inner: optax.GradientTransformation,
                      merge_alpha: float = 0.0, staggered: bool = True, fragment_pattern: str = "strided",
                      non_block_fragment: str = "own", axis_name: str = mesh_lib.REPLICA,
                      codec=None, error_feedback: bool = False,
-                     codec_kernels: str = "reference",
+                     codec_kernels: str = "auto",
                      overlap_anchor: str = "send") -> StreamingDiLoCo:
   """Streaming DiLoCo (arXiv 2501.18512).
 
