@@ -69,3 +69,15 @@ def test_bad_anchor_is_refused_naming_the_option():
     config_lib.validate(c)
   c.diloco.overlap_anchor = "apply"
   config_lib.validate(c)  # accepted
+
+
+def test_config_reaches_the_optimizer_schedule():
+  from lowcomm_jax.train import algorithms  # pylint: disable=g-import-not-at-top
+  c = config_lib.override(config_lib.default_config(), {
+      "algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 8,
+      "diloco.num_fragments": 2, "diloco.non_block_fragment": "fold", "diloco.overlap_steps": 2,
+      "diloco.overlap_anchor": "apply", "diloco.codec": "e3m0", "diloco.codec_kernels": "pallas"})
+  config_lib.validate(c)
+  tx = algorithms.make_algorithm(c, 2).tx
+  assert _events(tx.schedule, 24) == {0: ([3, 11, 19], [4, 12, 20]), 1: ([7, 15, 23], [8, 16, 24])}
+  assert tx.codec_kernels == "pallas"
