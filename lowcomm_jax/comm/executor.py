@@ -2,10 +2,11 @@
 
 Why a thread: on XLA:CPU (and with NCCL on one stream) a collective dispatched from the training
 thread holds back the compute dispatched after it until every peer has joined. Measured with two
-processes and gloo, one peer joining an all-reduce 1.0 s late: dispatched from the same Python
-thread (serially, asynchronously or inside one jitted program) the next compute finished after
-the all-reduce, 1.3–1.7 s; dispatched from a separate thread, the compute finished at 0.3–0.5 s
-and the all-reduce at 1.0 s (`benchmarks/comm_overlap.py`). So Streaming DiLoCo's overlap of a
+processes and gloo, one peer joining an all-reduce 1.0 s late, a compute of 0.37 s alone:
+dispatched from the training thread (before the compute, or with it in one jitted program) the
+compute finished with the all-reduce, at 1.45–1.50 s; dispatched from this executor's thread, the
+compute finished at 0.40 s and the all-reduce at 1.20 s (`benchmarks/comm_overlap.py`, medians of
+5 rounds, docs/overlap.md). So Streaming DiLoCo's overlap of a
 fragment's all-reduce with τ inner steps is real only when the collective leaves the training
 thread.
 
@@ -21,14 +22,18 @@ How it is used (the train loop's side of Streaming DiLoCo with τ ≥ 1):
 Trainer's per-replica state: stacked on one device (replicas simulated with vmap) or sharded over
 the mesh axis `replica` (one slot per process or per device group). Each fragment gets its own
 jitted program, `jax.vmap(mean, axis_name="replica")` over that leading axis, compiled once per
-input layout: the same computation as the inline mean inside the step's program, so its result is
-bit-identical to it (`tests/test_comm_executor.py`, on two processes).
+input layout: `fragment_mean`, the same computation as the inline mean inside the step's program,
+and its result is bit-identical to it (`tests/test_comm_executor.py`, on two processes). A step
+program that holds the mean and the outer update together may round the update differently from
+one that receives the mean as an input: Streaming DiLoCo with τ = 1 and the float32 mean ends within
+6.0e-8 of the inline run (18 steps, M = 4); with τ = 2 or a codec it is bit-identical.
 
 Order: the thread runs submissions one at a time in the order they were submitted, and refuses a
 submission that goes back in (step, fragment) order. Every process submits in schedule order, so
 every process issues the same collectives in the same order and none can deadlock on another.
-Cross-process collectives other than these (metric gathers, barriers, checkpoints) must not run
-while a fragment is in flight: call `drain()` before them.
+Cross-process collectives issued by the training thread (metric gathers, barriers, checkpoints)
+are a second ordered stream beside this one; whether gloo keeps two streams between the same
+processes apart has not been checked here, so call `drain()` before them.
 
 Ledger: each fragment's program records its collectives once, when it is traced (in the
 executor's thread); `entries(p)` gives them and `sent_bytes` adds them up for every submission.
