@@ -27,7 +27,7 @@ ALGORITHMS = ("dp", "diloco", "streaming_diloco", "noloco")
 RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "checkpoint.every",
                 "checkpoint.keep", "hardware.peak_flops_per_device", "hardware.step_seconds",
                 "network", "progress_bar", "distributed.timeout_seconds",
-                "distributed.init_timeout_seconds", "nonfinite")
+                "distributed.init_timeout_seconds", "nonfinite", "diloco.codec_kernels")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -81,11 +81,19 @@ def default_config() -> ml_collections.ConfigDict:
       fragment_rules="",
       staggered=True,  # fragment p syncs at offset (p+1)·H/P; False: all at the same step
       overlap_steps=0,  # τ: inner steps a fragment's all-reduce overlaps before it is applied
+      # Where the τ steps sit around a fragment's nominal sync step n (docs/overlap.md):
+      #   send:  Δ after step n, all-reduce issued with step n+1, merged after step n+τ (the paper's)
+      #   apply: Δ after step n−τ, issued with step n−τ+1, merged after step n (torchft's convention)
+      overlap_anchor="send",
       merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied
       codec="none",  # none (float32 all-reduce) | e3m0 | e2m1 | int4 | int8 | bf16 | fp32 (compressed mean)
       codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2
       codec_rounding="nearest",  # nearest | stochastic
       error_feedback=False,  # add each replica's quantization residual to its next outer gradient
+      codec_kernels="auto",  # the codec's encode/decode on the wire: auto (Pallas kernels where the
+                             # platform compiles them, GPU/TPU; jnp reference on CPU) | pallas (also
+                             # on CPU, interpreted: slow, for tests) | reference (jnp); all three
+                             # give bit-identical results, so a resumed run may change it
   ))
   c.noloco = ml_collections.ConfigDict(dict(  # docs/algorithms.md §2.3; defaults from the paper's code
       sync_every=50,  # H: inner steps between two gossip outer steps, at most num_steps
@@ -291,17 +299,20 @@ def validate(c: ml_collections.ConfigDict) -> None:
     from lowcomm_jax.optim import schedule, streaming  # pylint: disable=g-import-not-at-top
     num_rows = streaming.count_fragments(fragments_of(c), c.diloco.non_block_fragment)
     schedule.make_schedule(num_rows, c.diloco.sync_every, c.diloco.overlap_steps,
-                           c.diloco.merge_alpha, c.diloco.staggered)
+                           c.diloco.merge_alpha, c.diloco.staggered, c.diloco.overlap_anchor)
     _require(c.diloco.sync_every <= c.num_steps, "diloco.sync_every",
              f"an integer in [1, num_steps={c.num_steps}] (H > num_steps: no outer step would ever "
              "happen)", c.diloco.sync_every)
     _require(c.diloco.codec == "none" or c.diloco.codec in _codec_names(), "diloco.codec",
              f"none or one of {_codec_names()}", c.diloco.codec)
+    from lowcomm_jax import codecs as codecs_lib  # pylint: disable=g-import-not-at-top
     if c.diloco.codec != "none":
       from lowcomm_jax.codecs import base  # pylint: disable=g-import-not-at-top
       _integer(c, "diloco.codec_block_size", 2, note=" (values per absmax scale)")
       _require(c.diloco.codec_rounding in base.ROUNDING_MODES, "diloco.codec_rounding",
                f"one of {', '.join(base.ROUNDING_MODES)}", c.diloco.codec_rounding)
+    _require(c.diloco.codec_kernels in codecs_lib.KERNEL_MODES, "diloco.codec_kernels",
+             f"one of {codecs_lib.KERNEL_MODES}", c.diloco.codec_kernels)
     _require(not c.diloco.error_feedback or c.diloco.codec != "none", "diloco.error_feedback",
              "False unless diloco.codec is set", c.diloco.error_feedback)
     _require(c.outer_optimizer.name in ("nesterov", "sgd", "adam"), "outer_optimizer.name",

@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lowcomm_jax import codecs
+from lowcomm_jax import codecs, comm
 from test_codecs import chunks, error_bound
 
 M = 8
@@ -34,8 +34,8 @@ def _replica_values(shape=(5, 37), seed=0):
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _vmapped_mean(x_R, codec, use_pallas=False, key=None):
-  return jax.vmap(lambda x: codecs.compressed_mean(x, "replica", codec, M, key=key,
-                                                   use_pallas=use_pallas),
+  kernels = "pallas" if use_pallas else "reference"
+  return jax.vmap(lambda x: comm.compressed_mean(x, "replica", codec, key=key, kernels=kernels),
                   axis_name="replica")(x_R)
 
 
@@ -87,7 +87,8 @@ def test_mesh_with_shard_map_equals_vmap():
     # Interpret-mode Pallas kernels are not typed for shard_map's varying-axis
     # check (jax 0.10.2), so that case turns the check off.
     per_device = jax.shard_map(
-        lambda x: codecs.compressed_mean(x[0], "replica", codec, use_pallas=use_pallas)[None],
+        lambda x: comm.compressed_mean(
+            x[0], "replica", codec, kernels="pallas" if use_pallas else "reference")[None],
         mesh=mesh, in_specs=P("replica"), out_specs=P("replica"), check_vma=not use_pallas)
     on_mesh = np.asarray(jax.jit(per_device)(x_sharded))
     simulated = np.asarray(_vmapped_mean(x_R, codec, use_pallas))
@@ -99,7 +100,7 @@ def test_pytree_input_and_stochastic_rounding():
   tree_R = {"w": jnp.asarray(_replica_values(shape=(4, 9))),
             "b": jnp.asarray(_replica_values(shape=(3,), seed=4))}
   mean_R = jax.jit(jax.vmap(
-      lambda t: codecs.compressed_mean(t, "replica", codec, key=jax.random.key(0, impl="rbg")),
+      lambda t: comm.compressed_mean(t, "replica", codec, key=jax.random.key(0, impl="rbg")),
       axis_name="replica"))(tree_R)
   for leaf in ("w", "b"):
     values = np.asarray(mean_R[leaf])
@@ -127,19 +128,19 @@ def test_wire_bytes_per_worker():
   e3m0 = codecs.get_codec("e3m0", block_size=1024)
   fp32 = codecs.get_codec("fp32")
   chunk = n // M
-  assert codecs.compressed_mean_wire_bytes(n, e3m0, M) == 2 * (M - 1) * (
+  assert comm.compressed_mean_wire_bytes(n, e3m0, M) == 2 * (M - 1) * (
       chunk // 2 + 4 * (chunk // 1024))
-  assert codecs.compressed_mean_wire_bytes(n, fp32, M) == 2 * (M - 1) * 4 * chunk
+  assert comm.compressed_mean_wire_bytes(n, fp32, M) == 2 * (M - 1) * 4 * chunk
   # A ring all-reduce's 2(M-1)/M of the tensor's encoded size.
-  assert codecs.compressed_mean_wire_bytes(n, fp32, M) == 2 * (M - 1) / M * fp32.wire_bytes(n)
-  ratio = codecs.compressed_mean_wire_bytes(n, e3m0, M) / codecs.compressed_mean_wire_bytes(
+  assert comm.compressed_mean_wire_bytes(n, fp32, M) == 2 * (M - 1) / M * fp32.wire_bytes(n)
+  ratio = comm.compressed_mean_wire_bytes(n, e3m0, M) / comm.compressed_mean_wire_bytes(
       n, fp32, M)
   assert ratio == pytest.approx((4 + 32 / 1024) / 32)  # about 1/8 of fp32, scales included
   tree = {"a": jax.ShapeDtypeStruct((3, 100), jnp.float32), "b": jnp.zeros((7,))}
-  assert codecs.compressed_mean_wire_bytes(tree, e3m0, M) == (
-      codecs.compressed_mean_wire_bytes(300, e3m0, M) + codecs.compressed_mean_wire_bytes(
+  assert comm.compressed_mean_wire_bytes(tree, e3m0, M) == (
+      comm.compressed_mean_wire_bytes(300, e3m0, M) + comm.compressed_mean_wire_bytes(
           7, e3m0, M))
-  assert codecs.compressed_mean_wire_bytes(n, e3m0, 1) == 0
+  assert comm.compressed_mean_wire_bytes(n, e3m0, 1) == 0
   # The bytes match what the collectives move: every encoded chunk is one row of the exchange.
   num_blocks, block_len = e3m0.layout(math.ceil(300 / M))
   assert e3m0.wire_bytes(math.ceil(300 / M)) == num_blocks * (block_len // 2 + 4)
@@ -153,8 +154,10 @@ def test_error_feedback_over_compressed_mean_stays_bounded():
 
   @jax.jit
   def step(grad_R, state_R):
-    return jax.vmap(lambda g, s: codecs.compressed_mean_with_error_feedback(
-        g, s, "replica", codec), axis_name="replica")(grad_R, state_R)
+    def one_replica(g, s):
+      mean, residual = comm.compressed_mean(g, "replica", codec, residual=s.residual)
+      return mean, codecs.ErrorFeedbackState(residual)
+    return jax.vmap(one_replica, axis_name="replica")(grad_R, state_R)
 
   residual_norms, sent_total, grad_total = [], 0.0, 0.0
   for _ in range(100):

@@ -89,6 +89,25 @@ def test_gradients_equal_sequential_paths_and_bubble_equals_simulator(name):
     assert not np.allclose(jax.tree.leaves(fixed["blocks"])[0], jax.tree.leaves(want_grads["blocks"])[0])
 
 
+def test_ledger_counts_every_tick_of_every_transfer():
+  """comm.permute records each pattern once per tick that runs it: the ledger holds the bytes of
+  every activation and gradient message of the table, averaged over the devices."""
+  num_stages, num_replicas, routes, order = CASES["random_routing"]
+  cfg, _, params_R = _model(num_stages, num_replicas)
+  table = ticks.compile_ticks(routes, num_stages, num_replicas, order)
+  batch = np.random.default_rng(0).integers(0, 256, (len(routes), MB_SIZE, SEQ + 1))
+  executor = PipelineExecutor(stages.StageFunctions(cfg), table)
+  ledger = lowcomm_jax.comm.Ledger()
+  with ledger.recording():
+    executor.compiled_text(stages.to_grid(params_R, num_stages), batch)
+  message_bytes = MB_SIZE * SEQ * cfg.d_model * 4  # one float32 activation (or its gradient)
+  messages = sum(len(a) + len(g) for a, g in zip(table.permutations("act"),
+                                                 table.permutations("grad")))
+  assert messages > 0
+  assert {e.kind for e in ledger.entries} == {"ppermute"}
+  assert ledger.sent_bytes == pytest.approx(messages * message_bytes / table.num_devices, rel=1e-12)
+
+
 @pytest.mark.parametrize("order,routes_name", [("gpipe", "full"), ("1f1b", "full"), ("gpipe", "random"),
                                                ("1f1b", "random"), ("gpipe", "skippipe")])
 def test_planned_idle_ticks_equal_simulator_with_unit_costs(order, routes_name):

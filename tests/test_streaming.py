@@ -191,7 +191,7 @@ def test_e3m0_codec_sends_about_an_eighth_of_the_bits(tmp_path):
   summary = trainer.run()
   params = jax.tree.map(lambda x: x[0], trainer.final_state.params)
   codec = codecs.get_codec("e3m0", block_size=1024)
-  expected = sum(codecs.compressed_mean_wire_bytes(frag_lib.extract(f, params), codec, 2)
+  expected = sum(comm.compressed_mean_wire_bytes(frag_lib.extract(f, params), codec, 2)
                  for f in trainer.algorithm.tx.fragments(params))  # each fragment once in 6 steps
   sent = summary["bytes_sent_per_worker"]
   assert sent["total"] == expected

@@ -1,5 +1,8 @@
 """Wire formats for outer gradients: 4-bit floats and integers, int8, bf16, fp32.
 
+Encode and decode only; the compressed mean that sends them over the replica axis is
+`lowcomm_jax.comm.compressed_mean`.
+
 Example:
   >>> import jax.numpy as jnp
   >>> codec = get_codec("e3m0", block_size=4)
@@ -13,18 +16,16 @@ from lowcomm_jax.codecs.base import (
     Codec,
     EncodedTensor,
     NonFiniteError,
+    KERNEL_MODES,
     all_finite,
     check_finite,
-)
-from lowcomm_jax.codecs.replica_mean import (
-    compressed_mean,
-    compressed_mean_wire_bytes,
+    kernel_options,
 )
 from lowcomm_jax.codecs.error_feedback import (
     ErrorFeedbackState,
-    compressed_mean_with_error_feedback,
     error_feedback_roundtrip,
     init_error_feedback,
+    with_error_feedback,
 )
 from lowcomm_jax.codecs.float4 import E2M1, E3M0
 from lowcomm_jax.codecs.integer import INT4, INT8
@@ -37,12 +38,12 @@ __all__ = [
     "NonFiniteError",
     "all_finite",
     "check_finite",
-    "compressed_mean",
-    "compressed_mean_wire_bytes",
+    "KERNEL_MODES",
+    "kernel_options",
     "ErrorFeedbackState",
-    "compressed_mean_with_error_feedback",
     "error_feedback_roundtrip",
     "init_error_feedback",
+    "with_error_feedback",
     "E2M1",
     "E3M0",
     "INT4",

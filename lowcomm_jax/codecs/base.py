@@ -52,9 +52,13 @@ __all__ = [
     "flat_from_blocks",
     "uniform_from_bits",
     "default_interpret",
+    "KERNEL_MODES",
+    "kernel_options",
 ]
 
 ROUNDING_MODES = ("nearest", "stochastic")
+# Which implementation encodes and decodes on the wire path (config key diloco.codec_kernels).
+KERNEL_MODES = ("auto", "pallas", "reference")
 
 
 @jax.tree_util.register_dataclass
@@ -85,6 +89,22 @@ class EncodedTensor:
 def default_interpret() -> bool:
   """Pallas runs compiled on GPU/TPU and only in interpret mode on CPU."""
   return jax.default_backend() == "cpu"
+
+
+def kernel_options(mode: str) -> dict[str, Any]:
+  """The ``encode_blocks``/``decode_blocks`` options of a kernel mode.
+
+  ``reference``: the jnp reference. ``pallas``: the Pallas kernels, compiled on GPU/TPU and
+  interpreted on CPU (slow: for tests; bit-identical to the reference). ``auto``: the Pallas
+  kernels where the platform compiles them (GPU, TPU), the reference elsewhere.
+
+  Raises:
+    ValueError: naming ``diloco.codec_kernels`` and the allowed values.
+  """
+  if mode not in KERNEL_MODES:
+    raise ValueError(f"diloco.codec_kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
+  use_pallas = mode == "pallas" or (mode == "auto" and not default_interpret())
+  return dict(use_pallas=use_pallas, interpret=default_interpret() if use_pallas else None)
 
 
 def uniform_from_bits(bits: jax.Array) -> jax.Array:

@@ -7,23 +7,26 @@ errors then cancel instead of accumulating, while the residual itself stays
 within one quantization error of the latest input. Streaming DiLoCo keeps one
 state per replica and per fragment; the state is a NamedTuple of fp32 arrays,
 so it checkpoints like any optimizer state.
+
+:func:`with_error_feedback` is the one implementation, around any send: a
+point-to-point roundtrip (:func:`error_feedback_roundtrip`) or the compressed
+mean over the replica axis (``lowcomm_jax.comm.compressed_mean(..., residual=)``).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from lowcomm_jax.codecs import base
-from lowcomm_jax.codecs import replica_mean
 
 __all__ = [
     "ErrorFeedbackState",
     "init_error_feedback",
+    "with_error_feedback",
     "error_feedback_roundtrip",
-    "compressed_mean_with_error_feedback",
 ]
 
 
@@ -38,8 +41,21 @@ def init_error_feedback(tree: Any) -> ErrorFeedbackState:
   return ErrorFeedbackState(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
 
 
-def _add_residual(tree: Any, state: ErrorFeedbackState) -> Any:
-  return jax.tree.map(lambda g, r: g.astype(jnp.float32) + r, tree, state.residual)
+def with_error_feedback(send: Callable[[Any], tuple[Any, Any]], tree: Any, residual: Any):
+  """Sends ``tree + residual`` and keeps what the encoding dropped.
+
+  Args:
+    send: ``corrected -> (result, sent)``, where ``sent`` is what the receivers get of this
+      sender's ``corrected`` (its decoded encoding, with the send's own blocking).
+    tree: the new outer gradient (array or pytree).
+    residual: the previous residual (fp32, same structure).
+
+  Returns:
+    ``(result, new residual)`` with ``new residual = corrected − sent``.
+  """
+  corrected = jax.tree.map(lambda g, r: g.astype(jnp.float32) + r, tree, residual)
+  result, sent = send(corrected)
+  return result, jax.tree.map(jnp.subtract, corrected, sent)
 
 
 def error_feedback_roundtrip(tree: Any, state: ErrorFeedbackState, codec: base.Codec,
@@ -57,29 +73,13 @@ def error_feedback_roundtrip(tree: Any, state: ErrorFeedbackState, codec: base.C
     ``(decoded, new_state)``: what the receiver gets, and the residual
     ``corrected - decoded``.
   """
-  corrected = _add_residual(tree, state)
-  leaves, treedef = jax.tree.flatten(corrected)
-  keys = [None] * len(leaves) if key is None else list(jax.random.split(key, max(len(leaves), 1)))
-  decoded = jax.tree.unflatten(
-      treedef, [codec.roundtrip(leaf, leaf_key, **kernel_options)
-                for leaf, leaf_key in zip(leaves, keys)])
-  residual = jax.tree.map(jnp.subtract, corrected, decoded)
+  def roundtrip(corrected):
+    leaves, treedef = jax.tree.flatten(corrected)
+    keys = [None] * len(leaves) if key is None else list(jax.random.split(key, max(len(leaves), 1)))
+    decoded = jax.tree.unflatten(
+        treedef, [codec.roundtrip(leaf, leaf_key, **kernel_options)
+                  for leaf, leaf_key in zip(leaves, keys)])
+    return decoded, decoded
+
+  decoded, residual = with_error_feedback(roundtrip, tree, state.residual)
   return decoded, ErrorFeedbackState(residual)
-
-
-def compressed_mean_with_error_feedback(tree: Any, state: ErrorFeedbackState, axis_name,
-                                        codec: base.Codec, axis_size: int | None = None, *,
-                                        key: jax.Array | None = None, **kernel_options):
-  """:func:`~lowcomm_jax.codecs.compressed_mean` of ``tree + residual``.
-
-  The residual covers the local (sending) quantization, computed on exactly
-  the chunks and blocks the mean encodes; the re-quantization of the mean by
-  the chunk's owner is shared by all replicas and is not fed back.
-
-  Returns:
-    ``(mean, new_state)``.
-  """
-  corrected = _add_residual(tree, state)
-  mean, residual = replica_mean.compressed_mean(
-      corrected, axis_name, codec, axis_size, key=key, return_residual=True, **kernel_options)
-  return mean, ErrorFeedbackState(residual)

@@ -1,6 +1,10 @@
-"""Cross-replica communication and its ledger."""
+"""Cross-replica communication and its ledger: the only package that issues collectives."""
 
-from lowcomm_jax.comm.collectives import compressed_mean, group_mean, mean, tree_bytes
+from lowcomm_jax.comm.collectives import group_mean, mean, permute, tree_bytes
+from lowcomm_jax.comm.compressed_mean import compressed_mean, compressed_mean_wire_bytes
+from lowcomm_jax.comm.executor import Issued, OuterCommExecutor, check_layout, fragment_mean
 from lowcomm_jax.comm.ledger import Entry, Ledger, record, ring_factor
 
-__all__ = ["compressed_mean", "group_mean", "Entry", "Ledger", "mean", "record", "ring_factor", "tree_bytes"]
+__all__ = ["compressed_mean", "compressed_mean_wire_bytes", "group_mean", "Entry", "Issued", "Ledger",
+           "OuterCommExecutor", "check_layout", "fragment_mean", "mean", "permute", "record",
+           "ring_factor", "tree_bytes"]

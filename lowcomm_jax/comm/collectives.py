@@ -1,4 +1,6 @@
-"""Cross-replica collectives over a named axis (the ONLY place lowcomm_jax calls them).
+"""Cross-replica and cross-stage collectives over named axes (the ONLY place lowcomm_jax calls them).
+
+The compressed mean (all_to_all + all_gather of codec-encoded chunks) is in `compressed_mean.py`.
 
 Call these under a bound replica axis: inside `jax.vmap(..., axis_name="replica")`
 (simulated replicas), or `jax.shard_map` / jit over a mesh axis. Each call
@@ -30,29 +32,19 @@ def mean(tree, axis_name: str, name: str = "mean"):
   return jax.tree.map(lambda x: lax.pmean(x, axis_name), tree)
 
 
-def compressed_mean(tree, axis_name: str, codec, name: str = "compressed mean", key=None,
-                    residual=None):
-  """Mean over `axis_name` with codec-encoded traffic and float32 accumulation.
+def permute(tree, axis_name, perm, name: str = "permute", repeats: int = 1):
+  """`lax.ppermute` of every leaf along the static pairs `perm` of (source, destination).
 
-  Reduce-scatter of encoded chunks (all_to_all), decode, float32 sum, re-encode, all_gather
-  (`lowcomm_jax.codecs.compressed_mean`). Each worker sends 2(M−1)/M × the encoded tree,
-  codes and scales counted exactly.
-
-  Args:
-    residual: the previous error-feedback residual (same structure), or None for no feedback.
-
-  Returns:
-    The mean, or (mean, new residual) when `residual` is given.
+  Used by the pipeline executor (`axis_name` a tuple of mesh axes: one index per device). The
+  ledger gets the mean bytes one device sends: payload × len(perm) / axis size, times `repeats`,
+  the number of times the program runs this call (e.g. the ticks of a scan that share one
+  transfer pattern), since a call traced once inside a loop or a switch branch records once.
   """
-  from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
+  perm = [(int(a), int(b)) for a, b in perm]
   m = axis_size(axis_name)
-  payload = sum(codec.wire_bytes(x.size) for x in jax.tree.leaves(tree))
-  ledger.record(name, "all_to_all+all_gather", payload,
-                codecs.compressed_mean_wire_bytes(tree, codec, m), m)
-  if residual is None:
-    return codecs.compressed_mean(tree, axis_name, codec, m, key=key)
-  corrected = jax.tree.map(lambda g, r: g + r, tree, residual)
-  return codecs.compressed_mean(corrected, axis_name, codec, m, key=key, return_residual=True)
+  payload = tree_bytes(tree)
+  ledger.record(name, "ppermute", payload, repeats * payload * len(perm) / m, m)
+  return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 
 def group_mean(tree, axis_name: str, groups, name: str = "group mean", codec=None):

@@ -9,6 +9,16 @@ step t+1's forward and backward and XLA may overlap the two; the result is
 applied after inner step t+τ, merged as θ ← α·θ_local + (1−α)·θ_global.
 Staggered offsets are offset_p = (p+1)·H/P (the last fragment syncs at H),
 so one fragment is in flight every H/P steps; unstaggered offsets are all H.
+
+Where the overlap sits around the nominal sync step n_p = offset_p + kH
+(`overlap_anchor`, config key `diloco.overlap_anchor`):
+
+  anchor | Δ taken after step | all-reduce issued with step | merged after step
+  send   | n                  | n + 1                       | n + τ     (the paper's, the default)
+  apply  | n − τ              | n − τ + 1                   | n         (torchft's convention)
+
+`apply` is `send` with every offset moved τ steps earlier (the row's `offset`
+is always the step whose parameters are sent); with τ = 0 both are the same.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ class FragmentSchedule(NamedTuple):
   """Rows per fragment: period (H), offset, delay (τ), alpha (α)."""
 
   period: np.ndarray  # int[F]
-  offset: np.ndarray  # int[F], in [1, H]
+  offset: np.ndarray  # int[F], in [1, H]: the first step whose parameters fragment p sends
   delay: np.ndarray  # int[F]
   alpha: np.ndarray  # float[F]
 
@@ -38,9 +48,19 @@ class Phase(NamedTuple):
   receive: tuple[int, ...] = ()
 
 
+OVERLAP_ANCHORS = ("send", "apply")
+
+
 def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
-                  merge_alpha: float = 0.0, staggered: bool = True) -> FragmentSchedule:
-  """The Streaming DiLoCo schedule; one clear ValueError per bad option, before any compute."""
+                  merge_alpha: float = 0.0, staggered: bool = True,
+                  overlap_anchor: str = "send") -> FragmentSchedule:
+  """The Streaming DiLoCo schedule; one clear ValueError per bad option, before any compute.
+
+  `overlap_anchor`: "send" sends at the nominal sync step and merges τ steps later (the paper's);
+  "apply" sends τ steps before the nominal step and merges at it (torchft's), see the table above.
+  """
+  if overlap_anchor not in OVERLAP_ANCHORS:
+    raise ValueError(f"diloco.overlap_anchor must be one of {OVERLAP_ANCHORS}, got {overlap_anchor!r}")
   if int(sync_every) != sync_every or sync_every < 1:
     raise ValueError(f"diloco.sync_every (H) must be an integer >= 1, got {sync_every!r}")
   if num_fragments < 1:
@@ -55,7 +75,9 @@ def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
                      f"H/P = {stride} so that one fragment is in flight at a time")
   if not 0.0 <= merge_alpha <= 1.0:
     raise ValueError(f"diloco.merge_alpha (α) must be in [0, 1], got {merge_alpha}")
-  offsets = [(p + 1) * stride if staggered else sync_every for p in range(num_fragments)]
+  # τ < H/P keeps the earliest "apply" send, (p+1)·H/P − τ, at step 1 or later.
+  shift = overlap_steps if overlap_anchor == "apply" else 0
+  offsets = [((p + 1) * stride if staggered else sync_every) - shift for p in range(num_fragments)]
   return FragmentSchedule(
       period=np.full(num_fragments, sync_every), offset=np.asarray(offsets),
       delay=np.full(num_fragments, overlap_steps), alpha=np.full(num_fragments, float(merge_alpha)))

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowcomm_jax import comm, mesh as mesh_lib
+from lowcomm_jax import codecs, comm, mesh as mesh_lib
 from lowcomm_jax.optim import fragments as frag_lib
 from lowcomm_jax.optim import schedule as schedule_lib
 from lowcomm_jax.optim.outer import check_transformation, outer_nesterov
@@ -70,13 +70,15 @@ class StreamingDiLoCo:
   def __init__(self, inner, outer,
                schedule: schedule_lib.FragmentSchedule | Callable[[int], schedule_lib.FragmentSchedule],
                fragments: FragmentRule, axis_name: str = mesh_lib.REPLICA, codec=None,
-               error_feedback: bool = False):
+               error_feedback: bool = False, codec_kernels: str = "auto"):
     check_transformation(inner, "inner optimizer")
     check_transformation(outer, "outer optimizer")
     if error_feedback and codec is None:
       raise ValueError("diloco.error_feedback needs a lossy diloco.codec (e3m0, e2m1, int4, int8, bf16)")
     self.inner, self.outer, self.axis_name = optax.with_extra_args_support(inner), outer, axis_name
     self.codec, self.error_feedback = codec, error_feedback
+    codecs.kernel_options(codec_kernels)  # refuses an unknown mode here, before any tracing
+    self.codec_kernels = codec_kernels
     self._fragments = fragments
     self._schedule = None
     self._make_schedule = schedule
@@ -155,9 +157,11 @@ class StreamingDiLoCo:
     if self.codec.rounding == "stochastic":  # the same bits on every replica and run, fresh per sync
       key = jax.random.fold_in(jax.random.key(p), count)
     if not self.error_feedback:
-      return comm.compressed_mean(delta, self.axis_name, self.codec, f"fragment {p}", key=key)
+      return comm.compressed_mean(delta, self.axis_name, self.codec, f"fragment {p}", key=key,
+                                  kernels=self.codec_kernels)
     mean, residuals[p] = comm.compressed_mean(delta, self.axis_name, self.codec, f"fragment {p}",
-                                              key=key, residual=residuals[p])
+                                              key=key, residual=residuals[p],
+                                              kernels=self.codec_kernels)
     return mean
 
   def _apply(self, phase: schedule_lib.Phase, grads, state: StreamingDiLoCoState, params, **extra_args):
@@ -180,7 +184,7 @@ class StreamingDiLoCo:
       # A NaN or inf in the averaged outer gradient never reaches φ: the outer step of this
       # fragment is refused (φ_p and its outer state kept), the replicas restart the fragment
       # from φ_p, and state.nonfinite[p] counts it (the Trainer raises on it by default).
-      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for d in jax.tree.leaves(mean_delta)]))
+      finite = codecs.all_finite(mean_delta)
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
       outer_states[p] = keep(new_outer_state, outer_states[p])
       global_p = keep(optax.apply_updates(old_global_p, outer_updates), old_global_p)
@@ -212,7 +216,9 @@ def streaming_diloco(inner: optax.GradientTransformation,
                      sync_every: int = 100, fragments: FragmentsArg = 1, overlap_steps: int = 0,
                      merge_alpha: float = 0.0, staggered: bool = True, fragment_pattern: str = "strided",
                      non_block_fragment: str = "own", axis_name: str = mesh_lib.REPLICA,
-                     codec=None, error_feedback: bool = False) -> StreamingDiLoCo:
+                     codec=None, error_feedback: bool = False,
+                     codec_kernels: str = "auto",
+                     overlap_anchor: str = "send") -> StreamingDiLoCo:
   """Streaming DiLoCo (arXiv 2501.18512).
 
   Args:
@@ -225,23 +231,29 @@ def streaming_diloco(inner: optax.GradientTransformation,
       of Fragments, whose count fixes the schedule's rows when `init` first sees the parameters.
     overlap_steps: τ, inner steps the all-reduce of a fragment overlaps before it is applied.
     merge_alpha: α, weight of the local parameters when the global fragment is merged in.
+    overlap_anchor: "send" (sent at the nominal sync step, merged τ steps later; the paper's) or
+      "apply" (sent τ steps before the nominal step, merged at it; torchft's), see `schedule.py`.
     staggered: offsets p·H/P (True) or every fragment at the same step (False).
     axis_name: the bound replica axis.
     codec: None for a float32 all-reduce (`lax.pmean`), or a codec name / `lowcomm_jax.codecs`
       Codec: outer gradients travel encoded through a compressed mean that accumulates in float32.
     error_feedback: keep each replica's quantization residual per fragment and add it to that
       fragment's next outer gradient (needs a codec).
+    codec_kernels: how the codec encodes and decodes on the wire: "reference" (jnp), "pallas"
+      (the Pallas kernels; interpreted on CPU, bit-identical to the reference) or "auto" (Pallas
+      where the platform compiles them, GPU/TPU; the reference elsewhere).
   """
   outer = outer if outer is not None else outer_nesterov()
   resolve = _resolve_fragments(fragments, fragment_pattern, non_block_fragment)
   schedule = functools.partial(schedule_lib.make_schedule, sync_every=sync_every,
-                               overlap_steps=overlap_steps, merge_alpha=merge_alpha, staggered=staggered)
+                               overlap_steps=overlap_steps, merge_alpha=merge_alpha, staggered=staggered,
+                               overlap_anchor=overlap_anchor)
   if not callable(fragments):  # the rows are known now: bad options fail here, before any compute
     schedule = schedule(count_fragments(fragments, non_block_fragment))
   if isinstance(codec, str):
-    from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
     codec = codecs.get_codec(codec)
-  return StreamingDiLoCo(inner, outer, schedule, resolve, axis_name, codec, error_feedback)
+  return StreamingDiLoCo(inner, outer, schedule, resolve, axis_name, codec, error_feedback,
+                         codec_kernels)
 
 
 def count_fragments(fragments: int | frag_lib.Rules, non_block: str) -> int:

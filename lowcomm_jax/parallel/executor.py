@@ -1,4 +1,4 @@
-"""Runs a `TickTable` on a (replica, stage) mesh: one `lax.ppermute` per direction per tick.
+"""Runs a `TickTable` on a (replica, stage) mesh: one `comm.permute` per direction per tick.
 
 `jax.shard_map` over the mesh axes `replica` and `stage` gives each device its stage's slice of its
 replica's parameters (grid layout, `stages.py`). The program scans over the ticks; in each tick a
@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from lowcomm_jax import mesh as mesh_lib
+from lowcomm_jax import comm, mesh as mesh_lib
 from lowcomm_jax.parallel import ticks as ticks_lib
 from lowcomm_jax.parallel.stages import StageFunctions
 
@@ -88,10 +88,14 @@ def make_pipeline_grads(stage_fns: StageFunctions, table: ticks_lib.TickTable, m
   recv_act_TxD = jnp.asarray(table.received("act"))
   recv_grad_TxD = jnp.asarray(table.received("grad"))
 
+  ticks_per_pattern = np.bincount(pattern_T, minlength=len(patterns))
+
   def transfer(pattern, msg):
-    def move(perm):
-      return lax.ppermute(msg, _AXES, list(perm)) if perm else jnp.zeros_like(msg)
-    return lax.switch(pattern, [lambda a=a, g=g: (move(a), move(g)) for a, g in patterns])
+    def move(perm, name, ticks):
+      return comm.permute(msg, _AXES, perm, name, int(ticks)) if perm else jnp.zeros_like(msg)
+    return lax.switch(pattern, [
+        lambda a=a, g=g, n=n: (move(a, "pipeline activations", n), move(g, "pipeline gradients", n))
+        for (a, g), n in zip(patterns, ticks_per_pattern)])
 
   def device_program(params, batch_MxBxT1):
     params = jax.tree.map(lambda x: x[0, 0], params)

@@ -53,7 +53,8 @@ def _diloco_family(config, inner, num_replicas, abstract_params):
       fragments=config_lib.fragments_of(config), overlap_steps=d.overlap_steps, merge_alpha=d.merge_alpha,
       staggered=d.staggered, fragment_pattern=d.fragment_pattern,
       non_block_fragment=d.non_block_fragment,
-      codec=_codec(d.codec, d.codec_block_size, d.codec_rounding), error_feedback=d.error_feedback)
+      codec=_codec(d.codec, d.codec_block_size, d.codec_rounding), error_feedback=d.error_feedback,
+      codec_kernels=d.codec_kernels, overlap_anchor=d.overlap_anchor)
   names = []
   if abstract_params is not None:  # a fragment rule that misses parameters fails here, before compute
     names = [f.name for f in tx.fragments(abstract_params)]

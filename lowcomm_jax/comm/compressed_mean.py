@@ -1,4 +1,4 @@
-"""Mean over the replica axis with quantized traffic and fp32 accumulation.
+"""Mean over the replica axis with codec-encoded traffic and float32 accumulation.
 
 Each worker cuts its tensor into M chunks (M = number of replicas), encodes
 every chunk with the codec and sends chunk j to worker j (``lax.all_to_all``:
@@ -9,6 +9,11 @@ the tensor. This is a ring all-reduce's traffic pattern with quantized
 messages: each worker sends ``(M-1)`` encoded chunks in each phase, that is
 ``2(M-1)/M`` times the encoded tensor (:func:`compressed_mean_wire_bytes`).
 
+The codec only encodes and decodes (``Codec.encode_blocks``/``decode_blocks``,
+with its Pallas kernels or its jnp reference, see ``kernels``); the chunking
+and the two collectives live here, in ``comm``, the one module that issues
+cross-replica collectives.
+
 The result is the same on every replica. With the ``fp32`` codec nothing is
 rounded and the result is ``lax.pmean`` up to the order of the fp32 sum. With
 a lossy codec the error is the mean of the senders' quantization errors plus
@@ -16,10 +21,10 @@ the error of quantizing the mean once more.
 
 Call it under a bound axis: ``jax.vmap(..., axis_name=...)`` (simulated
 replicas on one device) or ``jax.shard_map`` over a mesh axis. With
-``use_pallas=True`` in interpret mode (CPU) inside ``shard_map``, pass
+``kernels="pallas"`` in interpret mode (CPU) inside ``shard_map``, pass
 ``check_vma=False``: jax 0.10.2's Pallas interpreter replays the kernel
-without the varying-axis annotations and the check rejects it. The default
-jnp path has no such restriction.
+without the varying-axis annotations and the check rejects it. The jnp
+reference has no such restriction.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowcomm_jax.codecs import base
+from lowcomm_jax import codecs
+from lowcomm_jax.comm import ledger
 
 __all__ = ["compressed_mean", "compressed_mean_wire_bytes"]
 
@@ -40,9 +46,9 @@ def _chunk_len(num_elements: int, axis_size: int) -> int:
   return -(-num_elements // axis_size)
 
 
-def _array_mean(x: jax.Array, axis_name, codec: base.Codec, axis_size: int,
+def _array_mean(x: jax.Array, axis_name, codec: codecs.Codec, axis_size: int,
                 key: jax.Array | None, kernel_options: dict[str, Any]):
-  """Compressed mean of one array; returns ``(mean, local residual)``."""
+  """Compressed mean of one array; returns ``(mean, what this worker's encoding let through)``."""
   num_elements = x.size
   chunk_len = _chunk_len(num_elements, axis_size)
   num_blocks, block_len = codec.layout(chunk_len)
@@ -69,7 +75,6 @@ def _array_mean(x: jax.Array, axis_name, codec: base.Codec, axis_size: int,
                                       **kernel_options)
   codes, scales = per_worker(codes), per_worker(scales)
   sent = decode_per_worker(codes, scales).reshape(-1)[:num_elements].reshape(x.shape)
-  residual = x.astype(jnp.float32) - sent
 
   # Reduce-scatter: row j of what arrives is this worker's chunk from worker j.
   exchange = lambda a: None if a is None else lax.all_to_all(a, axis_name, 0, 0)
@@ -82,56 +87,52 @@ def _array_mean(x: jax.Array, axis_name, codec: base.Codec, axis_size: int,
   # All-gather: every worker gets every chunk's encoded mean.
   gather = lambda a: None if a is None else lax.all_gather(a, axis_name)
   mean = decode_per_worker(gather(mean_codes), gather(mean_scales))
-  return mean.reshape(-1)[:num_elements].reshape(x.shape), residual
+  return mean.reshape(-1)[:num_elements].reshape(x.shape), sent
 
 
-def compressed_mean(
-    x: Any,
-    axis_name,
-    codec: base.Codec,
-    axis_size: int | None = None,
-    *,
-    key: jax.Array | None = None,
-    use_pallas: bool = False,
-    interpret: bool | None = None,
-    rows_per_step: int | None = None,
-    return_residual: bool = False,
-):
-  """Mean of ``x`` over ``axis_name`` with codec-encoded traffic.
+def compressed_mean(tree: Any, axis_name, codec: codecs.Codec, name: str = "compressed mean", *,
+                    key: jax.Array | None = None, residual: Any = None,
+                    kernels: str = "auto"):
+  """Mean of every leaf over ``axis_name`` with codec-encoded traffic; recorded in the ledger.
 
   Args:
-    x: an array or pytree of arrays (any shapes and float dtypes).
-    axis_name: the bound replica axis (vmap ``axis_name`` or a mesh axis
-      inside ``shard_map``).
-    codec: from :func:`~lowcomm_jax.codecs.get_codec`.
-    axis_size: number of replicas M; read from the bound axis when omitted.
-    key: PRNG key for stochastic rounding (folded with the replica index so
-      replicas draw independent bits); the same key on every replica is fine.
-    use_pallas: encode/decode with the Pallas kernels.
-    interpret: Pallas interpret mode (default: on CPU only).
-    rows_per_step: blocks per Pallas grid step.
-    return_residual: also return this replica's local quantization residual
-      ``x - decode(encode(x))`` (with the exact chunking used here), for
-      error feedback.
+    tree: an array or pytree of arrays (any shapes and float dtypes).
+    axis_name: the bound replica axis (vmap ``axis_name`` or a mesh axis inside ``shard_map``).
+    codec: from :func:`lowcomm_jax.codecs.get_codec`.
+    name: what is moved, for the ledger (e.g. ``"fragment 2"``).
+    key: PRNG key for stochastic rounding (folded with the replica index so replicas draw
+      independent bits); the same key on every replica is fine.
+    residual: this replica's previous error-feedback residual (fp32, same structure), or None
+      for no feedback (``lowcomm_jax.codecs.error_feedback``: the residual is what this
+      replica's encoding of ``tree + residual`` dropped, on exactly the chunks and blocks sent;
+      the owner's re-encoding of the mean is shared by all replicas and not fed back).
+    kernels: ``"reference"`` (jnp), ``"pallas"`` (the Pallas kernels; interpreted on CPU) or
+      ``"auto"`` (Pallas where the platform compiles them: GPU, TPU), see
+      :func:`lowcomm_jax.codecs.kernel_options`.
 
   Returns:
-    The fp32 mean (same structure as ``x``), identical on every replica; with
-    ``return_residual`` a pair ``(mean, residual)``.
+    The fp32 mean (same structure as ``tree``), identical on every replica; with ``residual`` a
+    pair ``(mean, new residual)``.
   """
-  if axis_size is None:
-    axis_size = lax.axis_size(axis_name)
-  kernel_options = dict(use_pallas=use_pallas, interpret=interpret, rows_per_step=rows_per_step)
-  leaves, treedef = jax.tree.flatten(x)
-  keys = [None] * len(leaves) if key is None else list(jax.random.split(key, max(len(leaves), 1)))
-  results = [_array_mean(jnp.asarray(leaf), axis_name, codec, axis_size, leaf_key, kernel_options)
-             for leaf, leaf_key in zip(leaves, keys)]
-  mean = jax.tree.unflatten(treedef, [m for m, _ in results])
-  if not return_residual:
-    return mean
-  return mean, jax.tree.unflatten(treedef, [r for _, r in results])
+  m = lax.axis_size(axis_name)
+  payload = sum(codec.wire_bytes(x.size) for x in jax.tree.leaves(tree))
+  ledger.record(name, "all_to_all+all_gather", payload, compressed_mean_wire_bytes(tree, codec, m), m)
+  kernel_options = codecs.kernel_options(kernels)
+
+  def send(values):
+    leaves, treedef = jax.tree.flatten(values)
+    keys = [None] * len(leaves) if key is None else list(jax.random.split(key, max(len(leaves), 1)))
+    results = [_array_mean(jnp.asarray(leaf), axis_name, codec, m, leaf_key, kernel_options)
+               for leaf, leaf_key in zip(leaves, keys)]
+    return (jax.tree.unflatten(treedef, [mean for mean, _ in results]),
+            jax.tree.unflatten(treedef, [sent for _, sent in results]))
+
+  if residual is None:
+    return send(tree)[0]
+  return codecs.with_error_feedback(send, tree, residual)
 
 
-def compressed_mean_wire_bytes(x: Any, codec: base.Codec, axis_size: int) -> int:
+def compressed_mean_wire_bytes(x: Any, codec: codecs.Codec, axis_size: int) -> int:
   """Bytes each worker sends for one :func:`compressed_mean` of ``x``.
 
   ``2 (M-1)`` encoded chunks of ``ceil(n / M)`` values per array: ``M-1`` in
