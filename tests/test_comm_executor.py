@@ -124,7 +124,6 @@ def _train(tx, params, data, loss_fn, executor=None):
   the parameters entering the send step and writes the future's mean (and residual) into the state
   before the merge step, whose program then runs without that send."""
   import optax  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.optim import fragments as frag_lib  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.optim import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
   params_r, state = tx.init_replicated(params, data.shape[1])
   frags = tx.fragments(params)
@@ -145,10 +144,8 @@ def _train(tx, params, data, loss_fn, executor=None):
     if executor is not None:
       for p in phase.send:
         if delay[p]:
-          delta_r = jax.jit(jax.vmap(lambda local, outer, f=frags[p]: [
-              g.astype(jnp.float32) - l.astype(jnp.float32)
-              for g, l in zip(frag_lib.extract(f, outer), frag_lib.extract(f, local))],
-              in_axes=(0, None)))(params_r, state.outer_params)
+          delta_r = jax.jit(jax.vmap(lambda local, outer, f=frags[p]: tx.outer_gradient(f, outer, local),
+                                     in_axes=(0, None)))(params_r, state.outer_params)
           key = (jax.random.fold_in(jax.random.key(p), state.count)
                  if tx.codec is not None and tx.codec.rounding == "stochastic" else None)
           residual = state.residuals[p] if tx.error_feedback else None
@@ -158,7 +155,7 @@ def _train(tx, params, data, loss_fn, executor=None):
         if delay[p]:
           result = futures.pop(p).result()
           mean_r, residuals[p] = result if tx.error_feedback else (result, residuals[p])
-          in_flight[p] = [m[0] for m in mean_r]  # every replica holds the same mean
+          in_flight[p] = jax.tree.map(lambda m: m[0], mean_r)  # every replica holds the same mean
       state = state._replace(in_flight=tuple(in_flight), residuals=tuple(residuals))
       phase = schedule_lib.Phase(tuple(p for p in phase.send if not delay[p]), phase.receive)
     params_r, state = program(phase)(params_r, state, batch_r)

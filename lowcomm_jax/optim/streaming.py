@@ -147,10 +147,15 @@ class StreamingDiLoCo:
     branches = [functools.partial(self._apply, ph, **extra_args) for ph in self.phases]
     return jax.lax.switch(branch, branches, grads, state, params)
 
+  @staticmethod
+  def outer_gradient(frag, outer_params, local_params):
+    """Δ_p = φ_p − θ_p in float32, fragment p's sub-tree (what its all-reduce averages)."""
+    return jax.tree.map(lambda g, l: g.astype(jnp.float32) - l.astype(jnp.float32),
+                        frag_lib.extract(frag, outer_params), frag_lib.extract(frag, local_params))
+
   def _reduce(self, p: int, frag, outer_params, local_params, residuals: list, count):
     """mean_m(φ_p − θ_{m,p}) over replicas (fragment p's sub-tree), through the codec when one is set."""
-    delta = jax.tree.map(lambda g, l: g.astype(jnp.float32) - l.astype(jnp.float32),
-                         frag_lib.extract(frag, outer_params), frag_lib.extract(frag, local_params))
+    delta = self.outer_gradient(frag, outer_params, local_params)
     if self.codec is None:
       return comm.mean(delta, self.axis_name, name=f"fragment {p}")
     key = None
