@@ -30,20 +30,7 @@ from lowcomm_jax.models import config as model_config
 from lowcomm_jax.models import llama
 from lowcomm_jax.optim.noloco import weight_spread
 from lowcomm_jax.train import algorithms, checkpoint, clock_events
-from lowcomm_jax.train import metrics as metrics_lib, step as step_lib
-
-
-def measure_peak_flops(device=None, size: int = 1024, seconds: float = 0.3) -> float:
-  """FLOP/s of a float32 matmul on one device: the reference peak for MFU on a CPU."""
-  device = device or jax.local_devices()[0]
-  a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
-  matmul = jax.jit(lambda x: x @ x)
-  matmul(a).block_until_ready()
-  count, start = 0, time.perf_counter()
-  while time.perf_counter() - start < seconds:
-    matmul(a).block_until_ready()
-    count += 1
-  return 2 * size**3 * count / (time.perf_counter() - start)
+from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib, step as step_lib
 
 
 class Trainer:
@@ -323,7 +310,7 @@ class Trainer:
                                       enabled=distributed.is_primary())
     tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
     flops_per_token = model_config.flops_per_token(self.model_cfg, c.data.seq_len)
-    peak = c.hardware.peak_flops_per_device or measure_peak_flops()
+    peak = mfu_lib.run_peak_flops(c.hardware.peak_flops_per_device, self.mesh.devices.size)
     timed_steps, timed_seconds, eval_loss, eval_losses = 0, 0.0, None, {}
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
@@ -350,7 +337,7 @@ class Trainer:
           timed_steps += window_steps
           timed_seconds += elapsed
         logged["tokens_per_s"] = window_steps * tokens_per_step / elapsed
-        logged["mfu"] = logged["tokens_per_s"] * flops_per_token / (peak * self.mesh.devices.size)
+        logged["mfu"] = mfu_lib.mfu(logged["tokens_per_s"], flops_per_token, peak)
         window_start, window_steps = time.perf_counter(), 0
       if step % c.eval.every == 0 or step == c.num_steps:
         eval_losses = self.evaluate(eval_step, state, eval_batches)
@@ -425,8 +412,8 @@ class Trainer:
         "bytes_sent_per_worker": self._comm_summary(steps, sent_bytes, peak_sync_bytes),
         "wall_time_s": wall,
         "tokens_per_s": tokens_per_s,
-        "mfu": tokens_per_s * flops_per_token / (peak * self.mesh.devices.size),
-        "peak_flops_per_device": peak,
+        "mfu": mfu_lib.mfu(tokens_per_s, flops_per_token, peak),
+        "peak_flops": peak,
         "mesh": dict(self.mesh.shape),
         "workdir": str(self.workdir.absolute()),
     }
