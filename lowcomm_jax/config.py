@@ -39,6 +39,7 @@ def default_config() -> ml_collections.ConfigDict:
       size="tiny",  # a preset of lowcomm_jax.models.PRESETS
       dtype="float32",  # activation dtype; parameters stay float32
       d_ff=0,  # SwiGLU hidden width; 0 keeps the preset's (HDEE varies it for S/M/L experts)
+      layer_loop="auto",  # auto | scan | unroll: how the forward runs the layers (ModelConfig)
   ))
   c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
@@ -161,7 +162,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config is missing keys {missing}; start from lowcomm_jax.config.default_config()")
   _require(c.algorithm in ALGORITHMS, "algorithm", f"one of {ALGORITHMS}", c.algorithm)
   _require(c.num_steps >= 1, "num_steps", ">= 1", c.num_steps)
-  model_config.get_model_config(c.model.size, dtype=c.model.dtype)
+  model_config.get_model_config(c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop)
   _require(c.data.corpus in corpora.CORPORA or str(c.data.corpus).startswith(("debian:", "domain:")),
            "data.corpus", f"one of {sorted(corpora.CORPORA)}, 'debian:<source>' or 'domain:<name>'",
            c.data.corpus)

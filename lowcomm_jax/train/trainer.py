@@ -55,7 +55,7 @@ class Trainer:
                        f"data axis ({data_ways})")
     preset = model_config.PRESETS.get(config.model.size)
     self.model_cfg = model_config.get_model_config(
-        config.model.size, dtype=config.model.dtype,
+        config.model.size, dtype=config.model.dtype, layer_loop=config.model.layer_loop,
         max_seq_len=max(preset.max_seq_len, config.data.seq_len),
         d_ff=config.model.d_ff or preset.d_ff)
     if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
