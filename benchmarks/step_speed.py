@@ -24,6 +24,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import functools  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pathlib
 import statistics
@@ -76,7 +77,7 @@ def _plain_setup(trainer):
   graphdef, params = trainer.graphdef, jax.device_get(trainer.init_state().params)
   params = jax.tree.map(lambda a: a[0], params)  # the Trainer's state has a replica axis (here 1)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=0)  # the state is updated in place, as the Trainer's
   def step(state, batch):
     params, opt_state = state
     loss, grads = jax.value_and_grad(lambda p: step_lib.lm_loss(graphdef, p, batch))(params)

@@ -313,6 +313,27 @@ class Trainer:
     peak = mfu_lib.run_peak_flops(c.hardware.peak_flops_per_device, self.mesh.devices.size)
     timed_steps, timed_seconds, eval_loss, eval_losses = 0, 0.0, None, {}
     window_start, window_steps = time.perf_counter(), 0
+    # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
+    # the host wait for a step before dispatching the next; throughput windows end at the fetch.
+    behind = metrics_lib.OneStepBehind(distributed.fetch)
+
+    def take_ready():
+      nonlocal window_start, timed_steps, timed_seconds
+      record = behind.ready()
+      if record is None:
+        return None
+      held_step, values, fetched_at = record
+      window = int(values.pop("_window_steps", 0))
+      if window:
+        elapsed = fetched_at - window_start
+        if held_step - window > start:  # the window holding the first step (compiles) is not timed
+          timed_steps += window
+          timed_seconds += elapsed
+        values["tokens_per_s"] = window * tokens_per_step / elapsed
+        values["mfu"] = mfu_lib.mfu(values["tokens_per_s"], flops_per_token, peak)
+        window_start = fetched_at
+      return held_step, values
+
     run_start = time.perf_counter()
     for step in range(start + 1, stop + 1):
       phase = self.algorithm.phase_at(step)
@@ -321,6 +342,9 @@ class Trainer:
           np.stack([next(it) for it in data_iters]), self.batch_sharding(),
           (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
       state, step_metrics = program(state, batch)
+      ready = take_ready()  # the last logged step's metrics, fetched now that this step is queued
+      if ready:
+        writer.write(*ready)
       logged = {}
       if self.algorithm.streaming and phase.receive:
         self._check_nonfinite(state, step, phase)
@@ -330,23 +354,21 @@ class Trainer:
       sent_bytes += step_bytes
       peak_sync_bytes = max(peak_sync_bytes, step_bytes)
       window_steps += 1
-      if step % c.log_every == 0 or step == stop:
-        logged.update({k: float(np.mean(v)) for k, v in distributed.fetch(step_metrics).items()})
-        elapsed = time.perf_counter() - window_start
-        if step - window_steps > start:  # the window holding the first step (compiles) is not timed
-          timed_steps += window_steps
-          timed_seconds += elapsed
-        logged["tokens_per_s"] = window_steps * tokens_per_step / elapsed
-        logged["mfu"] = mfu_lib.mfu(logged["tokens_per_s"], flops_per_token, peak)
-        window_start, window_steps = time.perf_counter(), 0
+      log_now = step % c.log_every == 0 or step == stop
+      if log_now:
+        logged["_window_steps"], window_steps = window_steps, 0
+      if logged:
+        behind.hold(step, step_metrics if log_now else {}, logged)
       if step % c.eval.every == 0 or step == c.num_steps:
+        _, held = take_ready() or (step, {})  # evaluating waits for this step anyway
         eval_losses = self.evaluate(eval_step, state, eval_batches)
         eval_loss = eval_losses["eval_loss"]
-        logged.update(eval_losses)
+        writer.write(step, {**held, **eval_losses})
         window_start = time.perf_counter()
-      if logged:
-        writer.write(step, logged)
       if step % c.checkpoint.every == 0 or step == stop:
+        ready = take_ready()  # written before the checkpoint, so that a resume never loses its line
+        if ready:
+          writer.write(*ready)
         data_states = distributed.gather_lists([it.get_state() for it in data_iters])
         ckpt.save(step, state, {"replicas": data_states,
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
