@@ -51,6 +51,7 @@ def default_config() -> ml_collections.ConfigDict:
       size="tiny",  # a preset of lowcomm_jax.models.PRESETS
       dtype="float32",  # activation dtype; parameters stay float32
       d_ff=0,  # SwiGLU hidden width; 0 keeps the preset's (HDEE varies it for S/M/L experts)
+      layer_loop="auto",  # auto | scan | unroll: how the forward runs the layers (ModelConfig)
   ))
   c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
@@ -136,7 +137,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.stop_at_step = -1  # stop (with a checkpoint) after this step; -1 runs to num_steps
   c.progress_bar = True  # a tqdm bar on a terminal; plain log lines otherwise
   c.hardware = ml_collections.ConfigDict(dict(
-      peak_flops_per_device=0.0,  # for MFU, >= 0; 0 measures a float32 matmul on the first device
+      peak_flops_per_device=0.0,  # for MFU (train/mfu.py), >= 0; 0 measures the whole host's float32 matmul
       step_seconds=0.0,  # compute seconds per step for the virtual clock, >= 0; 0: as measured
   ))
   # Virtual clock: "" (off), a preset (datacenter, cross_region, internet, home) or
@@ -225,7 +226,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.algorithm in ALGORITHMS, "algorithm", f"one of {ALGORITHMS}", c.algorithm)
   _integer(c, "num_steps", 1)
   _integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
-  model_config.get_model_config(c.model.size, dtype=c.model.dtype)
+  model_config.get_model_config(c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop)
   corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
   _require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
   _require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)

@@ -92,3 +92,61 @@ def test_skipped_layer_gets_no_gradient(tiny):
   for leaf in jax.tree.leaves(grads["blocks"]):
     assert np.all(leaf[0] == 0)
     assert np.any(leaf[1] != 0) or leaf[1].size == 0
+
+
+def _loss_and_grads(cfg, tokens, path=None):
+  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
+  loss = lambda p: nnx.merge(graphdef, p)(tokens, path=path).mean()
+  return jax.value_and_grad(loss)(params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unrolled_layers_equal_scanned_layers(dtype):
+  tokens = jax.random.randint(jax.random.key(4), (2, 32), 0, 256)
+  make = lambda loop: models.get_model_config("tiny", num_layers=3, dtype=dtype, layer_loop=loop)
+  loss_scan, grads_scan = jax.jit(lambda t: _loss_and_grads(make("scan"), t))(tokens)
+  loss_unroll, grads_unroll = jax.jit(lambda t: _loss_and_grads(make("unroll"), t))(tokens)
+  # Same operations in the same order: only XLA's fusion choices may differ, so float32 agrees to
+  # a few ulps; bfloat16 activations to their own rounding.
+  tol = 1e-6 if dtype == "float32" else 1e-2
+  np.testing.assert_allclose(loss_unroll, loss_scan, rtol=tol)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=tol, atol=tol * 1e-2),
+               grads_unroll, grads_scan)
+
+
+def test_layer_loop_choice_and_bad_value():
+  cfg = models.get_model_config("small")
+  assert cfg.unrolls_layers("cpu") and not cfg.unrolls_layers("tpu")
+  assert not models.get_model_config("small", num_layers=13).unrolls_layers("cpu")
+  assert models.get_model_config("small", layer_loop="unroll").unrolls_layers("tpu")
+  assert not models.get_model_config("small", layer_loop="scan").unrolls_layers("cpu")
+  with pytest.raises(ValueError, match=r"model.layer_loop must be one of \('auto', 'scan', 'unroll'\)"):
+    models.get_model_config("small", layer_loop="unrolled")
+
+
+def _autodiff_attention(q, k, v):
+  """The attention as plain autodiff sees it: the reference for the hand-written backward."""
+  return llama._attention_fwd(q, k, v)[0]  # pylint: disable=protected-access
+
+
+def test_attention_backward_equals_autodiff():
+  q, k, v, d_out = (jax.random.normal(jax.random.key(i), (2, 3, 16, 8)) for i in range(4))
+  _, vjp_hand = jax.vjp(llama.causal_attention, q, k, v)
+  _, vjp_auto = jax.vjp(_autodiff_attention, q, k, v)
+  for hand, auto in zip(vjp_hand(d_out), vjp_auto(d_out)):
+    np.testing.assert_allclose(hand, auto, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backward_keeps_one_attention_matrix_per_layer(dtype):
+  # The residuals the forward hands to the backward are the leaves of the vjp function. Each layer
+  # keeps one [B, H, T, T] array, the probabilities in the compute dtype (autodiff of the same
+  # forward kept four: the causal mask, the float32 scores, exponentials and probabilities).
+  cfg = models.get_model_config("tiny", num_layers=3, dtype=dtype, layer_loop="unroll")
+  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
+  b, t = 2, 24
+  tokens = jnp.zeros((b, t), jnp.int32)
+  _, vjp = jax.vjp(lambda p: nnx.merge(graphdef, p)(tokens), params)
+  square = [r for r in jax.tree.leaves(vjp) if r.shape == (b, cfg.num_heads, t, t)]
+  assert len(square) == cfg.num_layers
+  assert {r.dtype for r in square} == {jnp.dtype(dtype)}

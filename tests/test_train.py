@@ -102,3 +102,24 @@ def test_binary_rejects_an_unknown_config_key_before_compute(tmp_path):
   assert proc.returncode != 0
   assert "learnin_rate" in proc.stderr
   assert not (tmp_path / "w").exists()
+
+
+
+def test_mfu_divides_by_the_run_peak():
+  from lowcomm_jax.train import mfu  # pylint: disable=g-import-not-at-top
+  # A declared per-device peak counts once per device; 1000 tokens/s at 2 MFLOP each on 4 GFLOP/s.
+  assert mfu.run_peak_flops(1e10, 8) == 8e10
+  assert mfu.mfu(1000.0, 2e6, 4e9) == 0.5
+
+
+def test_metrics_one_step_behind_fetch_after_the_next_dispatch():
+  from lowcomm_jax.train import metrics  # pylint: disable=g-import-not-at-top
+  fetched, ticks = [], iter([10.0, 20.0])
+  behind = metrics.OneStepBehind(lambda tree: fetched.append(dict(tree)) or tree, clock=lambda: next(ticks))
+  assert behind.ready() is None  # nothing held: no fetch at all
+  behind.hold(5, {"loss": np.asarray([1.0, 3.0])}, {"tokens_per_s": 7.0})
+  assert not fetched  # holding does not touch the device values
+  with pytest.raises(RuntimeError, match="step 5's metrics are still held"):
+    behind.hold(6, {"loss": np.asarray(0.0)})
+  assert behind.ready() == (5, {"loss": 2.0, "tokens_per_s": 7.0}, 10.0)
+  assert len(fetched) == 1 and behind.ready() is None

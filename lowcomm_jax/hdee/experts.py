@@ -183,12 +183,6 @@ def run_config(setup: ExpertSetup, size: str, corpus: str, num_steps: int, learn
   return c
 
 
-@functools.lru_cache(maxsize=1)
-def _peak_flops() -> float:
-  # Measured once per process instead of once per run; it only feeds the MFU metric.
-  return trainer_lib.measure_peak_flops()
-
-
 def train_run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
   """Trains one run, or returns the summary of the finished run already in `workdir`.
 
@@ -200,7 +194,6 @@ def train_run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) ->
   if summary_path.exists():
     _check_finished_run(workdir, config)
     return json.loads(summary_path.read_text())
-  config.hardware.peak_flops_per_device = _peak_flops()
   return trainer_lib.Trainer(config, workdir).run()
 
 

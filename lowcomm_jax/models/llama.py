@@ -5,7 +5,8 @@ The transformer blocks are stacked on a leading layer axis (one `Block` made by
 (SkipPipe, NoLoCo) can index layers. `Decoder.__call__` takes an optional
 `path`: a sequence of layer indices run in the given order. A path that omits
 a layer gives that layer no gradient; a path that swaps two layers runs them
-swapped. The default (no path) scans the stacked blocks in order.
+swapped. The default (no path) runs the stacked blocks in order, unrolled or
+scanned as `ModelConfig.layer_loop` says.
 
 Every parameter carries `logical_axes` metadata (names such as "embed",
 "mlp", "heads", "vocab"); `lowcomm_jax.sharding` maps them to mesh axes.
@@ -50,12 +51,58 @@ def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, 
   return jnp.cos(angles_TxK), jnp.sin(angles_TxK)
 
 
-def apply_rotary(x_BxTxHxK, cos_TxK2, sin_TxK2):
-  """Rotates pairs (first half, second half) of each head's features by position."""
-  x1, x2 = jnp.split(x_BxTxHxK.astype(jnp.float32), 2, axis=-1)
-  cos, sin = cos_TxK2[None, :, None, :], sin_TxK2[None, :, None, :]
+def apply_rotary(x, cos, sin):
+  """Rotates pairs (first half, second half) of each head's features by position.
+
+  `cos` and `sin` broadcast against x's halves: [1, T, 1, K/2] for x [B, T, H, K], or
+  [1, 1, T, K/2] for x [B, H, T, K]. Computed in float32.
+  """
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxHxK.dtype)
+  return out.astype(x.dtype)
+
+
+def _causal_softmax(q_BxHxTxK, k_BxHxSxK):
+  """Softmax over s of the scaled, causally masked scores q·k / √K, in float32."""
+  scores_BxHxTxS = jnp.einsum("bhtk,bhsk->bhts", q_BxHxTxK, k_BxHxSxK).astype(jnp.float32)
+  scores_BxHxTxS = scores_BxHxTxS / q_BxHxTxK.shape[-1] ** 0.5
+  t, s = scores_BxHxTxS.shape[-2:]
+  causal_TxS = jnp.tril(jnp.ones((t, s), bool))
+  return jax.nn.softmax(jnp.where(causal_TxS, scores_BxHxTxS, -1e30), axis=-1)
+
+
+@jax.custom_vjp
+def causal_attention(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK):
+  """softmax(q·kᵀ / √K, causal) · v, heads before time; probabilities in the inputs' dtype.
+
+  The backward is written by hand so that it keeps ONE [B, H, T, S] tensor, the probabilities P in
+  the compute dtype: autodiff of the same forward saved both the float32 scores and the cast
+  probabilities, and moved both through memory again in the backward. With dO the output's
+  cotangent: dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(P ⊙ dP)) (the softmax's vector-Jacobian
+  product, in float32), dQ = dS·K / √K, dK = dSᵀ·Q / √K.
+  """
+  return _attention_fwd(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK)[0]
+
+
+def _attention_fwd(q, k, v):
+  probs = _causal_softmax(q, k).astype(v.dtype)
+  return jnp.einsum("bhts,bhsk->bhtk", probs, v), (q, k, v, probs)
+
+
+def _attention_bwd(saved, d_out_BxHxTxK):
+  q, k, v, probs = saved
+  dt = v.dtype
+  d_v = jnp.einsum("bhts,bhtk->bhsk", probs, d_out_BxHxTxK.astype(dt))
+  d_probs = jnp.einsum("bhtk,bhsk->bhts", d_out_BxHxTxK.astype(dt), v).astype(jnp.float32)
+  p32 = probs.astype(jnp.float32)
+  d_scores = p32 * (d_probs - jnp.sum(p32 * d_probs, axis=-1, keepdims=True))
+  d_scores = (d_scores / q.shape[-1] ** 0.5).astype(dt)
+  d_q = jnp.einsum("bhts,bhsk->bhtk", d_scores, k)
+  d_k = jnp.einsum("bhts,bhtk->bhsk", d_scores, q)
+  return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
+
+
+causal_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 class Attention(nnx.Module):
@@ -72,16 +119,14 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxTxD, cos, sin):
     dt = self.dtype
-    q = apply_rotary(jnp.einsum("btd,dhk->bthk", x_BxTxD, self.wq[...].astype(dt)), cos, sin)
-    k = apply_rotary(jnp.einsum("btd,dhk->bthk", x_BxTxD, self.wk[...].astype(dt)), cos, sin)
-    v = jnp.einsum("btd,dhk->bthk", x_BxTxD, self.wv[...].astype(dt))
-    scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q, k).astype(jnp.float32) / q.shape[-1] ** 0.5
-    t = x_BxTxD.shape[1]
-    causal_TxS = jnp.tril(jnp.ones((t, t), bool))
-    scores_BxHxTxS = jnp.where(causal_TxS, scores_BxHxTxS, -1e30)
-    probs = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(dt)
-    out_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs, v)
-    return jnp.einsum("bthk,hkd->btd", out_BxTxHxK, self.wo[...].astype(dt))
+    # Projected straight into the [B, H, T, K] layout the attention matmuls batch over, so XLA
+    # does not transpose q, k, v (and their gradients) around them.
+    project = lambda w: jnp.einsum("btd,dhk->bhtk", x_BxTxD, w[...].astype(dt))
+    cos, sin = cos[None, None], sin[None, None]
+    q = apply_rotary(project(self.wq), cos, sin)
+    k = apply_rotary(project(self.wk), cos, sin)
+    out_BxHxTxK = causal_attention(q, k, project(self.wv))
+    return jnp.einsum("bhtk,hkd->btd", out_BxHxTxK, self.wo[...].astype(dt))
 
 
 class SwiGLU(nnx.Module):
@@ -112,6 +157,21 @@ class Block(nnx.Module):
   def __call__(self, x_BxTxD, cos, sin):
     x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), cos, sin)
     return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+
+
+def run_blocks_scanned(block_def, blocks_state, x_BxTxD, cos, sin):
+  """The stacked blocks in order, as one `lax.scan` over the leading layer axis."""
+  def run_block(x, layer_state):
+    return nnx.merge(block_def, layer_state)(x, cos, sin), None
+  return jax.lax.scan(run_block, x_BxTxD, blocks_state)[0]
+
+
+def run_blocks_unrolled(block_def, blocks_state, x_BxTxD, cos, sin):
+  """The stacked blocks in order, one static slice each: the same arithmetic as the scan."""
+  for layer in range(jax.tree.leaves(blocks_state)[0].shape[0]):
+    layer_state = jax.tree.map(lambda a, i=layer: a[i], blocks_state)
+    x_BxTxD = nnx.merge(block_def, layer_state)(x_BxTxD, cos, sin)
+  return x_BxTxD
 
 
 class Decoder(nnx.Module):
@@ -146,16 +206,15 @@ class Decoder(nnx.Module):
     cos, sin = rotary_tables(t, cfg.head_dim, cfg.rope_base)
     x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
     graphdef, blocks_state = nnx.split(self.blocks)
-
-    def run_block(x, layer_state):
-      return nnx.merge(graphdef, layer_state)(x, cos, sin), None
-
-    if path is None:
-      x_BxTxD, _ = jax.lax.scan(run_block, x_BxTxD, blocks_state)
+    if path is None and cfg.unrolls_layers(jax.default_backend()):
+      x_BxTxD = run_blocks_unrolled(graphdef, blocks_state, x_BxTxD, cos, sin)
+    elif path is None:
+      x_BxTxD = run_blocks_scanned(graphdef, blocks_state, x_BxTxD, cos, sin)
     else:
       def run_indexed(x, layer_index):
         # Gathering one layer's slice: a skipped layer's slice is never read, so it gets no gradient.
-        return run_block(x, jax.tree.map(lambda a: a[layer_index], blocks_state))
+        layer_state = jax.tree.map(lambda a: a[layer_index], blocks_state)
+        return nnx.merge(graphdef, layer_state)(x, cos, sin), None
       x_BxTxD, _ = jax.lax.scan(run_indexed, x_BxTxD, jnp.asarray(path, jnp.int32))
     x_BxTxD = self.final_norm(x_BxTxD)
     return (x_BxTxD @ self.head[...].astype(dt)).astype(jnp.float32)

@@ -6,8 +6,40 @@ import json
 import pathlib
 import sys
 import time
+from typing import Callable
 
+import numpy as np
 from tensorboardX import SummaryWriter
+
+
+class OneStepBehind:
+  """Holds a logged step's device metrics and fetches them after the next step is dispatched.
+
+  Fetching step t's loss right after dispatching step t makes the host wait for step t to end
+  before it can prepare and dispatch step t + 1, so the device idles between steps. Held one step
+  (as nanodo does), the fetch happens with step t + 1 already queued: no device→host sync on a
+  non-logging step, and none that stalls the device on a logging one. Each fetched record carries
+  the time its values became available, which is when step t had ended: the honest end of a
+  throughput window (the time of a dispatch is not, dispatch runs ahead).
+  """
+
+  def __init__(self, fetch: Callable, clock: Callable[[], float] = time.perf_counter):
+    self._fetch, self._clock, self._held = fetch, clock, None
+
+  def hold(self, step: int, device_metrics: dict, host_metrics: dict | None = None) -> None:
+    """Holds step's metrics (one step at a time: fetch the previous one with `ready` first)."""
+    if self._held is not None:
+      raise RuntimeError(f"step {self._held[0]}'s metrics are still held; call ready() first")
+    self._held = (step, device_metrics, dict(host_metrics or {}))
+
+  def ready(self) -> tuple[int, dict, float] | None:
+    """(step, host values, time they were fetched) of the held step, fetched now; or None."""
+    if self._held is None:
+      return None
+    step, device_metrics, host_metrics = self._held
+    self._held = None
+    values = {k: float(np.mean(v)) for k, v in self._fetch(device_metrics).items()}
+    return step, {**values, **host_metrics}, self._clock()
 
 
 class MetricWriter:

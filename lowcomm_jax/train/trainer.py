@@ -32,20 +32,7 @@ from lowcomm_jax.data import corpora, pipeline
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.models import llama
 from lowcomm_jax.train import algorithms, checkpoint, sources, workdir as workdir_lib
-from lowcomm_jax.train import metrics as metrics_lib, step as step_lib
-
-
-def measure_peak_flops(device=None, size: int = 1024, seconds: float = 0.3) -> float:
-  """FLOP/s of a float32 matmul on one device: the reference peak for MFU on a CPU."""
-  device = device or jax.local_devices()[0]
-  a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
-  matmul = jax.jit(lambda x: x @ x)
-  matmul(a).block_until_ready()
-  count, start = 0, time.perf_counter()
-  while time.perf_counter() - start < seconds:
-    matmul(a).block_until_ready()
-    count += 1
-  return 2 * size**3 * count / (time.perf_counter() - start)
+from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib, step as step_lib
 
 
 class Trainer:
@@ -226,8 +213,10 @@ class Trainer:
 
   def refused(self, state) -> np.ndarray:
     """Outer steps refused so far because the global model would hold NaN or inf (flat int array)."""
-    return np.asarray(distributed.fetch(self.algorithm.refused(
-        self.source.opt_state_view(state.opt_state)))).reshape(-1)
+    return np.asarray(distributed.fetch(self._refused_array(state))).reshape(-1)
+
+  def _refused_array(self, state) -> jax.Array:
+    return self.algorithm.refused(self.source.opt_state_view(state.opt_state))
 
   # -- the run -----------------------------------------------------------------------------------
 
@@ -269,9 +258,31 @@ class Trainer:
                                       enabled=distributed.is_primary())
     tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
     flops_per_token = model_config.flops_per_token(self.model_cfg, c.data.seq_len)
-    peak = c.hardware.peak_flops_per_device or measure_peak_flops()
+    peak = mfu_lib.run_peak_flops(c.hardware.peak_flops_per_device, self.mesh.devices.size)
     timed_steps, timed_seconds, eval_loss, eval_losses = 0, 0.0, None, {}
     window_start, window_steps = time.perf_counter(), 0
+    # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
+    # the host wait for a step before dispatching the next; throughput windows end at the fetch.
+    behind = metrics_lib.OneStepBehind(distributed.fetch)
+
+    def take_ready():
+      nonlocal window_start, timed_steps, timed_seconds
+      record = behind.ready()
+      if record is None:
+        return None
+      held_step, values, fetched_at = record
+      window = int(values.pop("_window_steps", 0))
+      if window:
+        elapsed = fetched_at - window_start
+        if held_step - window > start:  # the window holding the first step (compiles) is not timed
+          timed_steps += window
+          timed_seconds += elapsed
+        values["tokens_per_s"] = window * tokens_per_step / elapsed
+        values["mfu"] = mfu_lib.mfu(values["tokens_per_s"], flops_per_token, peak)
+        window_start = fetched_at
+      return held_step, values
+
+    pending_refusals = None  # (counts, step) of the last logged step, read once the next is queued
     run_start = time.perf_counter()
     for step in range(start + 1, stop + 1):
       phase = self.algorithm.phase_at(step)
@@ -280,6 +291,12 @@ class Trainer:
           np.stack([next(it) for it in data_iters]), self.batch_sharding(),
           (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
       state, step_metrics = program(state, batch)
+      ready = take_ready()  # the last logged step's metrics, fetched now that this step is queued
+      if ready:
+        writer.write(*ready)
+      if pending_refusals is not None:  # the last logged step's refusal counts, read one step late
+        self._check_refused(*pending_refusals)
+        pending_refusals = None
       logged = {k: float(distributed.fetch(v)) for k, v in self.algorithm.diagnostics(
           self.source.opt_state_view(state.opt_state), phase).items()}
       step_bytes = sum(e.sent_bytes for e in entries)
@@ -287,26 +304,25 @@ class Trainer:
       peak_sync_bytes = max(peak_sync_bytes, step_bytes)
       window_steps += 1
       log_now = step % c.log_every == 0 or step == stop
-      if self.algorithm.checks_refusals(phase) or log_now:
-        self._check_refused(state, step)
+      if self.algorithm.checks_refusals(phase):  # a sync step: read now
+        self._check_refused(self._refused_array(state), step)
+      elif log_now:  # a copy (the state is donated to the next step), read after it is dispatched
+        pending_refusals = (jnp.copy(self._refused_array(state)), step)
       if log_now:
-        logged.update({k: float(np.mean(v)) for k, v in distributed.fetch(step_metrics).items()})
-        elapsed = time.perf_counter() - window_start
-        if step - window_steps > start:  # the window holding the first step (compiles) is not timed
-          timed_steps += window_steps
-          timed_seconds += elapsed
-        logged["tokens_per_s"] = window_steps * tokens_per_step / elapsed
-        logged["mfu"] = logged["tokens_per_s"] * flops_per_token / (peak * self.mesh.devices.size)
-        window_start, window_steps = time.perf_counter(), 0
+        logged["_window_steps"], window_steps = window_steps, 0
+      if logged:
+        behind.hold(step, step_metrics if log_now else {}, logged)
       if step % c.eval.every == 0 or step == c.num_steps:
+        _, held = take_ready() or (step, {})  # evaluating waits for this step anyway
         eval_losses = self.evaluate(eval_step, state, eval_batches)
         eval_loss = eval_losses["eval_loss"]
-        logged.update(eval_losses)
+        writer.write(step, {**held, **eval_losses})
         window_start = time.perf_counter()
-      if logged:
-        writer.write(step, logged)
       preempted = preemption.reached(step)  # reliability: every process, every step
       if step % c.checkpoint.every == 0 or step == stop or preempted:
+        ready = take_ready()  # written before the checkpoint, so that a resume never loses its line
+        if ready:
+          writer.write(*ready)
         data_states = distributed.gather_lists([it.get_state() for it in data_iters])
         ckpt.save(step, state, {"replicas": data_states,
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
@@ -315,6 +331,8 @@ class Trainer:
         writer.close()
         preemption.close()
         raise distributed.Preempted(step, ckpt.directory)
+    if pending_refusals is not None:
+      self._check_refused(*pending_refusals)
     preemption.close()
     if eval_loss is None and start == stop == c.num_steps:  # reliability: killed before the summary
       eval_losses = self.evaluate(eval_step, state, eval_batches)
@@ -342,9 +360,10 @@ class Trainer:
     self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
     return summary
 
-  def _check_refused(self, state, step: int) -> None:
-    """Applies config.nonfinite after new refusals of an outer step: raise, or log and go on."""
-    counts = self.refused(state)
+  def _check_refused(self, counts, step: int) -> None:
+    """Applies config.nonfinite after new refusals of an outer step (`counts`: the device array
+    `_refused_array` gives): raise, or log and go on."""
+    counts = np.asarray(distributed.fetch(counts)).reshape(-1)
     new = [i for i in range(len(counts)) if counts[i] > self._refused_seen[i]]
     self._refused_seen = counts
     if not new:
@@ -377,8 +396,8 @@ class Trainer:
         "refused_outer_steps": int(self.refused(state).sum()),
         "wall_time_s": wall,
         "tokens_per_s": tokens_per_s,
-        "mfu": tokens_per_s * flops_per_token / (peak * self.mesh.devices.size),
-        "peak_flops_per_device": peak,
+        "mfu": mfu_lib.mfu(tokens_per_s, flops_per_token, peak),
+        "peak_flops": peak,
         "mesh": dict(self.mesh.shape),
         "workdir": str(self.workdir.absolute()),
         **final,
