@@ -25,7 +25,7 @@ from absl import app, flags
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.models import flops_per_token
 from lowcomm_jax.train import Trainer
-from lowcomm_jax.train.trainer import measure_peak_flops
+from lowcomm_jax.train import mfu
 
 _STEPS = flags.DEFINE_integer("steps", 10, "Train steps per timed round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Alternating timed rounds per setup.")
@@ -53,7 +53,7 @@ def main(argv):
   del argv
   setups = {"1 device": _setup("one", jax.devices()[:1], {"data": 1}),
             "8 devices (data=8)": _setup("eight", jax.devices()[:8], {"data": 8})}
-  peak = measure_peak_flops()
+  peak = mfu.measure_host_peak().flops_per_second  # the whole host, as the Trainer's MFU
   tokens_per_step = 16 * 128
   for _ in range(_ROUNDS.value):
     for s in setups.values():
@@ -69,7 +69,7 @@ def main(argv):
   for name, s in setups.items():
     rate = statistics.median(s["rates"])
     row = {"setup": name, "tokens_per_s": rate, "ratio_to_1_device": rate / base,
-           "mfu_vs_host_matmul": rate * fpt / peak, "rates": s["rates"]}
+           "mfu_vs_host_matmul": mfu.mfu(rate, fpt, peak), "rates": s["rates"]}
     rows.append(row)
     print(f"{name:<22}{rate:>12.0f}{rate / base:>8.2f}{row['mfu_vs_host_matmul']:>8.3f}")
   result = {"model": "small", "params": setups["1 device"]["trainer"].num_params,
