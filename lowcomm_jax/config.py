@@ -385,8 +385,8 @@ def model_config_of(c):
   if c.gradients != "replicas":
     changes["num_layers"] = c.pipeline.num_stages * c.pipeline.layers_per_stage
   return model_config.get_model_config(
-      c.model.size, dtype=c.model.dtype, max_seq_len=max(preset.max_seq_len, c.data.seq_len),
-      d_ff=c.model.d_ff or preset.d_ff, **changes)
+      c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop,
+      max_seq_len=max(preset.max_seq_len, c.data.seq_len), d_ff=c.model.d_ff or preset.d_ff, **changes)
 
 
 def _codec_names() -> list[str]:
