@@ -90,7 +90,7 @@ def test_golden_metrics_and_resume_mid_round_is_bit_identical(case, tmp_path):
 # over 8 devices); the pipeline on its (replica, stage) grid with fixed routing against the same
 # algorithm on whole models (replicas source), since both average each replica's micro-batch losses.
 MESHES = {
-    "dp": ({"mesh.data": 8, "data.batch_size": 8}, {"data.batch_size": 8}),
+    "dp": ({"mesh.data": 8, "data.batch_size": 8, "eval.batch_size": 8}, {"data.batch_size": 8}),
     "diloco": ({"mesh.replica": 2, "mesh.data": 4}, {}),
     "streaming_diloco": ({"mesh.replica": 2, "mesh.data": 4}, {}),
     "noloco": ({"mesh.replica": 4, "mesh.data": 2}, {}),
