@@ -138,15 +138,6 @@ def test_ledger_bytes_equal_the_collectives_of_the_compiled_program(case, tmp_pa
     assert step != ENGINE_CASES[case]["sync"] or expected > 0
 
 
-def test_data_parallel_bytes_are_xlas_gradient_all_reduce(tmp_path):
-  trainer = Trainer(engine_config("dp", **MESHES["dp"][0]), tmp_path)
-  program, entries = trainer.program(None, trainer.init_state())
-  reduced = sum(collective_bytes(l) for l in hlo.collectives(program.as_text())
-                if "all-reduce" in l.split("=", 1)[1].split("(", 1)[0] + l)
-  assert not entries  # XLA inserts them: the summary counts a float32 ring of the gradients
-  assert 4 * trainer.num_params <= reduced <= 4 * trainer.num_params + 64
-
-
 @pytest.mark.parametrize("case", ["dp", "noloco", "pipeline_noloco"])
 def test_a_huge_learning_rate_never_reaches_the_global_model(case, tmp_path):
   huge = {"optimizer.learning_rate": 1e30, "optimizer.warmup_steps": 0, "num_steps": 3,
