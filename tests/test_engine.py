@@ -21,7 +21,35 @@ ONE_DEVICE = {"pipeline_noloco": None, "pipeline_diloco": None}  # the pipeline 
 # the one-engine redesign) by tests/engine_golden_from_main.py: the Trainer for dp, diloco,
 # streaming_diloco and noloco; parallel/combined.py's own pipeline loop for pipeline_*; and
 # skippipe/training.py's make_path_train_step for skippipe. The engine must reproduce them to 1e-6.
-GOLDEN = {}
+GOLDEN = {
+    "diloco": {
+        1: (5.551083564758301, 1.017744541168213),
+        3: (5.518357276916504, 1.5341157913208008),
+        4: (5.466020584106445, 1.139689564704895),
+    },
+    "dp": {1: (5.558376789093018, 1.0338369607925415), 2: (5.544163227081299, 0.6954640746116638)},
+    "noloco": {
+        1: (5.549468040466309, 1.1843241453170776),
+        3: (5.515411853790283, 1.40887451171875),
+        4: (5.4761247634887695, 1.6454296112060547),
+    },
+    "pipeline_diloco": {
+        1: (5.551084041595459, 1.017744541168213),
+        3: (5.5184502601623535, 1.534348726272583),
+        4: (5.489950656890869, 1.1412733793258667),
+    },
+    "pipeline_noloco": {
+        1: (5.551084041595459, 1.017744541168213),
+        3: (5.5184502601623535, 1.534348726272583),
+        4: (5.501721382141113, 1.1417150497436523),
+    },
+    "skippipe": {1: (5.558516979217529, 1.0339123010635376), 2: (5.544247150421143, 0.6955036520957947)},
+    "streaming_diloco": {
+        1: (5.551083564758301, 1.017744541168213),
+        3: (5.518357276916504, 1.5341157913208008),
+        4: (5.49894905090332, 1.141191840171814),
+    },
+}
 
 
 def _devices(case):
@@ -62,7 +90,7 @@ def test_golden_metrics_and_resume_mid_round_is_bit_identical(case, tmp_path):
 # over 8 devices); the pipeline on its (replica, stage) grid with fixed routing against the same
 # algorithm on whole models (replicas source), since both average each replica's micro-batch losses.
 MESHES = {
-    "dp": ({"mesh.data": 8, "data.batch_size": 8}, {"data.batch_size": 8}),
+    "dp": ({"mesh.data": 8, "data.batch_size": 8, "eval.batch_size": 8}, {"data.batch_size": 8}),
     "diloco": ({"mesh.replica": 2, "mesh.data": 4}, {}),
     "streaming_diloco": ({"mesh.replica": 2, "mesh.data": 4}, {}),
     "noloco": ({"mesh.replica": 4, "mesh.data": 2}, {}),
@@ -108,15 +136,6 @@ def test_ledger_bytes_equal_the_collectives_of_the_compiled_program(case, tmp_pa
         expected += e.payload_bytes * sum(bool(perm) for pair in patterns for perm in pair)
     assert compiled == expected, (step, entries)
     assert step != ENGINE_CASES[case]["sync"] or expected > 0
-
-
-def test_data_parallel_bytes_are_xlas_gradient_all_reduce(tmp_path):
-  trainer = Trainer(engine_config("dp", **MESHES["dp"][0]), tmp_path)
-  program, entries = trainer.program(None, trainer.init_state())
-  reduced = sum(collective_bytes(l) for l in hlo.collectives(program.as_text())
-                if "all-reduce" in l.split("=", 1)[1].split("(", 1)[0] + l)
-  assert not entries  # XLA inserts them: the summary counts a float32 ring of the gradients
-  assert 4 * trainer.num_params <= reduced <= 4 * trainer.num_params + 64
 
 
 @pytest.mark.parametrize("case", ["dp", "noloco", "pipeline_noloco"])

@@ -50,6 +50,10 @@ class ReplicaGradients:
   def route_at(self, step: int):
     return None
 
+  @staticmethod
+  def compile(lowered):
+    return lowered.compile()
+
   def init(self, params):
     return self.algorithm.init_replicated(params, self.algorithm.num_replicas)
 
@@ -160,6 +164,22 @@ class PipelineGradients:
 
   def route_at(self, step: int) -> int:
     return (step - 1) % len(self.tables)
+
+  @staticmethod
+  def compile(lowered):
+    """Compiles without the persistent compilation cache: on CPU (jax 0.10.2) this step's program
+    (pipeline permutes and NoLoCo's permutes in one shard_map'd program), loaded back from the cache,
+    segfaults on its first run; compiled fresh it runs and matches the former pipeline loop."""
+    from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
+    if not compilation_cache.is_persistent_cache_enabled():
+      return lowered.compile()
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+      return lowered.compile()
+    finally:
+      jax.config.update("jax_enable_compilation_cache", True)
+      compilation_cache.reset_cache()
 
   def per_device(self, fn, num_in):
     grid = P(mesh_lib.REPLICA, mesh_lib.STAGE)

@@ -151,7 +151,7 @@ class Trainer:
     if key not in self._programs:
       ledger = comm.Ledger()
       with ledger.recording():
-        compiled = self._jit_step(key, state).lower(state, self._abstract_batch()).compile()
+        compiled = self.source.compile(self._jit_step(key, state).lower(state, self._abstract_batch()))
       self._programs[key] = (compiled, ledger.entries)
     return self._programs[key]
 
