@@ -177,17 +177,18 @@ class PipelineExecutor:
     # Each replica's gradient is the mean over the micro-batches it started (as one data-parallel
     # worker's), unless told otherwise.
     self.loss_scale = float(1.0 / origins_per_replica.max() if loss_scale is None else loss_scale)
-    self._fn = make_pipeline_grads(stage_fns, table, self.mesh, self.loss_scale)
+    # (grid params, batch) -> (loss [R, S], grads, op counts): traceable inside a larger program.
+    self.grads_fn = make_pipeline_grads(stage_fns, table, self.mesh, self.loss_scale)
 
   def compiled_text(self, grid_params, batch_MxBxT1) -> str:
     """The compiled program's HLO (to check which collectives it holds)."""
-    return self._fn.lower(grid_params, jnp.asarray(batch_MxBxT1)).compile().as_text()
+    return self.grads_fn.lower(grid_params, jnp.asarray(batch_MxBxT1)).compile().as_text()
 
   def __call__(self, grid_params, batch_MxBxT1) -> PipelineResult:
     if np.ndim(batch_MxBxT1) != 3 or np.shape(batch_MxBxT1)[0] != self.table.num_microbatches:
       raise ValueError(f"batch: expected int tokens [num_microbatches={self.table.num_microbatches}, "
                        f"B, T + 1], got shape {np.shape(batch_MxBxT1)}")
-    loss_RS, grads, counts_RSx4 = self._fn(grid_params, jnp.asarray(batch_MxBxT1))
+    loss_RS, grads, counts_RSx4 = self.grads_fn(grid_params, jnp.asarray(batch_MxBxT1))
     counts = np.asarray(counts_RSx4).reshape(self.table.num_devices, 4)
     busy = counts[:, 1:].sum(1)
     return PipelineResult(loss_RS.sum(), grads, busy, counts[:, _IDLE], self.table.num_ticks)

@@ -160,7 +160,6 @@ class PipelineGradients:
     self.tables = [ticks.compile_ticks(routes, self.num_stages, r, pipeline_cfg.order) for routes in pool]
     fns = stages.StageFunctions(model_cfg)
     self.executors = [executor.PipelineExecutor(fns, t, mesh) for t in self.tables]
-    self.d_model, self.act_bytes = model_cfg.d_model, jnp.dtype(fns.dtype).itemsize
 
   def route_at(self, step: int) -> int:
     return (step - 1) % len(self.tables)
@@ -217,7 +216,7 @@ class PipelineGradients:
     return jax.tree.map(lambda x: x[0], self.stages.from_grid(jax.tree.map(lambda x: x[None], params_s)))
 
   def train_step(self, phase, route):
-    table, run = self.tables[route], self.executors[route]._fn  # pylint: disable=protected-access
+    run = self.executors[route].grads_fn  # its comm.permute calls record the pipeline's bytes
     r, k = self.algorithm.num_replicas, self.slots
     update = self.per_device(lambda g, s, p: self.algorithm.update(g, s, p, phase), 3)
 
@@ -225,7 +224,6 @@ class PipelineGradients:
       # Micro-batch m = slot·R + replica, drawn from its origin replica's own batch.
       b, t1 = batch_r.shape[1] // k, batch_r.shape[2]
       batch_m = batch_r.reshape(r, k, b, t1).swapaxes(0, 1).reshape(k * r, b, t1)
-      self._record(table, b * (t1 - 1) * self.d_model)
       loss_rs, grads, _ = run(state.params, batch_m)
       updates, opt_state = update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
@@ -234,14 +232,6 @@ class PipelineGradients:
               {"loss": loss_rs.reshape(r, -1).sum(1), "grad_norm": grad_norm_r})
 
     return train_step
-
-  def _record(self, table, values_per_message: int) -> None:
-    """The pipeline's ppermutes in the ledger: each device sends one message (an activation forward
-    or a gradient backward, [b, T, d_model]) per op it runs that has a destination."""
-    sends = int((table.send >= 0).sum())
-    payload = values_per_message * self.act_bytes
-    comm.record("pipeline activations and gradients", "ppermute", payload,
-                payload * sends / table.num_devices, table.num_devices)
 
 
 def stage_paths_of(config) -> np.ndarray:
