@@ -79,7 +79,8 @@ def test_compiled_sync_step_has_only_permutation_collectives():
   tx = lowcomm_jax.noloco(optax.adam(0.05), num_replicas=8, sync_every=2)
   mesh = jax.make_mesh((8,), ("replica",), axis_types=(jax.sharding.AxisType.Auto,))
   params_r, state = tx.init_replicated(params, 8)
-  axes = tx.state_axes._replace(count=P(), inner_state=P("replica"), slow=P("replica"), momentum=P("replica"))
+  axes = tx.state_axes._replace(count=P(), inner_state=P("replica"), slow=P("replica"), momentum=P("replica"),
+                                refused=P("replica"))
 
   def step(p, s, b):
     p, b = jax.tree.map(lambda x: x[0], (p, b))

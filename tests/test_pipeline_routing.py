@@ -66,7 +66,7 @@ def _run_pipeline_binary(*flags):
 
 def test_pipeline_binary_refuses_bad_input_and_an_existing_run_before_writing(tmp_path):
   bad = _run_pipeline_binary(f"--workdir={tmp_path / 'new'}", "--config.pipeline.routing=bogus")
-  assert bad.returncode != 0 and "pipeline.routing must be one of" in bad.stderr
+  assert bad.returncode != 0 and "pipeline.routing must be" in bad.stderr
   assert not (tmp_path / "new").exists()
   earlier = tmp_path / "earlier"
   earlier.mkdir()

@@ -75,7 +75,9 @@ def grid_mesh(table: ticks_lib.TickTable, devices=None):
 
 def make_pipeline_grads(stage_fns: StageFunctions, table: ticks_lib.TickTable, mesh,
                         loss_scale: float) -> Callable:
-  """A jitted (grid params, batch [M, B, T+1]) → (loss, grid grads, op counts int[R, S, 4]).
+  """(grid params, batch [M, B, T+1]) → (loss, grid grads, op counts int[R, S, 4]), not jitted: a
+  caller traces it inside its own program, so its `comm.permute` calls record their bytes in the
+  ledger on every trace (a jitted inner function's cached trace would record nothing).
 
   The table is validated here, before anything is traced. The batch is replicated on every device
   (stage-0 devices read their micro-batches' tokens; the origin reads the targets for the loss).
@@ -157,7 +159,7 @@ def make_pipeline_grads(stage_fns: StageFunctions, table: ticks_lib.TickTable, m
   # the mesh (activations) with constants (an idle device's zeros).
   sharded = jax.shard_map(device_program, mesh=mesh, in_specs=(GRID, P()),
                           out_specs=(GRID, GRID, GRID), check_vma=False)
-  return jax.jit(sharded)
+  return sharded
 
 
 def _store(buffer, microbatch, value):
@@ -177,18 +179,19 @@ class PipelineExecutor:
     # Each replica's gradient is the mean over the micro-batches it started (as one data-parallel
     # worker's), unless told otherwise.
     self.loss_scale = float(1.0 / origins_per_replica.max() if loss_scale is None else loss_scale)
-    # (grid params, batch) -> (loss [R, S], grads, op counts): traceable inside a larger program.
+    # (grid params, batch) -> (loss [R, S], grads, op counts): traced inside a larger program.
     self.grads_fn = make_pipeline_grads(stage_fns, table, self.mesh, self.loss_scale)
+    self._jitted = jax.jit(self.grads_fn)
 
   def compiled_text(self, grid_params, batch_MxBxT1) -> str:
     """The compiled program's HLO (to check which collectives it holds)."""
-    return self.grads_fn.lower(grid_params, jnp.asarray(batch_MxBxT1)).compile().as_text()
+    return self._jitted.lower(grid_params, jnp.asarray(batch_MxBxT1)).compile().as_text()
 
   def __call__(self, grid_params, batch_MxBxT1) -> PipelineResult:
     if np.ndim(batch_MxBxT1) != 3 or np.shape(batch_MxBxT1)[0] != self.table.num_microbatches:
       raise ValueError(f"batch: expected int tokens [num_microbatches={self.table.num_microbatches}, "
                        f"B, T + 1], got shape {np.shape(batch_MxBxT1)}")
-    loss_RS, grads, counts_RSx4 = self.grads_fn(grid_params, jnp.asarray(batch_MxBxT1))
+    loss_RS, grads, counts_RSx4 = self._jitted(grid_params, jnp.asarray(batch_MxBxT1))
     counts = np.asarray(counts_RSx4).reshape(self.table.num_devices, 4)
     busy = counts[:, 1:].sum(1)
     return PipelineResult(loss_RS.sum(), grads, busy, counts[:, _IDLE], self.table.num_ticks)
