@@ -73,6 +73,6 @@ def test_pipeline_binary_refuses_bad_input_and_an_existing_run_before_writing(tm
   (earlier / "config.json").write_text("{}")
   (earlier / "metrics.jsonl").write_text('{"step": 1}\n')
   rerun = _run_pipeline_binary(f"--workdir={earlier}")
-  assert rerun.returncode != 0 and "already holds a pipeline run" in rerun.stderr
+  assert rerun.returncode != 0 and f"workdir {earlier} has a config.json" in rerun.stderr
   assert (earlier / "metrics.jsonl").read_text() == '{"step": 1}\n'
   assert sorted(p.name for p in earlier.iterdir()) == ["config.json", "metrics.jsonl"]
