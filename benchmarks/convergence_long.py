@@ -4,6 +4,7 @@
       > /work/fidelity_runs/log.txt 2>&1 &
   python benchmarks/convergence_long.py --only="diloco M=1,dp M=1"   # some rows (substrings, comma-separated)
   python benchmarks/convergence_long.py --list                       # the rows, in the order they run
+  python benchmarks/convergence_long.py --report     # rewrite the JSON and PNG now, with unfinished rows
 
 The `small` model (convergence.py's config: 8 × 128 bytes per replica per step) for 3,000 inner steps
 per run, with the papers' recipe: inner AdamW with linear warm-up (150 steps, 5%) then cosine decay to
@@ -45,10 +46,13 @@ from lowcomm_jax.train import Trainer
 flags.FLAGS.set_default("steps", 3000)
 flags.FLAGS.set_default("workdir", "/work/fidelity_runs")
 _LIST = flags.DEFINE_boolean("list", False, "Print the rows in the order they run, and stop.")
+_MODEL = flags.DEFINE_string("model", "small", "Model preset; other than small, the runs live in "
+                             "<workdir>/<model>/ and the results in convergence_long_<model>.json.")
+_REPORT = flags.DEFINE_boolean("report", False, "Rewrite the JSON and PNG from the runs so far "
+                               "(unfinished rows' curves included), run nothing.")
 _WARMUP = 150
 _EVAL_EVERY = 150
 _RESULTS = pathlib.Path(__file__).parent / "results"
-_OUT = _RESULTS / "convergence_long.json"
 
 # The papers' small-scale figures (PAPERS.md 5): the DiLoCo scaling-laws paper (Charles et al. 2025,
 # Table 4, 35M parameters, H = 30) as eval loss relative to data-parallel, and Streaming DiLoCo
@@ -94,9 +98,13 @@ def rows() -> list[tuple[str, int, dict]]:
   return [(run, seed, {**changes, "seed": seed}) for run, seed, changes in table]
 
 
+def _out() -> pathlib.Path:
+  return _RESULTS / ("convergence_long" + ("" if _MODEL.value == "small" else f"_{_MODEL.value}"))
+
+
 def make_config(changes: dict):
   return convergence.make_config(
-      {"optimizer.warmup_steps": _WARMUP, **changes}, steps=convergence._STEPS.value,  # pylint: disable=protected-access
+      {"optimizer.warmup_steps": _WARMUP, "model.size": _MODEL.value, **changes}, steps=convergence._STEPS.value,  # pylint: disable=protected-access
       eval_every=_EVAL_EVERY, checkpoint_every=_EVAL_EVERY)
 
 
@@ -106,7 +114,8 @@ def _key(run: str, seed: int) -> str:
 
 def _workdir(run: str, seed: int) -> pathlib.Path:
   slug = run.replace(" ", "_").replace("=", "")
-  return pathlib.Path(convergence._WORKDIR.value) / f"{slug}_seed{seed}"  # pylint: disable=protected-access
+  root = pathlib.Path(convergence._WORKDIR.value)  # pylint: disable=protected-access
+  return (root if _MODEL.value == "small" else root / _MODEL.value) / f"{slug}_seed{seed}"  # pylint: disable=protected-access
 
 
 def _selected(run: str, seed: int) -> bool:
@@ -115,9 +124,9 @@ def _selected(run: str, seed: int) -> bool:
 
 
 def _load() -> dict:
-  if not _OUT.exists():
+  if not _out().with_suffix(".json").exists():
     return {}
-  return {_key(r["run"], r["seed"]): r for r in json.loads(_OUT.read_text())["rows"]}
+  return {_key(r["run"], r["seed"]): r for r in json.loads(_out().with_suffix(".json").read_text())["rows"]}
 
 
 def _with_ratios(results: dict) -> list[dict]:
@@ -154,14 +163,31 @@ def _claim(workdir: pathlib.Path) -> bool:
   return True
 
 
+def _unfinished(results: dict) -> list[dict]:
+  """Rows started but not finished: their eval curve so far (not a result: mid-schedule)."""
+  out = []
+  for run, seed, changes in rows():
+    metrics = _workdir(run, seed) / "metrics.jsonl"
+    if _key(run, seed) in results or not metrics.exists():
+      continue
+    curve = [(r["step"], r["eval_loss"]) for r in map(json.loads, metrics.read_text().splitlines())
+             if "eval_loss" in r]
+    if curve:
+      out.append({"run": run, "seed": seed, "replicas": changes["_m"], "algorithm": changes["algorithm"],
+                  "last_eval_step": curve[-1][0], "last_eval_loss": curve[-1][1], "eval_curve": curve})
+  return out
+
+
 def _write(results: dict, suite_start: str) -> list[dict]:
   results = {**_load(), **results}  # rows another copy of the command finished meanwhile
   table = _with_ratios(results)
+  unfinished = _unfinished(results)
   _RESULTS.mkdir(parents=True, exist_ok=True)
-  _OUT.write_text(json.dumps({
+  _out().with_suffix(".json").write_text(json.dumps({
       "steps": convergence._STEPS.value, "warmup_steps": _WARMUP,  # pylint: disable=protected-access
-      "command": "python benchmarks/convergence_long.py --workdir=/work/fidelity_runs",
-      "suite_started": suite_start, "rows": table}, indent=1))
+      "command": f"python benchmarks/convergence_long.py --workdir=/work/fidelity_runs --model={_MODEL.value}",
+      "model": _MODEL.value,
+      "suite_started": suite_start, "rows": table, "unfinished": unfinished}, indent=1))
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
   panels = (("M = 1 and 2, H = 30 (seed 0)", lambda r: r["replicas"] in (1, 2) and "outer_lr" not in r["run"]
              and "H=100" not in r["run"] and "streaming" not in r["run"]),
@@ -170,17 +196,18 @@ def _write(results: dict, suite_start: str) -> list[dict]:
              or r["run"] in ("dp M=2", "diloco M=2 H=30")),
             ("M = 4", lambda r: r["replicas"] == 4))
   for ax, (title, keep) in zip(axes, panels):
-    for r in table:
+    for r in table + [dict(r, run=r["run"] + " (running)") for r in unfinished]:
       if r["seed"] == 0 and keep(r) and r["eval_curve"]:
         curve = r["eval_curve"][1:] or r["eval_curve"]  # the first eval (step 150) is off the scale
         steps, losses = zip(*curve)
-        ax.plot(steps, losses, "o-" if r["algorithm"] == "dp" else ".-", label=r["run"], lw=1, ms=3)
+        style = ("o" if r["algorithm"] == "dp" else ".") + (":" if "running" in r["run"] else "-")
+        ax.plot(steps, losses, style, label=r["run"], lw=1, ms=3)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("inner step")
     ax.legend(fontsize=7)
   axes[0].set_ylabel("eval loss (nats/byte)")
   fig.tight_layout()
-  fig.savefig(_RESULTS / "convergence_long.png", dpi=100)
+  fig.savefig(_out().with_suffix(".png"), dpi=100)
   return table
 
 
@@ -202,9 +229,10 @@ def main(argv):
       print(f"{_key(run, seed):<44}{'selected' if _selected(run, seed) else ''}")
     return
   results = _load()
-  suite_start = json.loads(_OUT.read_text()).get("suite_started") if _OUT.exists() else None
-  suite_start = suite_start or time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-  for run, seed, changes in rows():
+  started = [(_workdir(run, seed) / "config.json").stat().st_mtime for run, seed, _ in rows()
+             if (_workdir(run, seed) / "config.json").exists()]  # the first row's start
+  suite_start = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(min(started or [time.time()])))
+  for run, seed, changes in [] if _REPORT.value else rows():
     key, workdir = _key(run, seed), _workdir(run, seed)
     if not _selected(run, seed) or (key in _load() and (workdir / "summary.json").exists()):
       continue
@@ -213,7 +241,10 @@ def main(argv):
       continue
     print(f"== {key} ({workdir}) at {time.strftime('%H:%M:%S', time.gmtime())} UTC", flush=True)
     trainer = Trainer(make_config(changes), workdir)
-    summary = trainer.run()
+    if (workdir / "summary.json").exists():  # finished before its row was written: a resumed
+      summary = json.loads((workdir / "summary.json").read_text())  # Trainer would evaluate nothing
+    else:
+      summary = trainer.run()
     row = convergence.result_row(run, changes, summary, workdir)
     row.update(run=run, seed=seed, eval_loss=row.pop("final_eval_loss"), steps=summary["steps"],
                workdir=str(workdir))
@@ -223,8 +254,7 @@ def main(argv):
     results[key] = row
     _print(_write(results, suite_start))
     workdir.with_name(workdir.name + ".lock").unlink()
-  if results:
-    _print(_write(results, suite_start))
+  _print(_write(results, suite_start))
 
 
 if __name__ == "__main__":
