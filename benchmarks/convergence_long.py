@@ -196,12 +196,12 @@ def _write(results: dict, suite_start: str) -> list[dict]:
              or r["run"] in ("dp M=2", "diloco M=2 H=30")),
             ("M = 4", lambda r: r["replicas"] == 4))
   for ax, (title, keep) in zip(axes, panels):
-    for r in table + [dict(r, run=r["run"] + " (running)") for r in unfinished]:
+    for r, running in [(r, False) for r in table] + [(r, True) for r in unfinished]:
       if r["seed"] == 0 and keep(r) and r["eval_curve"]:
         curve = r["eval_curve"][1:] or r["eval_curve"]  # the first eval (step 150) is off the scale
         steps, losses = zip(*curve)
-        style = ("o" if r["algorithm"] == "dp" else ".") + (":" if "running" in r["run"] else "-")
-        ax.plot(steps, losses, style, label=r["run"], lw=1, ms=3)
+        style = ("o" if r["algorithm"] == "dp" else ".") + (":" if running else "-")
+        ax.plot(steps, losses, style, label=r["run"] + (" (running)" if running else ""), lw=1, ms=3)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("inner step")
     ax.legend(fontsize=7)
