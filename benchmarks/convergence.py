@@ -61,16 +61,34 @@ def runs() -> dict[str, dict]:
   return table
 
 
-def make_config(changes: dict):
+def make_config(changes: dict, steps: int | None = None, eval_every: int = 100,
+                checkpoint_every: int = 100):
+  """The `small` model at 8 × 128 bytes per replica per step, with `changes` (keys "_*" skipped)."""
   c = config_lib.default_config()
   c.model.size = "small"
-  c.num_steps = _STEPS.value
+  c.num_steps = steps or _STEPS.value
   c.data.seq_len, c.data.batch_size = 128, 8
-  c.eval.every, c.eval.num_batches, c.eval.batch_size = 100, 16, 16
-  c.checkpoint.every = 100
+  c.eval.every, c.eval.num_batches, c.eval.batch_size = eval_every, 16, 16
+  c.checkpoint.every = checkpoint_every
   c.log_every = 20
   c.progress_bar = False
   return config_lib.override(c, {k: v for k, v in changes.items() if not k.startswith("_")})
+
+
+def result_row(name: str, changes: dict, summary: dict, workdir: pathlib.Path) -> dict:
+  """What the tables keep of a finished run: final eval loss, bytes, the eval curve."""
+  curve = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  row = {"name": name, "replicas": changes["_m"], "algorithm": changes["algorithm"],
+         "final_eval_loss": summary["final_eval_loss"], "tokens": summary["tokens"],
+         "bytes_per_worker": summary["bytes_sent_per_worker"]["total"],
+         "peak_bytes_per_sync": summary["bytes_sent_per_worker"]["peak_per_sync"],
+         "wall_time_s": summary["wall_time_s"],
+         "bits_per_param_per_step": summary["bytes_sent_per_worker"]["bits_per_param_per_step"],
+         "eval_curve": [(r["step"], r["eval_loss"]) for r in curve if "eval_loss" in r]}
+  if changes["algorithm"] == "noloco":  # no global model: the replicas' losses and their spread
+    row["final_eval_loss_replicas"] = summary["final_eval_loss_replicas"]
+    row["weight_spread_curve"] = [(r["step"], r["weight_spread"]) for r in curve if "weight_spread" in r]
+  return row
 
 
 def main(argv):
@@ -88,18 +106,7 @@ def main(argv):
       continue  # finished: a resumed Trainer would take no step and evaluate nothing
     print(f"== {name}", flush=True)
     summary = Trainer(make_config(changes), workdir).run()
-    curve = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
-    results[name] = {"name": name, "replicas": changes["_m"], "algorithm": changes["algorithm"],
-                     "final_eval_loss": summary["final_eval_loss"], "tokens": summary["tokens"],
-                     "bytes_per_worker": summary["bytes_sent_per_worker"]["total"],
-                     "peak_bytes_per_sync": summary["bytes_sent_per_worker"]["peak_per_sync"],
-                     "wall_time_s": summary["wall_time_s"],
-                     "bits_per_param_per_step": summary["bytes_sent_per_worker"]["bits_per_param_per_step"],
-                     "eval_curve": [(r["step"], r["eval_loss"]) for r in curve if "eval_loss" in r]}
-    if changes["algorithm"] == "noloco":  # no global model: the replicas' losses and their spread
-      results[name]["final_eval_loss_replicas"] = summary["final_eval_loss_replicas"]
-      results[name]["weight_spread_curve"] = [(r["step"], r["weight_spread"]) for r in curve
-                                              if "weight_spread" in r]
+    results[name] = result_row(name, changes, summary, workdir)
   for r in results.values():
     base = results.get(f"dp M={r['replicas']}")
     if base:
