@@ -250,7 +250,7 @@ def _chart(rates: dict, peers: set, path: pathlib.Path):
           color=["tab:orange" if n in peers else "tab:blue" for n in names])
   ax.invert_yaxis()
   ax.set_xlabel("tokens per process CPU-second (median of rounds); orange: peers")
-  ax.set_title(f"{_DTYPE.value}, one interleaved run; pairs compare the same model and tokens per step")
+  ax.set_title(f"{_DTYPE.value}; pairs (ours, peer) run the same model and tokens per step", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
