@@ -4,7 +4,9 @@ Experiment files in `experiments/configs/` start from `default_config()` and
 change values; they cannot add keys (`lock_config=True`), so a misspelt key
 is an error at the command line. `validate` checks values before any compute and before anything
 is written: one ValueError naming the option and its allowed values (each key's comment below gives
-its range). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it.
+its range); the sections an algorithm reads are checked by that algorithm's `check_config`
+(`lowcomm_jax.train.algorithms.ALGORITHMS`). A run's fingerprint (every key but RUNTIME_KEYS) must
+match to resume it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from lowcomm_jax import checks
 from lowcomm_jax.data import corpora
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax import sharding
-
-ALGORITHMS = ("dp", "diloco", "streaming_diloco", "noloco")
 
 # Keys that may change when a run is resumed: they do not change the trajectory (nonfinite
 # only decides what happens once a non-finite outer gradient appears: stop, or refuse it and go on).
@@ -194,7 +194,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   missing = sorted(known - given)
   if missing:
     raise ValueError(f"config is missing keys {missing}; start from lowcomm_jax.config.default_config()")
-  checks.require(c.algorithm in ALGORITHMS, "algorithm", f"one of {ALGORITHMS}", c.algorithm)
+  # The algorithms' own sections (diloco.*, noloco.*, outer_optimizer.*) are checked by the selected
+  # entry of train.algorithms.ALGORITHMS, last; imported here since that module imports this one.
+  from lowcomm_jax.train import algorithms  # pylint: disable=g-import-not-at-top
+  names = tuple(algorithms.ALGORITHMS)
+  checks.require(c.algorithm in names, "algorithm", f"one of {names}", c.algorithm)
   checks.integer(c, "num_steps", 1)
   checks.integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
   model_config.get_model_config(c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop)
@@ -232,69 +236,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   mesh_lib.mesh_shape(c.mesh.to_dict(), fixed)
   checks.require(c.nonfinite in ("raise", "skip"), "nonfinite", "raise or skip", c.nonfinite)
   _validate_gradients(c)
-  if c.algorithm == "dp":
-    checks.require(c.num_replicas == 1 and c.mesh.replica == 1, "num_replicas and mesh.replica",
-                   "1 for algorithm=dp (use diloco for replicas)", (c.num_replicas, c.mesh.replica))
-  elif c.algorithm == "noloco":
-    n = c.noloco
-    checks.require(c.num_replicas >= 2, "num_replicas", ">= 2 for algorithm=noloco (gossip needs peers)",
-                   c.num_replicas)
-    checks.require(n.group_size >= 2 and c.num_replicas % n.group_size == 0, "noloco.group_size",
-                   f">= 2 and a divisor of num_replicas={c.num_replicas}", n.group_size)
-    checks.require(c.mesh.replica in (1, c.num_replicas), "mesh.replica",
-                   f"1 (replicas simulated on shared devices) or num_replicas={c.num_replicas} "
-                   "(one replica per device group) for algorithm=noloco", c.mesh.replica)
-    checks.sync_every(n.sync_every, "noloco.sync_every", num_steps=c.num_steps)
-    checks.number(c, "noloco.outer_learning_rate", 0, low_open=True)
-    checks.number(c, "noloco.outer_momentum", 0, 1)
-    checks.number(c, "noloco.gamma", 0)
-    checks.require(n.num_groupings >= 1, "noloco.num_groupings", ">= 1", n.num_groupings)
-    checks.require(n.codec == "none" or n.codec in _codec_names(), "noloco.codec",
-                   f"none or one of {_codec_names()}", n.codec)
-    if n.codec != "none":
-      checks.integer(c, "noloco.codec_block_size", 2, note=" (values per absmax scale)")
-  else:
-    checks.require(c.num_replicas >= 1, "num_replicas", ">= 1 (the number of DiLoCo workers M)", c.num_replicas)
-    checks.require(c.mesh.replica >= 1 and c.num_replicas % c.mesh.replica == 0, "mesh.replica",
-                   f"a divisor of num_replicas={c.num_replicas}", c.mesh.replica)
-    if c.algorithm == "diloco":
-      d = c.diloco
-      checks.require(d.num_fragments == 1 and d.overlap_steps == 0 and d.merge_alpha == 0.0
-                     and not d.fragment_rules, "diloco.num_fragments/overlap_steps/merge_alpha/fragment_rules",
-                     "1/0/0/'' for algorithm=diloco (use algorithm=streaming_diloco)",
-                     (d.num_fragments, d.overlap_steps, d.merge_alpha, d.fragment_rules))
-    checks.require(not c.diloco.fragment_rules or c.diloco.num_fragments == 1, "diloco.num_fragments",
-                   "1 when diloco.fragment_rules is set (the rules give the fragments)", c.diloco.num_fragments)
-    from lowcomm_jax.optim import schedule, streaming  # pylint: disable=g-import-not-at-top
-    num_rows = streaming.count_fragments(fragments_of(c), c.diloco.non_block_fragment)
-    checks.sync_every(c.diloco.sync_every, num_steps=c.num_steps,
-                      num_fragments=num_rows if c.diloco.staggered else 1)
-    schedule.make_schedule(num_rows, c.diloco.sync_every, c.diloco.overlap_steps,
-                           c.diloco.merge_alpha, c.diloco.staggered, c.diloco.overlap_anchor)
-    checks.require(c.diloco.codec == "none" or c.diloco.codec in _codec_names(), "diloco.codec",
-                   f"none or one of {_codec_names()}", c.diloco.codec)
-    from lowcomm_jax import codecs as codecs_lib  # pylint: disable=g-import-not-at-top
-    if c.diloco.codec != "none":
-      from lowcomm_jax.codecs import base  # pylint: disable=g-import-not-at-top
-      checks.integer(c, "diloco.codec_block_size", 2, note=" (values per absmax scale)")
-      checks.require(c.diloco.codec_rounding in base.ROUNDING_MODES, "diloco.codec_rounding",
-                     f"one of {', '.join(base.ROUNDING_MODES)}", c.diloco.codec_rounding)
-    checks.require(c.diloco.codec_kernels in codecs_lib.KERNEL_MODES, "diloco.codec_kernels",
-                   f"one of {codecs_lib.KERNEL_MODES}", c.diloco.codec_kernels)
-    checks.require(not c.diloco.error_feedback or c.diloco.codec != "none", "diloco.error_feedback",
-                   "False unless diloco.codec is set", c.diloco.error_feedback)
-    checks.require(c.outer_optimizer.name in ("nesterov", "sgd", "adam"), "outer_optimizer.name",
-                   "nesterov, sgd or adam", c.outer_optimizer.name)
-    checks.number(c, "outer_optimizer.learning_rate", 0, low_open=True)
-    checks.number(c, "outer_optimizer.momentum", 0, 1)
-
-
-def fragments_of(c: ml_collections.ConfigDict):
-  """`streaming_diloco`'s `fragments`: the parsed diloco.fragment_rules table, else diloco.num_fragments."""
-  if c.diloco.fragment_rules:
-    from lowcomm_jax.optim import fragments  # pylint: disable=g-import-not-at-top
-    return fragments.parse_rules(c.diloco.fragment_rules)
-  return c.diloco.num_fragments
+  algorithms.ALGORITHMS[c.algorithm].check_config(c)
 
 
 GRADIENTS = ("replicas", "skippipe", "pipeline")
@@ -354,11 +296,6 @@ def model_config_of(c):
   return model_config.get_model_config(
       c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop,
       max_seq_len=max(preset.max_seq_len, c.data.seq_len), d_ff=c.model.d_ff or preset.d_ff, **changes)
-
-
-def _codec_names() -> list[str]:
-  from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
-  return list(codecs.CODECS)
 
 
 def load_run_config(workdir) -> ml_collections.ConfigDict:

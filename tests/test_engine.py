@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax import codecs, hlo
+from lowcomm_jax import checks, codecs, hlo
 from lowcomm_jax.testing import ENGINE_CASES, collective_bytes, engine_config, read_metrics, tree_hash
-from lowcomm_jax.train import Trainer
+from lowcomm_jax.train import Trainer, algorithms
 
 CASES = sorted(ENGINE_CASES)
 ONE_DEVICE = {"pipeline_noloco": None, "pipeline_diloco": None}  # the pipeline needs its grid
@@ -179,3 +179,27 @@ def test_bad_input_is_refused_before_anything_is_written(name, tmp_path):
   with pytest.raises(ValueError, match=message):
     Trainer(engine_config("dp", **changes), earlier)
   assert tree_hash(earlier) == before
+
+
+def test_an_algorithm_is_reached_only_through_its_entry(tmp_path, monkeypatch):
+  """config.validate and the Trainer know an algorithm only by its entry in algorithms.ALGORITHMS
+  (builder + check_config), never by its name: an entry added under a new name has its own check
+  called before anything is written, and trains exactly like the builder it reuses."""
+
+  def check(c):
+    checks.require(c.optimizer.name == "sgd", "optimizer.name", "sgd for algorithm=dp_sgd",
+                   c.optimizer.name)
+
+  monkeypatch.setitem(algorithms.ALGORITHMS, "dp_sgd",
+                      algorithms.Algorithm(algorithms.ALGORITHMS["dp"].build, check))
+  with pytest.raises(ValueError, match="optimizer.name must be sgd for algorithm=dp_sgd, got 'adamw'"):
+    Trainer(engine_config("dp", algorithm="dp_sgd"), tmp_path / "refused")
+  assert not (tmp_path / "refused").exists()
+  finals = []
+  for name in ("dp_sgd", "dp"):
+    trainer = Trainer(engine_config("dp", algorithm=name, num_steps=2, **{"optimizer.name": "sgd"}),
+                      tmp_path / name, devices=jax.devices()[:1])
+    trainer.run()
+    finals.append(jax.device_get(trainer.final_state.params))
+  for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1]), strict=True):
+    np.testing.assert_array_equal(a, b)
