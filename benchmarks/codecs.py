@@ -13,12 +13,12 @@ interleaved (copy, e3m0, e3m0/encode, ... then again) and the median of each
 is reported; absolute times are context only.
 
 Error: the relative RMS error ``||decode(encode(Δ)) - Δ|| / ||Δ||`` of each
-codec on a stand-in outer gradient: the difference of the parameters of a
-small byte-level MLP language model before and after 50 Adam steps
-(``lowcomm_jax.codecs.analysis.synthetic_outer_gradient``, about 280k
-values), at several block sizes, per-tensor scaling and stochastic rounding.
-A real outer gradient from a training run will replace it. Wire bits per
-value include the fp32 scales. Writes benchmarks/results/codecs.json.
+codec on a real outer gradient from the Trainer
+(``lowcomm_jax.train.outer_gradient.diloco_outer_gradient``: Δ = θ_start − θ_end of
+replica 0 of a DiLoCo run of the `small` decoder, M = 2, after ``--inner_steps``
+inner AdamW steps on the stdlib corpus), at several block sizes, per-tensor
+scaling and stochastic rounding. Wire bits per value include the fp32 scales.
+Writes benchmarks/results/codecs.json.
 """
 
 import json
@@ -31,10 +31,6 @@ from absl import app, flags
 _LOG2_VALUES = flags.DEFINE_integer("log2_values", 24, "Array size for the throughput test.")
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Interleaved repetitions per codec.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 1024, "Block size for the throughput test.")
-_GRADIENT = flags.DEFINE_enum("outer_gradient", "trainer", ["trainer", "synthetic"],
-                              "trainer: a real DiLoCo outer gradient (the `small` decoder, M = 2, "
-                              "after `--inner_steps` inner steps on the stdlib corpus); synthetic: "
-                              "the byte-MLP stand-in of lowcomm_jax.codecs.analysis.")
 _INNER_STEPS = flags.DEFINE_integer("inner_steps", 50, "Inner steps of the real outer gradient.")
 _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results",
                                                "codecs.json"), "JSON output path.")
@@ -51,31 +47,13 @@ def jax_block(tree):
   return jax.block_until_ready(tree)
 
 
-def trainer_outer_gradient(inner_steps: int):
-  """Δ = φ − θ of replica 0 of a real DiLoCo run (`small`, M = 2) after `inner_steps` inner steps."""
-  import tempfile  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=import-outside-toplevel
-  from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.train import Trainer  # pylint: disable=g-import-not-at-top
-  c = config_lib.default_config()
-  c.model.size, c.algorithm, c.num_replicas = "small", "diloco", 2
-  c.num_steps, c.diloco.sync_every = inner_steps, inner_steps + 1  # stop just before the first sync
-  c.data.batch_size, c.data.seq_len, c.progress_bar, c.log_every = 8, 128, False, inner_steps
-  c.eval.every, c.hardware.peak_flops_per_device = 10 * inner_steps, 1e10
-  trainer = Trainer(c, tempfile.mkdtemp())
-  summary = trainer.run()
-  state = trainer.final_state
-  delta = jax.tree.map(lambda g, p: g - p[0], state.opt_state.outer_params, state.params)
-  return delta, {"model": "small", "replicas": 2, "inner_steps": inner_steps,
-                 "eval_loss_of_phi": summary["final_eval_loss"]}
-
-
 def main(argv):
   del argv
   import jax
   import jax.numpy as jnp
   from lowcomm_jax import codecs
   from lowcomm_jax.codecs import analysis
+  from lowcomm_jax.train import outer_gradient
 
   num_values = 1 << _LOG2_VALUES.value
   x = jax.random.normal(jax.random.key(0), (num_values,), jnp.float32)
@@ -112,12 +90,8 @@ def main(argv):
     print(f"{name:<6} {1e3 * median[name]:>14.2f} {row['throughput_over_copy']:>18.3f} "
           f"{row['encode_throughput_over_copy']:>14.3f} {row['decode_throughput_over_copy']:>14.3f}")
 
-  if _GRADIENT.value == "trainer":
-    delta, info = trainer_outer_gradient(_INNER_STEPS.value)
-    source = f"real: DiLoCo small decoder, M=2, replica 0 after {_INNER_STEPS.value} inner AdamW steps"
-  else:
-    delta, info = analysis.synthetic_outer_gradient()
-    source = "synthetic: byte MLP LM, 50 Adam steps after 100"
+  delta, info = outer_gradient.diloco_outer_gradient("small", 2, _INNER_STEPS.value)
+  source = f"real: DiLoCo small decoder, M=2, replica 0 after {_INNER_STEPS.value} inner AdamW steps"
   num_params = sum(int(v.size) for v in jax.tree.leaves(delta))
   rows = analysis.error_table(delta, key=jax.random.key(1))
   print(f"\nrelative RMS error on an outer gradient ({num_params} values; {source})")

@@ -6,7 +6,8 @@ host unless --coordinator_bind_address is given).
   python experiments/launch_local.py --num_processes=2 -- \
       --config=experiments/configs/diloco.py:tiny --workdir=runs/diloco_2proc --config.mesh.replica=2
 
-Everything after `--` goes to every process unchanged; the launcher adds --coordinator_address
+Everything after `--` goes to every process unchanged (`--script` runs another script than train.py,
+e.g. tests/engine_processes_worker.py); the launcher adds --coordinator_address
 (127.0.0.1 and a free port), --num_processes and --process_id, and gives each process
 --devices_per_process fake CPU devices. Their output is streamed with a `[i]` prefix. When one
 process fails, the others are stopped at once and the launcher prints which process failed with
@@ -39,7 +40,10 @@ from absl import app, flags
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start (>= 1).")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 1, "Fake CPU devices in each process.")
 _TAIL = flags.DEFINE_integer("tail_lines", 20, "Lines of each process shown when one fails.")
-_SCRIPT = pathlib.Path(__file__).resolve().parent / "train.py"
+_TRAIN = pathlib.Path(__file__).resolve().parent / "train.py"
+_SCRIPT = flags.DEFINE_string(
+    "script", str(_TRAIN), "The Python script every process runs (train.py; a test's worker). It "
+    "must take --coordinator_address, --num_processes and --process_id.")
 _STACK_FRAME = re.compile(r"\s+@\s+0x[0-9a-f]+ ")
 # How JAX's runtime names a process that missed its heartbeats (distributed.timeout_seconds).
 _SILENT = re.compile(r"Task (\d+) heartbeat timeout|stopped sending heartbeats\):\s*(\d+)")
@@ -130,8 +134,10 @@ def stop_all(processes: list[Process], grace_seconds: float = 5.0) -> None:
 
 
 def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
-           coordinator_host: str = "127.0.0.1", wrap=lambda index, command: command) -> int:
-  """Runs the processes to the end; returns 0, or the failed process's code (128 + signal).
+           coordinator_host: str = "127.0.0.1", wrap=lambda index, command: command,
+           script=_TRAIN) -> int:
+  """Runs `script` (train.py) as the processes, to the end; returns 0, or the failed process's
+  code (128 + signal).
 
   `wrap(i, command)` may prefix process i's command (benchmarks/slow_link.py runs each process in
   its own network namespace, where process 0's coordinator listens on `coordinator_host`).
@@ -141,7 +147,7 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
   print(f"launch_local: coordinator at {address}", flush=True)
   try:
     for i in range(num_processes):
-      command = [sys.executable, str(_SCRIPT), *train_args, f"--coordinator_address={address}",
+      command = [sys.executable, str(script), *train_args, f"--coordinator_address={address}",
                  f"--num_processes={num_processes}", f"--process_id={i}"]
       processes.append(Process(i, wrap(i, command), child_env(devices), tail, lock))
       with lock:
@@ -192,7 +198,7 @@ def main(argv):
     raise app.UsageError("give train.py's flags after --, e.g. -- --config=... --workdir=...")
   # A launcher stopped by SIGTERM stops its processes too (the `finally` in launch).
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-  sys.exit(launch(_NUM_PROCESSES.value, _DEVICES.value, argv[1:], _TAIL.value))
+  sys.exit(launch(_NUM_PROCESSES.value, _DEVICES.value, argv[1:], _TAIL.value, script=_SCRIPT.value))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Experiment files in `experiments/configs/` start from `default_config()` and
 change values; they cannot add keys (`lock_config=True`), so a misspelt key
 is an error at the command line. `validate` checks values before any compute and before anything
 is written: one ValueError naming the option and its allowed values (each key's comment below gives
-its range). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it.
+its range); the sections an algorithm reads are checked by that algorithm's `check_config`
+(`lowcomm_jax.train.algorithms.ALGORITHMS`). A run's fingerprint (every key but RUNTIME_KEYS) must
+match to resume it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,10 @@ import math
 import ml_collections
 
 from lowcomm_jax import mesh as mesh_lib
+from lowcomm_jax import checks
 from lowcomm_jax.data import corpora
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax import sharding
-
-ALGORITHMS = ("dp", "diloco", "streaming_diloco", "noloco")
 
 # Keys that may change when a run is resumed: they do not change the trajectory (nonfinite
 # only decides what happens once a non-finite outer gradient appears: stop, or refuse it and go on).
@@ -183,36 +184,6 @@ def _flatten(c, prefix="") -> dict:
   return out
 
 
-def _require(cond: bool, option: str, allowed: str, value) -> None:
-  if not cond:
-    raise ValueError(f"{option} must be {allowed}, got {value!r}")
-
-
-def _number(c, key: str, low: float, high: float = math.inf, *, low_open: bool = False,
-            high_open: bool = True) -> None:
-  """Requires the (finite) number at dotted `key` to lie in the interval, named in the message."""
-  section, _, name = key.rpartition(".")
-  value = (c[section] if section else c)[name]
-  left, right = "(" if low_open else "[", ")" if high_open else "]"
-  finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-  inside = finite and (value > low if low_open else value >= low) and (
-      value < high if high_open else value <= high)
-  if high == math.inf:
-    allowed = f"a finite number {'>' if low_open else '>='} {low:g}"
-  else:
-    allowed = f"a number in {left}{low:g}, {high:g}{right}"
-  _require(inside, key, allowed, value)
-
-
-def _integer(c, key: str, low: int, high: int | None = None, note: str = "") -> None:
-  section, _, name = key.rpartition(".")
-  value = (c[section] if section else c)[name]
-  ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (
-      high is None or value < high)
-  allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high})"
-  _require(ok, key, allowed + note, value)
-
-
 def validate(c: ml_collections.ConfigDict) -> None:
   """One clear ValueError naming the option and the allowed values; no compute happens before."""
   known = set(_flatten(default_config()))
@@ -223,130 +194,68 @@ def validate(c: ml_collections.ConfigDict) -> None:
   missing = sorted(known - given)
   if missing:
     raise ValueError(f"config is missing keys {missing}; start from lowcomm_jax.config.default_config()")
-  _require(c.algorithm in ALGORITHMS, "algorithm", f"one of {ALGORITHMS}", c.algorithm)
-  _integer(c, "num_steps", 1)
-  _integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
+  # The algorithms' own sections (diloco.*, noloco.*, outer_optimizer.*) are checked by the selected
+  # entry of train.algorithms.ALGORITHMS, last; imported here since that module imports this one.
+  from lowcomm_jax.train import algorithms  # pylint: disable=g-import-not-at-top
+  names = tuple(algorithms.ALGORITHMS)
+  checks.require(c.algorithm in names, "algorithm", f"one of {names}", c.algorithm)
+  checks.integer(c, "num_steps", 1)
+  checks.integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
   model_config.get_model_config(c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop)
   corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
-  _require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
-  _require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
-  _require(c.data.batch_size >= 1, "data.batch_size", ">= 1", c.data.batch_size)
-  _require(1 <= c.data.eval_permille <= 500, "data.eval_permille",
-           "in [1, 500] (per mille of documents held out)", c.data.eval_permille)
-  _require(c.optimizer.name in ("adamw", "adam", "sgd"), "optimizer.name", "adamw, adam or sgd",
-           c.optimizer.name)
-  _number(c, "optimizer.learning_rate", 0)
-  _number(c, "optimizer.min_lr_ratio", 0, 1, high_open=False)
-  _require(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", ">= 0", c.optimizer.warmup_steps)
-  _number(c, "optimizer.weight_decay", 0)
+  checks.require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
+  checks.require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
+  checks.require(c.data.batch_size >= 1, "data.batch_size", ">= 1", c.data.batch_size)
+  checks.require(1 <= c.data.eval_permille <= 500, "data.eval_permille",
+                 "in [1, 500] (per mille of documents held out)", c.data.eval_permille)
+  checks.require(c.optimizer.name in ("adamw", "adam", "sgd"), "optimizer.name", "adamw, adam or sgd",
+                 c.optimizer.name)
+  checks.number(c, "optimizer.learning_rate", 0)
+  checks.number(c, "optimizer.min_lr_ratio", 0, 1, high_open=False)
+  checks.require(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", ">= 0", c.optimizer.warmup_steps)
+  checks.number(c, "optimizer.weight_decay", 0)
   for key in ("optimizer.b1", "optimizer.b2", "optimizer.momentum"):
-    _number(c, key, 0, 1)
-  _number(c, "optimizer.grad_clip", 0)
+    checks.number(c, key, 0, 1)
+  checks.number(c, "optimizer.grad_clip", 0)
   sharding.rules_for(c.sharding.layout)
   for key in ("eval.every", "eval.batch_size", "eval.num_batches", "checkpoint.every",
               "checkpoint.keep", "log_every"):
     section, name = key.split(".") if "." in key else (None, key)
     value = c[section][name] if section else c[name]
-    _require(value >= 1, key, ">= 1", value)
+    checks.require(value >= 1, key, ">= 1", value)
   if c.network:
     from lowcomm_jax.sim import network  # pylint: disable=g-import-not-at-top
     network.parse_network(c.network)
-  _number(c, "hardware.step_seconds", 0)
-  _number(c, "hardware.peak_flops_per_device", 0)
+  checks.number(c, "hardware.step_seconds", 0)
+  checks.number(c, "hardware.peak_flops_per_device", 0)
   for key in ("timeout_seconds", "init_timeout_seconds"):
-    _require(c.distributed[key] >= 1, f"distributed.{key}", ">= 1 (seconds)", c.distributed[key])
+    checks.require(c.distributed[key] >= 1, f"distributed.{key}", ">= 1 (seconds)", c.distributed[key])
   # Axis names and sizes only: the device count (checked by the Trainer) is not known here, so ask
   # for exactly as many devices as the fixed axes use.
   fixed = math.prod(max(int(n), 1) for n in c.mesh.to_dict().values() if isinstance(n, int))
   mesh_lib.mesh_shape(c.mesh.to_dict(), fixed)
-  _require(c.nonfinite in ("raise", "skip"), "nonfinite", "raise or skip", c.nonfinite)
+  checks.require(c.nonfinite in ("raise", "skip"), "nonfinite", "raise or skip", c.nonfinite)
   _validate_gradients(c)
-  if c.algorithm == "dp":
-    _require(c.num_replicas == 1 and c.mesh.replica == 1, "num_replicas and mesh.replica",
-             "1 for algorithm=dp (use diloco for replicas)", (c.num_replicas, c.mesh.replica))
-  elif c.algorithm == "noloco":
-    n = c.noloco
-    _require(c.num_replicas >= 2, "num_replicas", ">= 2 for algorithm=noloco (gossip needs peers)",
-             c.num_replicas)
-    _require(n.group_size >= 2 and c.num_replicas % n.group_size == 0, "noloco.group_size",
-             f">= 2 and a divisor of num_replicas={c.num_replicas}", n.group_size)
-    _require(c.mesh.replica in (1, c.num_replicas), "mesh.replica",
-             f"1 (replicas simulated on shared devices) or num_replicas={c.num_replicas} "
-             "(one replica per device group) for algorithm=noloco", c.mesh.replica)
-    _require(int(n.sync_every) == n.sync_every and n.sync_every >= 1, "noloco.sync_every",
-             "an integer >= 1", n.sync_every)
-    _require(n.sync_every <= c.num_steps, "noloco.sync_every", f"an integer in [1, num_steps="
-             f"{c.num_steps}] (H > num_steps: no outer step would ever happen)", n.sync_every)
-    _number(c, "noloco.outer_learning_rate", 0, low_open=True)
-    _number(c, "noloco.outer_momentum", 0, 1)
-    _number(c, "noloco.gamma", 0)
-    _require(n.num_groupings >= 1, "noloco.num_groupings", ">= 1", n.num_groupings)
-    _require(n.codec == "none" or n.codec in _codec_names(), "noloco.codec",
-             f"none or one of {_codec_names()}", n.codec)
-    if n.codec != "none":
-      _integer(c, "noloco.codec_block_size", 2, note=" (values per absmax scale)")
-  else:
-    _require(c.num_replicas >= 1, "num_replicas", ">= 1 (the number of DiLoCo workers M)", c.num_replicas)
-    _require(c.mesh.replica >= 1 and c.num_replicas % c.mesh.replica == 0, "mesh.replica",
-             f"a divisor of num_replicas={c.num_replicas}", c.mesh.replica)
-    if c.algorithm == "diloco":
-      d = c.diloco
-      _require(d.num_fragments == 1 and d.overlap_steps == 0 and d.merge_alpha == 0.0
-               and not d.fragment_rules, "diloco.num_fragments/overlap_steps/merge_alpha/fragment_rules",
-               "1/0/0/'' for algorithm=diloco (use algorithm=streaming_diloco)",
-               (d.num_fragments, d.overlap_steps, d.merge_alpha, d.fragment_rules))
-    _require(not c.diloco.fragment_rules or c.diloco.num_fragments == 1, "diloco.num_fragments",
-             "1 when diloco.fragment_rules is set (the rules give the fragments)", c.diloco.num_fragments)
-    from lowcomm_jax.optim import schedule, streaming  # pylint: disable=g-import-not-at-top
-    num_rows = streaming.count_fragments(fragments_of(c), c.diloco.non_block_fragment)
-    schedule.make_schedule(num_rows, c.diloco.sync_every, c.diloco.overlap_steps,
-                           c.diloco.merge_alpha, c.diloco.staggered, c.diloco.overlap_anchor)
-    _require(c.diloco.sync_every <= c.num_steps, "diloco.sync_every",
-             f"an integer in [1, num_steps={c.num_steps}] (H > num_steps: no outer step would ever "
-             "happen)", c.diloco.sync_every)
-    _require(c.diloco.codec == "none" or c.diloco.codec in _codec_names(), "diloco.codec",
-             f"none or one of {_codec_names()}", c.diloco.codec)
-    from lowcomm_jax import codecs as codecs_lib  # pylint: disable=g-import-not-at-top
-    if c.diloco.codec != "none":
-      from lowcomm_jax.codecs import base  # pylint: disable=g-import-not-at-top
-      _integer(c, "diloco.codec_block_size", 2, note=" (values per absmax scale)")
-      _require(c.diloco.codec_rounding in base.ROUNDING_MODES, "diloco.codec_rounding",
-               f"one of {', '.join(base.ROUNDING_MODES)}", c.diloco.codec_rounding)
-    _require(c.diloco.codec_kernels in codecs_lib.KERNEL_MODES, "diloco.codec_kernels",
-             f"one of {codecs_lib.KERNEL_MODES}", c.diloco.codec_kernels)
-    _require(not c.diloco.error_feedback or c.diloco.codec != "none", "diloco.error_feedback",
-             "False unless diloco.codec is set", c.diloco.error_feedback)
-    _require(c.outer_optimizer.name in ("nesterov", "sgd", "adam"), "outer_optimizer.name",
-             "nesterov, sgd or adam", c.outer_optimizer.name)
-    _number(c, "outer_optimizer.learning_rate", 0, low_open=True)
-    _number(c, "outer_optimizer.momentum", 0, 1)
-
-
-def fragments_of(c: ml_collections.ConfigDict):
-  """`streaming_diloco`'s `fragments`: the parsed diloco.fragment_rules table, else diloco.num_fragments."""
-  if c.diloco.fragment_rules:
-    from lowcomm_jax.optim import fragments  # pylint: disable=g-import-not-at-top
-    return fragments.parse_rules(c.diloco.fragment_rules)
-  return c.diloco.num_fragments
+  algorithms.ALGORITHMS[c.algorithm].check_config(c)
 
 
 GRADIENTS = ("replicas", "skippipe", "pipeline")
 
 
 def _validate_gradients(c) -> None:
-  _require(c.gradients in GRADIENTS, "gradients", f"one of {GRADIENTS}", c.gradients)
+  checks.require(c.gradients in GRADIENTS, "gradients", f"one of {GRADIENTS}", c.gradients)
   if c.gradients == "replicas":
     return
   p = c.pipeline
-  _require(p.num_stages >= 1, "pipeline.num_stages", ">= 1", p.num_stages)
-  _require(p.layers_per_stage >= 1, "pipeline.layers_per_stage", ">= 1", p.layers_per_stage)
-  _require(c.diloco.num_fragments == 1, "diloco.num_fragments",
-           f"1 with gradients={c.gradients} (fragments are cut by layer, stages too)",
-           c.diloco.num_fragments)
+  checks.require(p.num_stages >= 1, "pipeline.num_stages", ">= 1", p.num_stages)
+  checks.require(p.layers_per_stage >= 1, "pipeline.layers_per_stage", ">= 1", p.layers_per_stage)
+  checks.require(c.diloco.num_fragments == 1, "diloco.num_fragments",
+                 f"1 with gradients={c.gradients} (fragments are cut by layer, stages too)",
+                 c.diloco.num_fragments)
   if c.gradients == "skippipe":
     from lowcomm_jax.train import sources  # pylint: disable=g-import-not-at-top
-    _require(c.mesh.stage == 1, "mesh.stage", "1 with gradients=skippipe (paths run on one device "
-             "group; gradients=pipeline runs stages on devices)", c.mesh.stage)
+    checks.require(c.mesh.stage == 1, "mesh.stage", "1 with gradients=skippipe (paths run on one device "
+                   "group; gradients=pipeline runs stages on devices)", c.mesh.stage)
     if c.skippipe.paths:
       from lowcomm_jax.skippipe import training  # pylint: disable=g-import-not-at-top
       try:
@@ -354,27 +263,27 @@ def _validate_gradients(c) -> None:
       except ValueError as error:
         raise ValueError(f"skippipe.paths={c.skippipe.paths!r} with pipeline.num_stages="
                          f"{p.num_stages}: {error}") from None
-      _require(c.data.batch_size % len(paths) == 0, "data.batch_size",
-               f"a multiple of the {len(paths)} skippipe.paths (one micro-batch each)", c.data.batch_size)
+      checks.require(c.data.batch_size % len(paths) == 0, "data.batch_size",
+                     f"a multiple of the {len(paths)} skippipe.paths (one micro-batch each)", c.data.batch_size)
     else:
       from lowcomm_jax.skippipe import topology  # pylint: disable=g-import-not-at-top
-      _require(callable(getattr(topology, c.skippipe.topology, None)), "skippipe.topology",
-               "a preset of lowcomm_jax.skippipe.topology such as gcp_12_regions", c.skippipe.topology)
+      checks.require(callable(getattr(topology, c.skippipe.topology, None)), "skippipe.topology",
+                     "a preset of lowcomm_jax.skippipe.topology such as gcp_12_regions", c.skippipe.topology)
     return
   from lowcomm_jax.parallel import ticks  # pylint: disable=g-import-not-at-top
-  _require(p.routing in ("random", "fixed"), "pipeline.routing", "random or fixed", p.routing)
-  _require(p.order in ticks.ORDERS, "pipeline.order", f"one of {ticks.ORDERS}", p.order)
-  _require(p.slots_per_step >= 1 and c.data.batch_size % p.slots_per_step == 0,
-           "pipeline.slots_per_step", f">= 1 and a divisor of data.batch_size={c.data.batch_size}",
-           p.slots_per_step)
-  _require(p.num_routings >= 1, "pipeline.num_routings", ">= 1", p.num_routings)
-  _require(c.mesh.stage == p.num_stages, "mesh.stage",
-           f"pipeline.num_stages={p.num_stages} with gradients=pipeline", c.mesh.stage)
-  _require(c.mesh.replica == c.num_replicas, "mesh.replica",
-           f"num_replicas={c.num_replicas} with gradients=pipeline (one replica per stage row)",
-           c.mesh.replica)
-  _require(c.mesh.data == 1 and c.mesh.tensor == 1, "mesh.data and mesh.tensor",
-           "1 with gradients=pipeline", (c.mesh.data, c.mesh.tensor))
+  checks.require(p.routing in ("random", "fixed"), "pipeline.routing", "random or fixed", p.routing)
+  checks.require(p.order in ticks.ORDERS, "pipeline.order", f"one of {ticks.ORDERS}", p.order)
+  checks.require(p.slots_per_step >= 1 and c.data.batch_size % p.slots_per_step == 0,
+                 "pipeline.slots_per_step", f">= 1 and a divisor of data.batch_size={c.data.batch_size}",
+                 p.slots_per_step)
+  checks.require(p.num_routings >= 1, "pipeline.num_routings", ">= 1", p.num_routings)
+  checks.require(c.mesh.stage == p.num_stages, "mesh.stage",
+                 f"pipeline.num_stages={p.num_stages} with gradients=pipeline", c.mesh.stage)
+  checks.require(c.mesh.replica == c.num_replicas, "mesh.replica",
+                 f"num_replicas={c.num_replicas} with gradients=pipeline (one replica per stage row)",
+                 c.mesh.replica)
+  checks.require(c.mesh.data == 1 and c.mesh.tensor == 1, "mesh.data and mesh.tensor",
+                 "1 with gradients=pipeline", (c.mesh.data, c.mesh.tensor))
 
 
 def model_config_of(c):
@@ -387,11 +296,6 @@ def model_config_of(c):
   return model_config.get_model_config(
       c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop,
       max_seq_len=max(preset.max_seq_len, c.data.seq_len), d_ff=c.model.d_ff or preset.d_ff, **changes)
-
-
-def _codec_names() -> list[str]:
-  from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
-  return list(codecs.CODECS)
 
 
 def load_run_config(workdir) -> ml_collections.ConfigDict:

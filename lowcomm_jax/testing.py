@@ -78,6 +78,23 @@ ENGINE_CASES = {
 }
 
 
+# The battery's two-process leg (tests/test_engine.py, tests/engine_processes_worker.py): each
+# algorithm with one replica per process, changes on top of engine_config. Not dp: processes split
+# the `replica` axis only (`distributed.check_mesh`; the inner axes stay inside one process), and
+# dp has one replica.
+PROCESS_CASES = {"diloco": {}, "streaming_diloco": {},
+                 "noloco": {"num_replicas": 2, "noloco.num_groupings": 1}}
+
+
+def process_leg_config(case: str, num_processes: int = 1) -> ml_collections.ConfigDict:
+  """The config of PROCESS_CASES[case] spread over `num_processes` one-device processes (1: the
+  one-device reference, replicas simulated with vmap). No eval or checkpoint but the final one."""
+  c = engine_config(case, **{"eval.every": 1000, "checkpoint.every": 1000, **PROCESS_CASES[case]})
+  if num_processes > 1:
+    config_lib.override(c, {"mesh.replica": num_processes, "distributed.timeout_seconds": 30})
+  return c
+
+
 def read_metrics(workdir) -> list[dict]:
   return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -110,7 +127,6 @@ COMMON = {"model.size": "tiny", "num_steps": 8, "diloco.sync_every": 4, "data.se
           "data.batch_size": 4, "eval.batch_size": 4, "eval.num_batches": 1, "eval.every": 1000,
           "checkpoint.every": 1000, "log_every": 1, "progress_bar": False,
           "hardware.peak_flops_per_device": 1e10, "distributed.timeout_seconds": 20}
-NOLOCO = {"noloco.sync_every": 4, "noloco.group_size": 2}
 STREAMING = {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
              "diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1,
              "diloco.merge_alpha": 0.5, "num_steps": 12}
@@ -136,10 +152,18 @@ def make_config(config_file: str, changes: dict):
 
 def launch(num_processes: int, workdir, changes: dict, on_line=None,
            config_file: str = "diloco.py", extra_flags=()) -> subprocess.CompletedProcess:
-  """Runs launch_local.py to the end; `on_line(line, popen)` sees each line of its stdout."""
-  command = [sys.executable, str(LAUNCHER), f"--num_processes={num_processes}", "--",
-             f"--config={CONFIGS / config_file}:tiny", f"--workdir={workdir}",
-             *(f"--config.{k}={v}" for k, v in changes.items()), *extra_flags]
+  """Runs train.py through launch_local.py to the end; `on_line(line, popen)` sees each line of
+  its stdout."""
+  return launch_script(num_processes, [f"--config={CONFIGS / config_file}:tiny", f"--workdir={workdir}",
+                                       *(f"--config.{k}={v}" for k, v in changes.items()),
+                                       *extra_flags], on_line)
+
+
+def launch_script(num_processes: int, args, on_line=None,
+                  script=None) -> subprocess.CompletedProcess:
+  """Runs `script` (default train.py) with `args` as `num_processes` processes of launch_local.py."""
+  command = [sys.executable, str(LAUNCHER), f"--num_processes={num_processes}",
+             *([f"--script={script}"] if script else []), "--", *map(str, args)]
   popen = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1"))
   stderr = []

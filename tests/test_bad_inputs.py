@@ -8,14 +8,19 @@ changed (`python -m pytest tests/test_bad_inputs.py -q -n 0 -s`).
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+import optax
 import pytest
 
+import lowcomm_jax
 from lowcomm_jax import config as config_lib
 from lowcomm_jax import distributed
 from lowcomm_jax.data import corpora
+from lowcomm_jax.optim import schedule
+from lowcomm_jax.sim import utilization
 from lowcomm_jax.testing import CONFIGS, ROOT, tiny_config, tree_hash
 from lowcomm_jax.train import Trainer
 from lowcomm_jax.train import workdir as workdir_lib
@@ -236,6 +241,46 @@ def test_hdee_refuses_with_the_fetch_command_when_corpora_are_missing(tmp_path):
   assert "python experiments/fetch_corpora.py --sources=python_docs,octave_manual" in proc.stderr
   assert "Traceback" not in proc.stderr
   assert not (tmp_path / "hdee").exists() and not (tmp_path / "empty_cache").exists()
+
+
+# Every place a user gives H: (the option its message names, a call with H = h, whether it takes any
+# Python value: the config's ints are type-checked by ml_collections before validation).
+SYNC_EVERY_ENTRIES = [
+    ("diloco.sync_every", lambda h: lowcomm_jax.diloco(optax.sgd(0.1), sync_every=h), True),
+    ("diloco.sync_every", lambda h: lowcomm_jax.streaming_diloco(  # fragments known only at init
+        optax.sgd(0.1), sync_every=h, fragments=lambda params: ()), True),
+    ("diloco.sync_every", lambda h: schedule.make_schedule(1, h), True),
+    ("noloco.sync_every", lambda h: lowcomm_jax.noloco(optax.sgd(0.1), num_replicas=2, sync_every=h), True),
+    ("Method.sync_every", utilization.diloco, True),
+    ("diloco.sync_every", lambda h: config_lib.validate(tiny_config(**{**DILOCO, "diloco.sync_every": h})), False),
+    ("noloco.sync_every", lambda h: config_lib.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": h})), False),
+]
+
+
+@pytest.mark.parametrize("option,give,any_value", SYNC_EVERY_ENTRIES)
+def test_sync_every_is_checked_by_one_function_everywhere(option, give, any_value):
+  """The same words for H wherever it is given; a bool, a string or NaN are no integer (they used to
+  pass as 1, or fail with a TypeError that named nothing)."""
+  for h in [0, -3] + ([True, "4", 2.5, float("nan")] if any_value else []):
+    with pytest.raises(ValueError) as error:
+      give(h)
+    assert str(error.value) == f"{option} (H) must be an integer >= 1, got {h!r}"
+  give(4)  # allowed: no error
+
+
+def test_sync_every_knows_the_run_length_and_the_fragments():
+  with pytest.raises(ValueError, match=re.escape(
+      "noloco.sync_every (H) must be an integer in [1, num_steps=20] (H > num_steps: no outer step "
+      "would ever happen), got 21")):
+    config_lib.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": 21, "num_steps": 20}))
+  config_lib.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": 20, "num_steps": 20}))
+  staggered = "diloco.sync_every (H=7) must be divisible by the number of fragments (P=3, counting " \
+      "the non-block fragment) for a staggered schedule: a multiple of 3 such as 6 or 9"
+  with pytest.raises(ValueError, match=re.escape(staggered)):
+    config_lib.validate(tiny_config(**{**STREAMING, "diloco.sync_every": 7}))
+  with pytest.raises(ValueError, match=re.escape(staggered)):
+    lowcomm_jax.streaming_diloco(optax.sgd(0.1), sync_every=7, fragments=2)
+  lowcomm_jax.streaming_diloco(optax.sgd(0.1), sync_every=7, fragments=2, staggered=False)
 
 
 @pytest.mark.parametrize("bind,message", [

@@ -344,3 +344,23 @@ def test_error_table_matches_direct_computation():
   assert rows[0]["bits_per_value"]["64"] == 8 * (e2m1.wire_bytes(1200) + e2m1.wire_bytes(7)) / 1207
   assert rows[0]["bits_per_value"]["per_tensor"] == 8 * (600 + 4 + 4 + 4) / 1207
   assert rows[1]["relative_rms"] == {"64": 0.0, "per_tensor": 0.0}
+
+
+def test_the_outer_gradient_is_replica_0s_progress_from_the_start(tmp_path):
+  """codecs.analysis measures on a real outer gradient: Δ = θ_start − θ_end of replica 0 of the
+  Trainer's DiLoCo run, stopped before its first sync (so φ is still θ_start)."""
+  from lowcomm_jax.codecs import analysis
+  from lowcomm_jax.train import Trainer, outer_gradient
+  delta, info = outer_gradient.diloco_outer_gradient("tiny", 2, inner_steps=3)
+  assert info["inner_steps"] == 3 and 4 < info["train_loss"] < 6  # bytes: ln 256 = 5.5 at the start
+  config = outer_gradient.outer_gradient_config("tiny", 2, 3)
+  again = Trainer(config, tmp_path)  # the same run again (runs are deterministic)
+  start = jax.device_get(again.init_params())
+  again.run()
+  end = jax.device_get(jax.tree.map(lambda x: x[0], again.final_state.params))
+  assert jax.tree.structure(delta) == jax.tree.structure(start)
+  for d, s, e in zip(jax.tree.leaves(delta), jax.tree.leaves(start), jax.tree.leaves(end), strict=True):
+    np.testing.assert_array_equal(d, s - e)
+  assert all(np.any(d != 0) for d in jax.tree.leaves(delta))  # every parameter moved
+  rows = analysis.error_table(delta, names=("int8", "fp32"), block_sizes=(1024,))
+  assert rows[1]["relative_rms"]["1024"] == 0.0 and 0 < rows[0]["relative_rms"]["1024"] < 0.02

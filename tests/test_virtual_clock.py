@@ -5,7 +5,7 @@ import pytest
 
 from lowcomm_jax.train import Trainer
 from test_streaming import streaming_config
-from lowcomm_jax.testing import tiny_config
+from lowcomm_jax.testing import engine_config, tiny_config
 
 BANDWIDTH, LATENCY = 100e6, 0.030  # "100Mbit,30ms"
 
@@ -50,3 +50,22 @@ def test_bad_network_is_named(tmp_path):
   with pytest.raises(ValueError, match=r"network"):
     Trainer(tiny_config(network="fast please"), tmp_path / "w")
   assert not (tmp_path / "w").exists()
+
+
+def test_the_pipelines_stage_to_stage_messages_are_on_the_clock(tmp_path):
+  """NoLoCo over a 2-stage pipeline (2 replicas, 2 slots, gpipe; lowcomm_jax.testing's
+  pipeline_noloco): every step has 6 ticks; ticks 0-2 send activations and ticks 2-4 gradients
+  to the other stage, 6 blocking messages of one micro-batch's [2, 32, 32] float32 = 8192 bytes each.
+  NoLoCo's gossip after step 3 sends the slow weights and the outer gradient (106,880 bytes each) to
+  the pair's other replica. Without the pipeline's messages the clock said 3.0771008 s."""
+  trainer = Trainer(engine_config("pipeline_noloco", network="100Mbit,30ms"), tmp_path)
+  state = trainer.init_state()
+  events = trainer.comm_events(6, state)
+  sends = [e for e in events if e.kind == "send"]
+  assert len(sends) == 6 * 6 and {e.payload_bytes for e in sends} == {8192}
+  assert {(e.issued_step, e.consumed_step) for e in sends} == {(s, s + 1) for s in range(6)}
+  message = LATENCY + 8 * 8192 / BANDWIDTH  # ℓ + 8S/B, one after the other within a step
+  gossip = LATENCY + 8 * 106880 / BANDWIDTH
+  assert trainer.simulated_wall_time(6, 0.5, state) == pytest.approx(
+      6 * 0.5 + 36 * message + 2 * gossip, rel=1e-12)
+  assert 6 * 0.5 + 36 * message + 2 * gossip == pytest.approx(4.18069376, rel=1e-12)

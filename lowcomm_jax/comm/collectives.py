@@ -43,7 +43,7 @@ def permute(tree, axis_name, perm, name: str = "permute", repeats: int = 1):
   perm = [(int(a), int(b)) for a, b in perm]
   m = axis_size(axis_name)
   payload = tree_bytes(tree)
-  ledger.record(name, "ppermute", payload, repeats * payload * len(perm) / m, m)
+  ledger.record(name, "ppermute", payload, repeats * payload * len(perm) / m, m, repeats)
   return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 

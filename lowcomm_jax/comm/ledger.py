@@ -27,6 +27,8 @@ class Entry:
     payload_bytes: encoded bytes of one worker's operand (codes + scales).
     sent_bytes: bytes one worker puts on the wire for it (payload × the algorithm's factor).
     num_workers: size of the replica group.
+    repeats: how many times one run of the program issues it (the pipeline's ticks that share one
+      transfer pattern trace one permute); `sent_bytes` already counts them.
   """
 
   name: str
@@ -34,6 +36,7 @@ class Entry:
   payload_bytes: int
   sent_bytes: float
   num_workers: int
+  repeats: int = 1
 
 
 class Ledger:
@@ -60,8 +63,10 @@ def ring_factor(num_workers: int) -> float:
   return 2 * (num_workers - 1) / num_workers
 
 
-def record(name: str, kind: str, payload_bytes: int, sent_bytes: float, num_workers: int) -> None:
+def record(name: str, kind: str, payload_bytes: int, sent_bytes: float, num_workers: int,
+           repeats: int = 1) -> None:
   """Adds an entry to the active ledger; a no-op when none is active."""
   ledger = _ACTIVE.get()
   if ledger is not None:
-    ledger.entries.append(Entry(name, kind, int(payload_bytes), float(sent_bytes), int(num_workers)))
+    ledger.entries.append(Entry(name, kind, int(payload_bytes), float(sent_bytes), int(num_workers),
+                                int(repeats)))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowcomm_jax import comm, mesh as mesh_lib
+from lowcomm_jax import checks, comm, mesh as mesh_lib
 from lowcomm_jax.codecs import all_finite
 from lowcomm_jax.optim.outer import check_transformation
 
@@ -58,15 +58,14 @@ class NoLoCo:
                momentum: float = 0.5, learning_rate: float = 0.7, gamma: float = 0.7, seed: int = 0,
                num_groupings: int = 16, axis_name: str = mesh_lib.REPLICA, codec=None):
     check_transformation(inner, "inner optimizer")
-    if int(sync_every) != sync_every or sync_every < 1:
-      raise ValueError(f"noloco.sync_every (H) must be an integer >= 1, got {sync_every!r}")
+    sync_every = checks.sync_every(sync_every, "noloco.sync_every")
     if group_size < 2 or num_replicas % group_size:
       raise ValueError(f"noloco.group_size must be >= 2 and divide num_replicas={num_replicas}, "
                        f"got {group_size}")
     if num_groupings < 1:
       raise ValueError(f"noloco.num_groupings must be >= 1, got {num_groupings}")
     self.inner, self.num_replicas = optax.with_extra_args_support(inner), num_replicas
-    self.sync_every = int(sync_every)
+    self.sync_every = sync_every
     self.group_size, self.momentum, self.learning_rate, self.gamma = group_size, momentum, learning_rate, gamma
     self.seed, self.axis_name, self.codec = seed, axis_name, codec
     self.pool = groupings(num_replicas, group_size, num_groupings, seed)

@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lowcomm_jax import checks
+
 
 class FragmentSchedule(NamedTuple):
   """Rows per fragment: period (H), offset, delay (τ), alpha (α)."""
@@ -61,14 +63,9 @@ def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
   """
   if overlap_anchor not in OVERLAP_ANCHORS:
     raise ValueError(f"diloco.overlap_anchor must be one of {OVERLAP_ANCHORS}, got {overlap_anchor!r}")
-  if int(sync_every) != sync_every or sync_every < 1:
-    raise ValueError(f"diloco.sync_every (H) must be an integer >= 1, got {sync_every!r}")
   if num_fragments < 1:
     raise ValueError(f"diloco.num_fragments (P) must be >= 1, got {num_fragments}")
-  if staggered and sync_every % num_fragments:
-    raise ValueError(f"diloco.sync_every (H={sync_every}) must be divisible by the number of "
-                     f"fragments (P={num_fragments}, counting the non-block fragment) for a "
-                     "staggered schedule")
+  sync_every = checks.sync_every(sync_every, num_fragments=num_fragments if staggered else 1)
   stride = sync_every // num_fragments if staggered else sync_every
   if overlap_steps < 0 or (overlap_steps and overlap_steps >= stride):
     raise ValueError(f"diloco.overlap_steps (τ={overlap_steps}) must be >= 0 and smaller than "

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowcomm_jax import codecs, comm, mesh as mesh_lib
+from lowcomm_jax import checks, codecs, comm, mesh as mesh_lib
 from lowcomm_jax.optim import fragments as frag_lib
 from lowcomm_jax.optim import schedule as schedule_lib
 from lowcomm_jax.optim.outer import check_transformation, outer_nesterov
@@ -248,6 +248,7 @@ def streaming_diloco(inner: optax.GradientTransformation,
       (the Pallas kernels; interpreted on CPU, bit-identical to the reference) or "auto" (Pallas
       where the platform compiles them, GPU/TPU; the reference elsewhere).
   """
+  checks.sync_every(sync_every)  # now, even when a callable's fragment count is known only at init
   outer = outer if outer is not None else outer_nesterov()
   resolve = _resolve_fragments(fragments, fragment_pattern, non_block_fragment)
   schedule = functools.partial(schedule_lib.make_schedule, sync_every=sync_every,
@@ -291,7 +292,5 @@ def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformat
     step_R = jax.vmap(step, in_axes=(0, tx.state_axes, 0), out_axes=(0, tx.state_axes),
                       axis_name="replica")
   """
-  if int(sync_every) != sync_every or sync_every < 1:
-    raise ValueError(f"diloco.sync_every (H) must be an integer >= 1, got {sync_every!r}")
   return streaming_diloco(inner, outer, sync_every, fragments=1, overlap_steps=0, merge_alpha=0.0,
                           axis_name=axis_name)

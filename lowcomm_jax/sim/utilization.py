@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from lowcomm_jax import checks
 from lowcomm_jax.sim import clock
 from lowcomm_jax.sim import network as network_lib
 
@@ -141,8 +142,7 @@ class Method:
   bits_per_param: float = 16.0
 
   def __post_init__(self):
-    if int(self.sync_every) != self.sync_every or self.sync_every < 1:
-      raise ValueError(f"sync_every: must be an integer >= 1, got {self.sync_every}")
+    checks.sync_every(self.sync_every, "Method.sync_every")  # H/P need not be an integer here
     if self.layers_per_fragment is not None and self.layers_per_fragment < 1:
       raise ValueError("layers_per_fragment: must be None or >= 1, got "
                        f"{self.layers_per_fragment}")

@@ -50,6 +50,10 @@ class ReplicaGradients:
   def route_at(self, step: int):
     return None
 
+  def comm_events(self, num_steps: int, entries_at) -> list:
+    """The source's own transfers for the virtual clock: none (the algorithm reports its own)."""
+    return []
+
   @staticmethod
   def compile(lowered):
     return lowered.compile()
@@ -163,6 +167,18 @@ class PipelineGradients:
 
   def route_at(self, step: int) -> int:
     return (step - 1) % len(self.tables)
+
+  def comm_events(self, num_steps: int, entries_at) -> list:
+    """Every tick's stage-to-stage message of step s (1-based), as a blocking point-to-point `send`
+    (ℓ + 8S/B) issued at clock step s − 1 and needed by step s: a tick waits for the message the
+    previous tick sent, so a step's transfers add to its compute, one after the other (sends of
+    one tick on different devices run in parallel; activations and gradients of one tick are two).
+    `entries_at(step)` is the ledger of step `step`'s program; a permute traced once stands for the
+    `repeats` ticks that share its pattern."""
+    from lowcomm_jax.sim import clock  # pylint: disable=g-import-not-at-top
+    return [clock.CommEvent(step - 1, step, e.payload_bytes, "send", 2)
+            for step in range(1, num_steps + 1) for e in entries_at(step)
+            if e.kind == "ppermute" and e.name.startswith("pipeline") for _ in range(e.repeats)]
 
   @staticmethod
   def compile(lowered):

@@ -165,12 +165,15 @@ class Trainer:
     return ledger.entries
 
   def comm_events(self, num_steps: int, state) -> list:
-    """The algorithm's collectives as `sim.clock.CommEvent`s (the pipeline's transfers are not
-    modelled by the clock)."""
+    """The run's transfers as `sim.clock.CommEvent`s: the algorithm's collectives, and the gradient
+    source's own (the pipeline's stage-to-stage messages, which depend on the step's routing)."""
     entries_of = lambda phase: [e for e in self.phase_entries(phase, state, self.source.route_at(1))
                                 if e.kind != "ppermute" or not e.name.startswith("pipeline")]
-    return self.algorithm.comm_events(num_steps, entries_of, self.mesh.shape[mesh_lib.DATA],
-                                      self.num_params)
+    entries_at = lambda step: self.phase_entries(self.algorithm.phase_at(step), state,
+                                                 self.source.route_at(step))
+    return (self.algorithm.comm_events(num_steps, entries_of, self.mesh.shape[mesh_lib.DATA],
+                                       self.num_params)
+            + self.source.comm_events(num_steps, entries_at))
 
   def simulated_wall_time(self, num_steps: int, step_seconds: float, state) -> float:
     """Wall time of `num_steps` steps of `step_seconds` on `config.network` (sim.clock)."""
