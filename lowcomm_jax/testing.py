@@ -17,6 +17,7 @@ writes the persistent compilation cache from process 0 only), and this halves th
 from __future__ import annotations
 
 import hashlib
+import math
 import importlib.util
 import ipaddress
 import json
@@ -28,8 +29,10 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.train import Trainer
@@ -231,3 +234,116 @@ def listening_addresses(pid: int) -> list[tuple]:
         address = address.ipv4_mapped
       found.append((address, int(port, 16)))
   return found
+
+
+# -- small problems for the optax-style transforms and codec error bounds (tests/test_diloco.py,
+# test_streaming.py, test_noloco.py, test_codecs.py, test_compressed_mean.py) ----------------
+
+REPLICA = "replica"
+
+
+# Each 4/8-bit format's grid of magnitudes in units of its absmax scale, written from the formats
+# (not read from the library), so that the bounds check the codecs independently.
+GRIDS = {
+    "e3m0": np.array([0.0] + [2.0**e for e in range(-6, 1)]),  # code 0 is zero
+    "e2m1": np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]),
+    "int4": np.arange(8, dtype=np.float64),
+    "int8": np.arange(128, dtype=np.float64),
+}
+SMALLEST_NORMAL = 2.0**-126
+
+
+def blocks(codec, x):
+  """x as float64 ``[num_blocks, block_len]`` in the codec's layout (zero padded)."""
+  flat = np.asarray(x, np.float64).reshape(-1)
+  num_blocks, block_len = codec.layout(flat.size)
+  out = np.zeros(num_blocks * block_len)
+  out[:flat.size] = flat
+  return out.reshape(num_blocks, block_len)
+
+
+def error_bound(codec, x, stochastic=None):
+  """Largest |decode(encode(x)) - x| per value the format allows, shaped like x."""
+  x = np.asarray(x, np.float64)
+  stochastic = codec.rounding == "stochastic" if stochastic is None else stochastic
+  if codec.name == "fp32":
+    return np.zeros_like(x)
+  if codec.name == "bf16":
+    gap = np.abs(x) * 2.0**-7  # 8 significant bits
+    return (gap if stochastic else gap / 2) + SMALLEST_NORMAL
+  grid = GRIDS[codec.name]
+  x_blocks = blocks(codec, x)
+  absmax = np.abs(x_blocks).max(axis=1, keepdims=True)
+  scale = absmax / grid[-1]
+  with np.errstate(invalid="ignore", divide="ignore"):
+    units = np.where(scale > 0, np.abs(x_blocks) / np.where(scale > 0, scale, 1), 0)
+  upper = np.clip(np.searchsorted(grid, units), 1, len(grid) - 1)
+  gap = (grid[upper] - grid[upper - 1]) * scale
+  slack = 8 * np.finfo(np.float32).eps * absmax + grid[-1] * SMALLEST_NORMAL
+  bound = (gap if stochastic else gap / 2) + slack
+  return bound.reshape(-1)[:x.size].reshape(x.shape)
+
+
+def chunks(x, axis_size):
+  """Flat x cut into the compressed mean's M chunks of ceil(n / M) values (zero padded)."""
+  flat = np.asarray(x, np.float64).reshape(-1)
+  chunk_len = math.ceil(flat.size / axis_size)
+  out = np.zeros(axis_size * chunk_len)
+  out[:flat.size] = flat
+  return out.reshape(axis_size, chunk_len)
+
+
+def run_replicas(tx, params, batches_r, loss_fn, use_phase=False):
+  """Runs `tx` over stacked replicas with vmap; batches_r: [steps, M, ...]."""
+  num_replicas = batches_r.shape[1]
+  params_r, state = tx.init_replicated(params, num_replicas)
+
+  def step(p, s, batch, phase):
+    grads = jax.grad(loss_fn)(p, batch)
+    updates, s = tx.update(grads, s, p, phase=phase)
+    return optax.apply_updates(p, updates), s
+
+  programs = {}
+  for i, batch_r in enumerate(batches_r):
+    phase = tx.phase_at(i + 1) if use_phase else None
+    if phase not in programs:
+      programs[phase] = jax.jit(jax.vmap(lambda p, s, b, ph=phase: step(p, s, b, ph),
+                                         in_axes=(0, tx.state_axes, 0), out_axes=(0, tx.state_axes),
+                                         axis_name=REPLICA))
+    params_r, state = programs[phase](params_r, state, batch_r)
+  return params_r, state
+
+
+def mlp_problem(seed=0, steps=12, replicas=4, batch=8):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  params = {"w1": jax.random.normal(k1, (3, 5)) * 0.5, "b1": jnp.zeros((5,)),
+            "w2": jax.random.normal(k2, (5, 1)) * 0.5}
+  xs = jax.random.normal(k3, (steps, replicas, batch, 4))
+
+  def loss_fn(p, xy):
+    x, y = xy[..., :3], xy[..., 3:]
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
+
+  return params, xs, loss_fn
+
+
+def layered_problem(layers=4, replicas=3, steps=12, seed=0):
+  k = jax.random.split(jax.random.key(seed), 4)
+  params = {"blocks": {"w": jax.random.normal(k[0], (layers, 3, 3)) * 0.5, "b": jnp.zeros((layers, 3))},
+            "head": jax.random.normal(k[1], (3, 1)) * 0.5}
+  xs = jax.random.normal(k[2], (steps, replicas, 8, 4))
+
+  def loss_fn(p, xy):
+    h = xy[..., :3]
+    for layer in range(layers):
+      h = jnp.tanh(h @ p["blocks"]["w"][layer] + p["blocks"]["b"][layer])
+    return jnp.mean((h @ p["head"] - xy[..., 3:]) ** 2)
+
+  return params, xs, loss_fn
+
+
+def streaming_config(**changes):
+  base = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 6,
+          "diloco.num_fragments": 2, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5}
+  base.update(changes)
+  return tiny_config(**base)

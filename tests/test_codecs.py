@@ -17,57 +17,10 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import codecs
+from lowcomm_jax.testing import GRIDS, error_bound
 
 NAMES = ("e3m0", "e2m1", "int4", "int8", "bf16", "fp32")
 LOSSY = ("e3m0", "e2m1", "int4", "int8", "bf16")
-GRIDS = {
-    "e3m0": np.array([0.0] + [2.0**e for e in range(-6, 1)]),  # code 0 is zero
-    "e2m1": np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]),
-    "int4": np.arange(8, dtype=np.float64),
-    "int8": np.arange(128, dtype=np.float64),
-}
-SMALLEST_NORMAL = 2.0**-126
-
-
-# ------------------------------------------------------------ bound helpers
-def blocks(codec, x):
-  """x as float64 ``[num_blocks, block_len]`` in the codec's layout (zero padded)."""
-  flat = np.asarray(x, np.float64).reshape(-1)
-  num_blocks, block_len = codec.layout(flat.size)
-  out = np.zeros(num_blocks * block_len)
-  out[:flat.size] = flat
-  return out.reshape(num_blocks, block_len)
-
-
-def error_bound(codec, x, stochastic=None):
-  """Largest |decode(encode(x)) - x| per value the format allows, shaped like x."""
-  x = np.asarray(x, np.float64)
-  stochastic = codec.rounding == "stochastic" if stochastic is None else stochastic
-  if codec.name == "fp32":
-    return np.zeros_like(x)
-  if codec.name == "bf16":
-    gap = np.abs(x) * 2.0**-7  # 8 significant bits
-    return (gap if stochastic else gap / 2) + SMALLEST_NORMAL
-  grid = GRIDS[codec.name]
-  x_blocks = blocks(codec, x)
-  absmax = np.abs(x_blocks).max(axis=1, keepdims=True)
-  scale = absmax / grid[-1]
-  with np.errstate(invalid="ignore", divide="ignore"):
-    units = np.where(scale > 0, np.abs(x_blocks) / np.where(scale > 0, scale, 1), 0)
-  upper = np.clip(np.searchsorted(grid, units), 1, len(grid) - 1)
-  gap = (grid[upper] - grid[upper - 1]) * scale
-  slack = 8 * np.finfo(np.float32).eps * absmax + grid[-1] * SMALLEST_NORMAL
-  bound = (gap if stochastic else gap / 2) + slack
-  return bound.reshape(-1)[:x.size].reshape(x.shape)
-
-
-def chunks(x, axis_size):
-  """Flat x cut into the compressed mean's M chunks of ceil(n / M) values (zero padded)."""
-  flat = np.asarray(x, np.float64).reshape(-1)
-  chunk_len = math.ceil(flat.size / axis_size)
-  out = np.zeros(axis_size * chunk_len)
-  out[:flat.size] = flat
-  return out.reshape(axis_size, chunk_len)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lowcomm_jax import codecs, comm
-from test_codecs import chunks, error_bound
+from lowcomm_jax.testing import chunks, error_bound
 
 M = 8
 NAMES = ("e3m0", "e2m1", "int4", "int8", "bf16", "fp32")

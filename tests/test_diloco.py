@@ -11,43 +11,7 @@ import pytest
 import lowcomm_jax
 from lowcomm_jax import comm
 from lowcomm_jax.train import Trainer
-from lowcomm_jax.testing import read_metrics, tiny_config
-
-REPLICA = "replica"
-
-
-def run_replicas(tx, params, batches_r, loss_fn, use_phase=False):
-  """Runs `tx` over stacked replicas with vmap; batches_r: [steps, M, ...]."""
-  num_replicas = batches_r.shape[1]
-  params_r, state = tx.init_replicated(params, num_replicas)
-
-  def step(p, s, batch, phase):
-    grads = jax.grad(loss_fn)(p, batch)
-    updates, s = tx.update(grads, s, p, phase=phase)
-    return optax.apply_updates(p, updates), s
-
-  programs = {}
-  for i, batch_r in enumerate(batches_r):
-    phase = tx.phase_at(i + 1) if use_phase else None
-    if phase not in programs:
-      programs[phase] = jax.jit(jax.vmap(lambda p, s, b, ph=phase: step(p, s, b, ph),
-                                         in_axes=(0, tx.state_axes, 0), out_axes=(0, tx.state_axes),
-                                         axis_name=REPLICA))
-    params_r, state = programs[phase](params_r, state, batch_r)
-  return params_r, state
-
-
-def mlp_problem(seed=0, steps=12, replicas=4, batch=8):
-  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  params = {"w1": jax.random.normal(k1, (3, 5)) * 0.5, "b1": jnp.zeros((5,)),
-            "w2": jax.random.normal(k2, (5, 1)) * 0.5}
-  xs = jax.random.normal(k3, (steps, replicas, batch, 4))
-
-  def loss_fn(p, xy):
-    x, y = xy[..., :3], xy[..., 3:]
-    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
-
-  return params, xs, loss_fn
+from lowcomm_jax.testing import mlp_problem, run_replicas, tiny_config
 
 
 @pytest.mark.parametrize("sync_every", [1, 3, 5])

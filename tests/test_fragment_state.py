@@ -12,8 +12,7 @@ import lowcomm_jax
 from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
 from lowcomm_jax.train import Trainer
-from test_streaming import layered_problem
-from test_train import tiny_config
+from lowcomm_jax.testing import layered_problem, tiny_config
 
 is_masked = lambda x: isinstance(x, optax.MaskedNode)
 

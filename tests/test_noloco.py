@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import lowcomm_jax
 from lowcomm_jax import comm, hlo
-from test_diloco import mlp_problem, run_replicas
+from lowcomm_jax.testing import mlp_problem, run_replicas
 
 
 def test_one_group_of_all_and_gamma0_equals_diloco_with_heavy_ball():

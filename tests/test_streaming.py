@@ -10,23 +10,7 @@ import lowcomm_jax
 from lowcomm_jax import comm, hlo
 from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
 from lowcomm_jax.train import Trainer
-from test_diloco import run_replicas
-from lowcomm_jax.testing import read_metrics, tiny_config
-
-
-def layered_problem(layers=4, replicas=3, steps=12, seed=0):
-  k = jax.random.split(jax.random.key(seed), 4)
-  params = {"blocks": {"w": jax.random.normal(k[0], (layers, 3, 3)) * 0.5, "b": jnp.zeros((layers, 3))},
-            "head": jax.random.normal(k[1], (3, 1)) * 0.5}
-  xs = jax.random.normal(k[2], (steps, replicas, 8, 4))
-
-  def loss_fn(p, xy):
-    h = xy[..., :3]
-    for layer in range(layers):
-      h = jnp.tanh(h @ p["blocks"]["w"][layer] + p["blocks"]["b"][layer])
-    return jnp.mean((h @ p["head"] - xy[..., 3:]) ** 2)
-
-  return params, xs, loss_fn
+from lowcomm_jax.testing import layered_problem, read_metrics, run_replicas, streaming_config, tiny_config
 
 
 def test_fragment_patterns_cover_every_parameter_once():
@@ -94,13 +78,6 @@ def test_two_fragments_tau1_alpha_half_by_hand():
   np.testing.assert_allclose(params_r["blocks"]["w"], [[1.90625, 0.46875], [0.046875, 3.4375]], atol=1e-6)
   traced_r, traced_state = run_replicas(tx, params, targets, loss_fn, use_phase=False)
   np.testing.assert_allclose(traced_r["blocks"]["w"], params_r["blocks"]["w"], atol=1e-6)
-
-
-def streaming_config(**changes):
-  base = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 6,
-          "diloco.num_fragments": 2, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5}
-  base.update(changes)
-  return tiny_config(**base)
 
 
 def test_hlo_overlap_and_only_the_due_fragment_moves(tmp_path):

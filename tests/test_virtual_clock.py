@@ -4,8 +4,7 @@ import jax
 import pytest
 
 from lowcomm_jax.train import Trainer
-from test_streaming import streaming_config
-from lowcomm_jax.testing import engine_config, tiny_config
+from lowcomm_jax.testing import engine_config, streaming_config, tiny_config
 
 BANDWIDTH, LATENCY = 100e6, 0.030  # "100Mbit,30ms"
 
