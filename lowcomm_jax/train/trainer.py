@@ -77,6 +77,8 @@ class Trainer:
                                                self.source, self.mesh)
     self._overlap = overlap_lib.Inline()  # the running loop's (run() starts the configured one)
     self.comm_issued: list = []  # the last run's executor timeline (`comm.Issued`), for benchmarks
+    self.watch_steps = False  # set before run() to record step_times (metrics.StepTimes)
+    self.step_times: list = []
     self.axes = llama.logical_axes(abstract_model)
     self.param_specs = sharding.param_specs(self.axes, abstract_params, self.rules, self.mesh)
     self.param_shardings = sharding.named(self.mesh, self.param_specs)
@@ -300,6 +302,7 @@ class Trainer:
     pending_refusals = None  # (counts, step) of the last logged step, read once the next is queued
     run_start = time.perf_counter()
     self._overlap = overlap = overlap_lib.start(self.overlap_executor, self.algorithm, self.mesh)
+    step_times = metrics_lib.StepTimes() if self.watch_steps else None
     for step in range(start + 1, stop + 1):
       phase = self.algorithm.phase_at(step)
       route = self.source.route_at(step)
@@ -312,6 +315,8 @@ class Trainer:
           np.stack([next(it) for it in data_iters]), self.batch_sharding(),
           (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
       state, step_metrics = program(state, batch)
+      if step_times is not None:
+        step_times.watch(step, [step_metrics["loss"]])
       ready = take_ready()  # the last logged step's metrics, fetched now that this step is queued
       if ready:
         writer.write(*ready)
@@ -360,6 +365,7 @@ class Trainer:
     state = overlap.settle(state)
     overlap.close()
     self.comm_issued = list(overlap.executor.issued) if overlap.executor else []
+    self.step_times = step_times.close() if step_times is not None else []
     self._overlap = overlap_lib.Inline()
     preemption.close()
     if eval_loss is None and start == stop == c.num_steps:  # reliability: killed before the summary
