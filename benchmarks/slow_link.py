@@ -43,6 +43,7 @@ _LINK = flags.DEFINE_string("link", "20Mbit,0ms", "Rate and one-way delay of the
 # executor's collectives first, so one there would hide none of that all-reduce.
 _STEPS = flags.DEFINE_integer("steps", 32, "Steps per run.")
 _WARM = flags.DEFINE_integer("warm_steps", 12, "Steps before the timed window (compiles).")
+_REPLOT = flags.DEFINE_bool("replot", False, "Only redraw the timeline PNG from --out's timelines.")
 _OUT = flags.DEFINE_string("out", str(ROOT / "benchmarks" / "results" / "slow_link.json"),
                            "Where to write the results.")
 
@@ -150,6 +151,10 @@ def predicted_window(changes: dict, step_seconds: float) -> float:
 
 def main(argv):
   del argv
+  if _REPLOT.value:
+    plot_timelines(json.loads(pathlib.Path(_OUT.value).read_text())["timelines"],
+                   pathlib.Path(_OUT.value).with_name("slow_link_timeline.png"))
+    return
   from lowcomm_jax.sim import network  # pylint: disable=g-import-not-at-top
   link = network.parse_network(_LINK.value)
   window = _STEPS.value - _WARM.value
@@ -187,14 +192,16 @@ def main(argv):
 
 def plot_timelines(timelines: dict, path: pathlib.Path) -> None:
   """One lane per executor: each inner step (from the previous step's end to its own), and each
-  all-reduce the thread ran (from its dispatch to its result), steps warm_steps+1 .. steps."""
+  all-reduce the thread ran (from its dispatch to its result), from the timed window's start: step
+  warm_steps + 2's dispatch, after the first metric gather (one step late), which compiles."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(14, 1.2 + 1.1 * len(timelines)))
   for lane, (executor, timeline) in enumerate(sorted(timelines.items())):
-    steps = [s for s in timeline["steps"] if _WARM.value <= s["step"] <= _STEPS.value]
-    origin = steps[0]["finished_s"]
+    steps = [s for s in timeline["steps"] if _WARM.value + 1 <= s["step"] <= _STEPS.value]
+    origin = steps[1]["dispatched_s"]
+    steps = [{"step": _WARM.value + 1, "finished_s": origin}] + steps[1:]
     y = 2 * lane
     for before, s in zip(steps, steps[1:]):
       ax.barh(y + 0.5, s["finished_s"] - before["finished_s"], left=before["finished_s"] - origin,
@@ -209,7 +216,7 @@ def plot_timelines(timelines: dict, path: pathlib.Path) -> None:
   ax.set_yticks([2 * l + t for l in range(len(timelines)) for t in (0.5, 1.4)])
   ax.set_yticklabels([f"{e}: {what}" for e in sorted(timelines) for what in ("inner steps",
                                                                                "all-reduce (thread)")])
-  ax.set_xlabel(f"seconds since step {_WARM.value} finished (process 0)")
+  ax.set_xlabel(f"seconds since step {_WARM.value + 2} was dispatched (process 0)")
   ax.set_title(f"{TIMELINE_RUN}, 2 processes, {_LINK.value} link: steps and the executor's all-reduces")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
