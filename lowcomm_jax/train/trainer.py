@@ -212,6 +212,7 @@ class Trainer:
     return NamedSharding(self.mesh, P(mesh_lib.DATA, None))
 
   def evaluate(self, eval_step, state, eval_batches) -> dict:
+    self._overlap.quiet()  # before dispatching: the evaluation's programs span every process
     losses = self._fetch([eval_step(state, b) for b in eval_batches])
     return {k: float(np.mean([l[k] for l in losses])) for k in losses[0]}
 
