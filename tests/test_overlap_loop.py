@@ -128,7 +128,7 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path_factory):
   _assert_close(whole.final_state, second.final_state, 0.0)
 
 
-@pytest.mark.slow  # four 2-process launches: about 5 min on the loaded 2-core machine
+@pytest.mark.slow  # four 2-process launches: 2.5-10 min on the shared 2-core machine
 @pytest.mark.parametrize("tau", [1, 2])
 def test_two_processes_thread_equals_inline(tmp_path, tau):
   """Two processes (one replica each, gloo): the thread run equals the inline run (measured: max
