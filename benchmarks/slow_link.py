@@ -1,7 +1,8 @@
-"""Wall time of DiLoCo and Streaming DiLoCo (with overlap) between two processes on a shaped link,
-next to the virtual clock's prediction for the same link.
+"""Wall time of DiLoCo and Streaming DiLoCo (τ = 0, 1, 2; the overlapped fragments issued by the
+outer-communication thread or inline) between two processes on a shaped link, next to the virtual
+clock's prediction for the same link.
 
-  python benchmarks/slow_link.py [--link=20Mbit,0ms --steps=60 --warm_steps=20]   # as root
+  nice -n 10 python benchmarks/slow_link.py [--link=20Mbit,0ms --steps=32 --warm_steps=12]   # as root
 
 Two network namespaces joined by a veth pair; `tc` gives each direction the link's rate and
 one-way delay (netem; a link without delay uses tbf, for kernels without netem such as this
@@ -11,7 +12,10 @@ heartbeats) crosses the shaped link. Each algorithm runs twice, on the unshaped 
 shaped one; the time of steps warm_steps+1 .. steps (all programs compiled by then, no eval, two
 metric gathers) comes from metrics.jsonl. The prediction: lowcomm_jax.sim.clock on the run's own
 collectives, with the per-step compute time of the unshaped run. Writes
-benchmarks/results/slow_link.json. Needs root, `ip` and `tc` (iproute2); the namespaces and the
+benchmarks/results/slow_link.json (`rows`: run, executor, tau, unshaped_s, shaped_s, clock_s) and
+benchmarks/results/slow_link_timeline.png (process 0's steps and the executor's all-reduces, from
+benchmarks/slow_link_worker.py's timeline.json, for Streaming τ = 2 on the shaped link, thread
+against inline). Needs root, `ip` and `tc` (iproute2); the namespaces and the
 veth pair are removed at the end.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import shutil
 import socket
@@ -32,21 +37,32 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 _LINK = flags.DEFINE_string("link", "20Mbit,0ms", "Rate and one-way delay of the shaped link.")
-_STEPS = flags.DEFINE_integer("steps", 60, "Steps per run.")
-_WARM = flags.DEFINE_integer("warm_steps", 20, "Steps before the timed window (compiles).")
+# Logged steps are warm_steps, its multiples and the last (log_every = warm_steps): the defaults log
+# steps 12 and 24, whose metric gathers (one step late) fall on no step that issues a fragment's
+# all-reduce (steps ≡ 1 mod 5 at H = 10, P = 2); with several processes a gather waits for the
+# executor's collectives first, so one there would hide none of that all-reduce.
+_STEPS = flags.DEFINE_integer("steps", 32, "Steps per run.")
+_WARM = flags.DEFINE_integer("warm_steps", 12, "Steps before the timed window (compiles).")
+_REPLOT = flags.DEFINE_bool("replot", False, "Only redraw the timeline PNG from --out's timelines.")
 _OUT = flags.DEFINE_string("out", str(ROOT / "benchmarks" / "results" / "slow_link.json"),
                            "Where to write the results.")
 
 NAMESPACES = ("lcj_slow0", "lcj_slow1")
 ADDRESSES = ("10.231.7.1", "10.231.7.2")  # inside the namespaces only
-RUNS = {
-    "diloco H=10": {"algorithm": "diloco"},
-    "streaming P=2 τ=2 α=0.5 H=10": {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
-                                      "diloco.non_block_fragment": "fold",
-                                      "diloco.overlap_steps": 2, "diloco.merge_alpha": 0.5},
-}
+WORKER = ROOT / "benchmarks" / "slow_link_worker.py"
+_STREAMING = {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
+              "diloco.non_block_fragment": "fold", "diloco.merge_alpha": 0.5}
+# (run, executor, τ): DiLoCo and τ = 0 have nothing to overlap (their all-reduce blocks the step
+# that merges it), so they run inline only.
+RUNS = [("diloco H=10", "inline", 0, {"algorithm": "diloco"})] + [
+    (f"streaming P=2 τ={tau} α=0.5 H=10", executor, tau, {**_STREAMING, "diloco.overlap_steps": tau})
+    for tau in (0, 1, 2) for executor in (("inline",) if tau == 0 else ("thread", "inline"))]
+TIMELINE_RUN = "streaming P=2 τ=2 α=0.5 H=10"
+# Few tokens per step (2 × 64 per replica): the all-reduce's bytes are the model's, the compute per
+# step is small, so one all-reduce of the `small` model spans several inner steps at 20 Mbit/s even
+# when this shared 2-core machine is loaded.
 COMMON = {"model.size": "small", "num_replicas": 2, "mesh.replica": 2, "diloco.sync_every": 10,
-          "data.batch_size": 8, "data.seq_len": 128, "eval.every": 100000,
+          "data.batch_size": 2, "data.seq_len": 64, "eval.every": 100000,
           "checkpoint.every": 100000, "progress_bar": False,
           "hardware.peak_flops_per_device": 1e10}
 
@@ -106,10 +122,15 @@ def timed_window(workdir: pathlib.Path) -> float:
 
 def run(changes: dict, workdir: pathlib.Path) -> float:
   import launch_local  # pylint: disable=g-import-not-at-top
+  # The shaped run reuses the unshaped run's compiled programs (same config, same programs).
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(tempfile.gettempdir())
+                                                         / "lowcomm-slow-link-xla-cache"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   flags_ = [f"--config={ROOT / 'experiments' / 'configs' / 'diloco.py'}", f"--workdir={workdir}",
             *(f"--config.{k}={v}" for k, v in changes.items())]
-  code = launch_local.launch(2, 1, flags_, 20, coordinator_host=ADDRESSES[0],
-                             wrap=lambda i, cmd: ["ip", "netns", "exec", NAMESPACES[i], *cmd])
+  # train.py's command with the worker in its place (same flags; it also writes timeline.json)
+  wrap = lambda i, cmd: ["ip", "netns", "exec", NAMESPACES[i], cmd[0], str(WORKER), *cmd[2:]]
+  code = launch_local.launch(2, 1, flags_, 20, coordinator_host=ADDRESSES[0], wrap=wrap)
   if code:
     raise RuntimeError(f"the run in {workdir} failed with {code}")
   return timed_window(workdir)
@@ -130,28 +151,75 @@ def predicted_window(changes: dict, step_seconds: float) -> float:
 
 def main(argv):
   del argv
+  if _REPLOT.value:
+    plot_timelines(json.loads(pathlib.Path(_OUT.value).read_text())["timelines"],
+                   pathlib.Path(_OUT.value).with_name("slow_link_timeline.png"))
+    return
   from lowcomm_jax.sim import network  # pylint: disable=g-import-not-at-top
   link = network.parse_network(_LINK.value)
   window = _STEPS.value - _WARM.value
-  results = {"link": _LINK.value, "steps": _STEPS.value, "warm_steps": _WARM.value, "runs": {}}
+  results = {"link": _LINK.value, "steps": _STEPS.value, "warm_steps": _WARM.value,
+             "model": COMMON["model.size"], "rows": []}
+  timelines = {}
   with veth_pair() as shape, tempfile.TemporaryDirectory() as tmp:
-    for name, extra in RUNS.items():
-      changes = {**COMMON, **extra, "num_steps": _STEPS.value + 1, "stop_at_step": _STEPS.value,
-                 "log_every": _WARM.value}
+    for index, (name, executor, tau, extra) in enumerate(RUNS):
+      changes = {**COMMON, **extra, "diloco.overlap_executor": executor,
+                 "num_steps": _STEPS.value + 1, "stop_at_step": _STEPS.value, "log_every": _WARM.value}
       shape(None)
-      fast = run(changes, pathlib.Path(tmp) / f"{len(results['runs'])}_fast")
+      fast = run(changes, pathlib.Path(tmp) / f"{index}_fast")
       shape(link)
-      slow = run(changes, pathlib.Path(tmp) / f"{len(results['runs'])}_slow")
-      predicted = predicted_window(changes, fast / window)
-      results["runs"][name] = {"unshaped_s": fast, "shaped_s": slow, "predicted_shaped_s": predicted,
-                               "measured_comm_s": slow - fast, "predicted_comm_s": predicted - fast}
-  print(f"\nlink {_LINK.value}, steps {_WARM.value + 1}..{_STEPS.value} (2 processes, `small` model)")
-  print(f"{'run':32} {'unshaped s':>10} {'shaped s':>9} {'clock s':>8} {'comm meas.':>10} "
-        f"{'comm pred.':>10}")
-  for name, r in results["runs"].items():
-    print(f"{name:32} {r['unshaped_s']:10.2f} {r['shaped_s']:9.2f} {r['predicted_shaped_s']:8.2f} "
-          f"{r['measured_comm_s']:10.2f} {r['predicted_comm_s']:10.2f}")
+      slow_dir = pathlib.Path(tmp) / f"{index}_slow"
+      slow = run(changes, slow_dir)
+      if name == TIMELINE_RUN:
+        timelines[executor] = json.loads((slow_dir / "timeline.json").read_text())
+      clock_s = predicted_window(changes, fast / window)
+      results["rows"].append({"run": name, "executor": executor, "tau": tau, "unshaped_s": fast,
+                              "shaped_s": slow, "clock_s": clock_s})
+      print(f"row: {results['rows'][-1]}", flush=True)
+      pathlib.Path(_OUT.value).write_text(json.dumps(results, indent=1))  # each row as it comes
+  results["timelines"] = timelines
   pathlib.Path(_OUT.value).write_text(json.dumps(results, indent=1))
+  print(f"\nlink {_LINK.value}, steps {_WARM.value + 1}..{_STEPS.value} (2 processes, "
+        f"`{COMMON['model.size']}` model)")
+  print(f"{'run':30} {'executor':>8} {'unshaped s':>10} {'shaped s':>9} {'clock s':>8} "
+        f"{'shaped/clock':>12}")
+  for r in results["rows"]:
+    print(f"{r['run']:30} {r['executor']:>8} {r['unshaped_s']:10.2f} {r['shaped_s']:9.2f} "
+          f"{r['clock_s']:8.2f} {r['shaped_s'] / r['clock_s']:12.2f}")
+  if timelines:
+    plot_timelines(timelines, pathlib.Path(_OUT.value).with_name("slow_link_timeline.png"))
+
+
+def plot_timelines(timelines: dict, path: pathlib.Path) -> None:
+  """One lane per executor: each inner step (from the previous step's end to its own), and each
+  all-reduce the thread ran (from its dispatch to its result), from the timed window's start: step
+  warm_steps + 2's dispatch, after the first metric gather (one step late), which compiles."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(14, 1.2 + 1.1 * len(timelines)))
+  for lane, (executor, timeline) in enumerate(sorted(timelines.items())):
+    steps = [s for s in timeline["steps"] if _WARM.value + 1 <= s["step"] <= _STEPS.value]
+    origin = steps[1]["dispatched_s"]
+    steps = [{"step": _WARM.value + 1, "finished_s": origin}] + steps[1:]
+    y = 2 * lane
+    for before, s in zip(steps, steps[1:]):
+      ax.barh(y + 0.5, s["finished_s"] - before["finished_s"], left=before["finished_s"] - origin,
+              height=0.8, color="tab:blue" if s["step"] % 2 else "tab:cyan", edgecolor="white")
+      ax.text(before["finished_s"] - origin + 0.02, y + 0.5, str(s["step"]), va="center", fontsize=6)
+    for i in timeline["issued"]:
+      if i["started_s"] >= origin and i["step"] <= _STEPS.value:
+        ax.barh(y + 1.4, i["finished_s"] - i["started_s"], left=i["started_s"] - origin, height=0.7,
+                color="tab:orange" if i["fragment"] else "tab:red", edgecolor="black")
+        ax.text(i["started_s"] - origin + 0.02, y + 1.4, f"Δ{i['fragment']} (step {i['step']})",
+                va="center", fontsize=6)
+  ax.set_yticks([2 * l + t for l in range(len(timelines)) for t in (0.5, 1.4)])
+  ax.set_yticklabels([f"{e}: {what}" for e in sorted(timelines) for what in ("inner steps",
+                                                                               "all-reduce (thread)")])
+  ax.set_xlabel(f"seconds since step {_WARM.value + 2} was dispatched (process 0)")
+  ax.set_title(f"{TIMELINE_RUN}, 2 processes, {_LINK.value} link: steps and the executor's all-reduces")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,14 @@ def default_config() -> ml_collections.ConfigDict:
       codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2
       codec_rounding="nearest",  # nearest | stochastic
       error_feedback=False,  # add each replica's quantization residual to its next outer gradient
+      # How an overlapped fragment's (τ >= 1) mean travels (lowcomm_jax.train.overlap, docs/overlap.md):
+      #   thread: a communication thread issues it (comm.OuterCommExecutor) while the next inner
+      #           steps run; the step programs hold no cross-replica collective
+      #   inline: inside the send step's own program (XLA:CPU then holds the next steps back)
+      #   auto:   thread where it works (streaming_diloco with τ >= 1, gradients=replicas or
+      #           skippipe, each replica inside one process), inline elsewhere (τ = 0, diloco,
+      #           noloco, dp, the pipeline)
+      overlap_executor="auto",
       codec_kernels="auto",  # the codec's encode/decode on the wire: auto (Pallas kernels where the
                              # platform compiles them, GPU/TPU; jnp reference on CPU) | pallas (also
                              # on CPU, interpreted: slow, for tests) | reference (jnp); all three

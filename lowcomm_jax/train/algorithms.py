@@ -23,7 +23,7 @@ from lowcomm_jax.codecs import base as codec_base
 from lowcomm_jax.optim import fragments as frag_lib
 from lowcomm_jax.optim import replicated, schedule
 from lowcomm_jax.optim import streaming
-from lowcomm_jax.train import step as step_lib
+from lowcomm_jax.train import overlap, step as step_lib
 
 _OUTER_OPTIMIZERS = {
     "nesterov": lambda o: optim.outer_nesterov(o.learning_rate, o.momentum),
@@ -124,6 +124,8 @@ def _check_streaming_diloco(c) -> None:
   if d.codec != "none":
     checks.require(d.codec_rounding in codec_base.ROUNDING_MODES, "diloco.codec_rounding",
                    f"one of {', '.join(codec_base.ROUNDING_MODES)}", d.codec_rounding)
+  checks.require(d.overlap_executor in overlap.OVERLAP_EXECUTORS, "diloco.overlap_executor",
+                 f"one of {', '.join(overlap.OVERLAP_EXECUTORS)}", d.overlap_executor)
   checks.require(d.codec_kernels in codecs.KERNEL_MODES, "diloco.codec_kernels",
                  f"one of {codecs.KERNEL_MODES}", d.codec_kernels)
   checks.require(not d.error_feedback or d.codec != "none", "diloco.error_feedback",

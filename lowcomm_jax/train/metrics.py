@@ -4,12 +4,44 @@ from __future__ import annotations
 
 import json
 import pathlib
+import queue
 import sys
+import threading
 import time
 from typing import Callable
 
 import numpy as np
 from tensorboardX import SummaryWriter
+
+
+class StepTimes:
+  """When each step's program finished on this process, for timelines (benchmarks/slow_link.py).
+
+  A thread waits on each step's output (this process's shards only: no collective) and records
+  `time.perf_counter()`; `times` is [(step, dispatched_s, finished_s)] once `close()` returned.
+  """
+
+  def __init__(self):
+    self.times: list[tuple[int, float, float]] = []
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._thread = threading.Thread(target=self._wait, name="lowcomm-step-times", daemon=True)
+    self._thread.start()
+
+  def watch(self, step: int, output) -> None:
+    self._queue.put((step, time.perf_counter(), output))
+
+  def _wait(self) -> None:
+    while (item := self._queue.get()) is not None:
+      step, dispatched, output = item
+      for x in output:
+        for shard in x.addressable_shards:
+          shard.data.block_until_ready()
+      self.times.append((step, dispatched, time.perf_counter()))
+
+  def close(self) -> list[tuple[int, float, float]]:
+    self._queue.put(None)
+    self._thread.join()
+    return self.times
 
 
 class OneStepBehind:

@@ -31,7 +31,8 @@ from lowcomm_jax import sharding
 from lowcomm_jax.data import corpora, pipeline
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.models import llama
-from lowcomm_jax.train import algorithms, checkpoint, sources, workdir as workdir_lib
+from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources
+from lowcomm_jax.train import workdir as workdir_lib
 from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib, step as step_lib
 
 
@@ -71,11 +72,19 @@ class Trainer:
     self.algorithm = algorithms.make_algorithm(config, config.num_replicas, abstract_params)
     self.fragment_names = getattr(self.algorithm, "fragment_names", [])
     self.source = sources.make_source(config, self.graphdef, self.model_cfg, self.algorithm, self.mesh)
+    # thread | inline: where an overlapped fragment's mean is issued (train.overlap)
+    self.overlap_executor = overlap_lib.choose(config.diloco.overlap_executor, self.algorithm,
+                                               self.source, self.mesh)
+    self._overlap = overlap_lib.Inline()  # the running loop's (run() starts the configured one)
+    self.comm_issued: list = []  # the last run's executor timeline (`comm.Issued`), for benchmarks
+    self.watch_steps = False  # set before run() to record step_times (metrics.StepTimes)
+    self.step_times: list = []
     self.axes = llama.logical_axes(abstract_model)
     self.param_specs = sharding.param_specs(self.axes, abstract_params, self.rules, self.mesh)
     self.param_shardings = sharding.named(self.mesh, self.param_specs)
     self.num_params = model_config.param_count(self.model_cfg)
     self._programs: dict = {}
+    self._traced_entries: dict = {}
     self._refused_seen = None
 
   # -- building blocks, also used by tests and benchmarks ----------------------------------------
@@ -159,10 +168,12 @@ class Trainer:
     """The ledger entries of a phase's program, traced (not compiled) when not compiled yet."""
     if (phase, route) in self._programs:
       return self._programs[(phase, route)][1]
-    ledger = comm.Ledger()
-    with ledger.recording():
-      self._jit_step((phase, route), state).trace(state, self._abstract_batch())
-    return ledger.entries
+    if (phase, route) not in self._traced_entries:
+      ledger = comm.Ledger()
+      with ledger.recording():
+        self._jit_step((phase, route), state).trace(state, self._abstract_batch())
+      self._traced_entries[(phase, route)] = ledger.entries
+    return self._traced_entries[(phase, route)]
 
   def comm_events(self, num_steps: int, state) -> list:
     """The run's transfers as `sim.clock.CommEvent`s: the algorithm's collectives, and the gradient
@@ -204,7 +215,8 @@ class Trainer:
     return NamedSharding(self.mesh, P(mesh_lib.DATA, None))
 
   def evaluate(self, eval_step, state, eval_batches) -> dict:
-    losses = distributed.fetch([eval_step(state, b) for b in eval_batches])
+    self._overlap.quiet()  # before dispatching: the evaluation's programs span every process
+    losses = self._fetch([eval_step(state, b) for b in eval_batches])
     return {k: float(np.mean([l[k] for l in losses])) for k in losses[0]}
 
   def data_iterators(self, tokens):
@@ -216,7 +228,13 @@ class Trainer:
 
   def refused(self, state) -> np.ndarray:
     """Outer steps refused so far because the global model would hold NaN or inf (flat int array)."""
-    return np.asarray(distributed.fetch(self._refused_array(state))).reshape(-1)
+    return np.asarray(self._fetch(self._refused_array(state))).reshape(-1)
+
+  def _fetch(self, tree):
+    """`distributed.fetch`, once no collective of the outer-communication thread is running (with
+    several processes, the two threads' collectives must not interleave differently per process)."""
+    self._overlap.quiet()
+    return distributed.fetch(tree)
 
   def _refused_array(self, state) -> jax.Array:
     return self.algorithm.refused(self.source.opt_state_view(state.opt_state))
@@ -266,7 +284,7 @@ class Trainer:
     window_start, window_steps = time.perf_counter(), 0
     # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
     # the host wait for a step before dispatching the next; throughput windows end at the fetch.
-    behind = metrics_lib.OneStepBehind(distributed.fetch)
+    behind = metrics_lib.OneStepBehind(self._fetch)
 
     def take_ready():
       nonlocal window_start, timed_steps, timed_seconds
@@ -287,20 +305,29 @@ class Trainer:
 
     pending_refusals = None  # (counts, step) of the last logged step, read once the next is queued
     run_start = time.perf_counter()
+    self._overlap = overlap = overlap_lib.start(self.overlap_executor, self.algorithm, self.mesh)
+    step_times = metrics_lib.StepTimes() if self.watch_steps else None
     for step in range(start + 1, stop + 1):
       phase = self.algorithm.phase_at(step)
-      program, entries = self.program(phase, state, self.source.route_at(step))
+      route = self.source.route_at(step)
+      # With the thread, the step's program leaves out the overlapped sends (submitted here) and
+      # finds the means it merges in the state; the ledger counts the phase's collectives anyway.
+      step_phase, state = overlap.before_step(step, phase, state)
+      program, _ = self.program(step_phase, state, route)
+      entries = self.phase_entries(phase, state, route)
       batch = distributed.global_array(  # this process's replicas only
           np.stack([next(it) for it in data_iters]), self.batch_sharding(),
           (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
       state, step_metrics = program(state, batch)
+      if step_times is not None:
+        step_times.watch(step, [step_metrics["loss"]])
       ready = take_ready()  # the last logged step's metrics, fetched now that this step is queued
       if ready:
         writer.write(*ready)
       if pending_refusals is not None:  # the last logged step's refusal counts, read one step late
         self._check_refused(*pending_refusals)
         pending_refusals = None
-      logged = {k: float(distributed.fetch(v)) for k, v in self.algorithm.diagnostics(
+      logged = {k: float(self._fetch(v)) for k, v in self.algorithm.diagnostics(
           self.source.opt_state_view(state.opt_state), phase).items()}
       step_bytes = sum(e.sent_bytes for e in entries)
       sent_bytes += step_bytes
@@ -326,16 +353,24 @@ class Trainer:
         ready = take_ready()  # written before the checkpoint, so that a resume never loses its line
         if ready:
           writer.write(*ready)
+        state = overlap.settle(state)  # the checkpoint holds the in-flight means, as inline
+        overlap.quiet()
         data_states = distributed.gather_lists([it.get_state() for it in data_iters])
         ckpt.save(step, state, {"replicas": data_states,
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
       if preempted and step < stop:  # reliability: saved; stop with a message
+        overlap.close()
         ckpt.close()
         writer.close()
         preemption.close()
         raise distributed.Preempted(step, ckpt.directory)
     if pending_refusals is not None:
       self._check_refused(*pending_refusals)
+    state = overlap.settle(state)
+    overlap.close()
+    self.comm_issued = list(overlap.executor.issued) if overlap.executor else []
+    self.step_times = step_times.close() if step_times is not None else []
+    self._overlap = overlap_lib.Inline()
     preemption.close()
     if eval_loss is None and start == stop == c.num_steps:  # reliability: killed before the summary
       eval_losses = self.evaluate(eval_step, state, eval_batches)
@@ -366,7 +401,7 @@ class Trainer:
   def _check_refused(self, counts, step: int) -> None:
     """Applies config.nonfinite after new refusals of an outer step (`counts`: the device array
     `_refused_array` gives): raise, or log and go on."""
-    counts = np.asarray(distributed.fetch(counts)).reshape(-1)
+    counts = np.asarray(self._fetch(counts)).reshape(-1)
     new = [i for i in range(len(counts)) if counts[i] > self._refused_seen[i]]
     self._refused_seen = counts
     if not new:
@@ -384,7 +419,7 @@ class Trainer:
   def _summary(self, steps, eval_loss, wall, tokens_per_s, flops_per_token, peak, sent_bytes,
                peak_sync_bytes, state) -> dict:
     c = self.config
-    final = {k: float(distributed.fetch(v)) for k, v in self.algorithm.final_diagnostics(
+    final = {k: float(self._fetch(v)) for k, v in self.algorithm.final_diagnostics(
         self.source.opt_state_view(state.opt_state)).items()}
     return {
         "algorithm": c.algorithm,

@@ -1,0 +1,191 @@
+"""Streaming DiLoCo's overlapped all-reduces on their own thread, as the Trainer's loop runs them.
+
+`diloco.overlap_executor` picks how a fragment p with τ ≥ 1 travels (docs/overlap.md):
+
+  inline  its mean sits in the send step's own program (`streaming.py`), issued by the training
+          thread: on XLA:CPU the steps dispatched after it wait for every peer to join.
+  thread  `comm.OuterCommExecutor`: on the send step the loop computes Δ_p = φ_p − θ_p from the
+          parameters entering the step (a small program without collectives), submits it and
+          runs the step without that send; before the merge step it waits on that future only,
+          writes the mean into the fragment's in-flight buffer and runs the merge step as inline.
+  auto    (default) thread where it works: Streaming DiLoCo with τ ≥ 1 on the `replicas` or
+          `skippipe` gradient sources; inline elsewhere (DiLoCo and τ = 0 have nothing to overlap,
+          NoLoCo and data parallel have no outer all-reduce, the pipeline keeps a grid layout).
+
+The loop sees `Overlap`: `before_step` (phase the step's program runs, state with the means it
+needs), `settle` (every future written into the state: before a checkpoint and at the end, so a
+checkpoint holds the in-flight mean exactly as the inline state does), `quiet` (no collective of
+the executor running: before the training thread's own cross-process work, e.g. metric gathers)
+and `close`.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from lowcomm_jax import comm, distributed
+from lowcomm_jax.optim.schedule import Phase
+from lowcomm_jax.optim.streaming import StreamingDiLoCo
+
+OVERLAP_EXECUTORS = ("auto", "thread", "inline")
+_THREAD_SOURCES = ("replicas", "skippipe")  # per-replica state with a leading [M] axis
+
+
+class Inline:
+  """Every collective in the step's own program: nothing to do around it."""
+
+  executor = None
+
+  def before_step(self, step: int, phase, state):
+    return phase, state
+
+  def settle(self, state):
+    return state
+
+  def quiet(self) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+def choose(mode: str, algorithm, source, mesh) -> str:
+  """"thread" or "inline": what `diloco.overlap_executor=mode` means for this algorithm, gradient
+  source and mesh (checked in the Trainer's constructor, before any compute).
+
+  Raises:
+    ValueError: an unknown mode (naming the allowed ones); `thread` where it cannot work (naming
+      why); `thread` on a mesh whose inner axes cross processes (`comm.check_layout`).
+  """
+  if mode not in OVERLAP_EXECUTORS:
+    raise ValueError(f"diloco.overlap_executor must be one of {', '.join(OVERLAP_EXECUTORS)}, "
+                     f"got {mode!r}")
+  tx = getattr(algorithm, "tx", None)
+  overlapped = isinstance(tx, StreamingDiLoCo) and bool(np.any(tx.schedule.delay > 0))
+  works = overlapped and source.name in _THREAD_SOURCES
+  if mode == "inline" or (mode == "auto" and not works):
+    return "inline"
+  if not works:
+    why = ("gradients=pipeline keeps its state in grid layout" if overlapped else
+           "only Streaming DiLoCo with diloco.overlap_steps (τ) >= 1 has an all-reduce to overlap")
+    raise ValueError(f"diloco.overlap_executor=thread: {why}; use diloco.overlap_executor=inline "
+                     "or auto")
+  comm.check_layout(mesh)
+  return "thread"
+
+
+def start(choice: str, algorithm, mesh):
+  """The loop's `Overlap` for `choose`'s answer (`thread` starts the executor's thread)."""
+  return Threaded(algorithm.tx, mesh) if choice == "thread" else Inline()
+
+
+class Threaded:
+  """Streaming DiLoCo's overlapped fragments (τ ≥ 1) through a `comm.OuterCommExecutor`."""
+
+  def __init__(self, tx: StreamingDiLoCo, mesh):
+    self.tx = tx
+    self.delay = tx.schedule.delay
+    self.executor = comm.OuterCommExecutor(tx.codec, tx.codec_kernels, tx.axis_name, mesh)
+    self._futures: dict = {}  # fragment p -> the future of its mean, while in flight
+    self._deltas: dict = {}  # fragment p -> the compiled Δ_p program
+    self._multiprocess = jax.process_count() > 1
+    self._frags = None
+
+  def _delta_program(self, p: int, frag):
+    """(θ_R, φ, residual_R) -> (Δ_p per replica, a copy of the residual): no collective. The copy
+    is the executor's own: the state's buffers are donated to the next step."""
+    if p not in self._deltas:
+      outer_gradient = self.tx.outer_gradient
+      per_replica = jax.vmap(lambda local, outer: outer_gradient(frag, outer, local), in_axes=(0, None))
+      self._deltas[p] = jax.jit(lambda params_r, outer, residual: (
+          per_replica(params_r, outer), jax.tree.map(lambda x: x + 0, residual)))
+    return self._deltas[p]
+
+  def before_step(self, step: int, phase: Phase, state):
+    """Submits the overlapped sends of `step` and writes in the means its merges need.
+
+    Returns (the phase the step's program runs: `phase` without the overlapped sends, the state).
+    """
+    opt = state.opt_state
+    if self._frags is None:  # from one replica's shapes (the parameters carry a leading [M])
+      self._frags = self.tx.fragments(jax.eval_shape(lambda t: jax.tree.map(lambda x: x[0], t),
+                                                     state.params))
+    frags = self._frags
+    sends = [p for p in phase.send if self.delay[p]]
+    for p in sends:  # fragments in increasing order: the schedule order every process follows
+      residual = opt.residuals[p] if self.tx.error_feedback else None
+      delta_r, residual_copy = self._delta_program(p, frags[p])(state.params, opt.outer_params,
+                                                                residual)
+      key = None
+      if self.tx.codec is not None and self.tx.codec.rounding == "stochastic":
+        # As inline: fold_in(key(p), count), count = inner steps taken before this step.
+        key = jax.random.fold_in(jax.random.key(p), step - 1)
+      self._futures[p] = self.executor.submit(step, p, delta_r, residual_copy, key)
+    waits = [p for p in phase.receive if p in self._futures]
+    if waits:
+      state = self._write(state, waits)
+    return Phase(tuple(p for p in phase.send if not self.delay[p]), phase.receive), state
+
+  def settle(self, state):
+    """Every fragment in flight waited for and written into the state (its in-flight buffer, and
+    its error-feedback residual). A resumed loop then has no future and merges the buffer."""
+    return self._write(state, sorted(self._futures))
+
+  def quiet(self) -> None:
+    """With several processes, waits until the executor's collectives are done: the training
+    thread's own cross-process collectives (metric gathers, checkpoints) must not interleave
+    with them in a different order on another process."""
+    if self._multiprocess:
+      self.executor.drain()
+
+  def close(self) -> None:
+    self.executor.close()
+
+  def _write(self, state, fragments):
+    opt = state.opt_state
+    in_flight, residuals = list(opt.in_flight), list(opt.residuals)
+    for p in fragments:
+      result = self._futures.pop(p).result()
+      mean_r, new_residual = result if self.tx.error_feedback else (result, None)
+      in_flight[p] = jax.tree.map(_first_row, mean_r, in_flight[p])
+      if new_residual is not None:
+        residuals[p] = jax.tree.map(_laid_out_as, new_residual, residuals[p])
+    return state._replace(opt_state=opt._replace(in_flight=tuple(in_flight),
+                                                 residuals=tuple(residuals)))
+
+
+def _laid_out_as(value: jax.Array, like: jax.Array) -> jax.Array:
+  """`value` with `like`'s sharding (what the compiled step expects)."""
+  if value.sharding.is_equivalent_to(like.sharding, value.ndim):
+    return value
+  return jax.device_put(value, like.sharding)
+
+
+def _first_row(rows: jax.Array, like: jax.Array) -> jax.Array:
+  """`rows[0]` laid out as `like`, a leaf of the shared (unmapped) state.
+
+  Every row of `rows` is the same mean, so each device's shard of row 0 is its shard of whichever
+  row it holds: built from this process's own shards, no collective on the training thread (which
+  with several processes could interleave with the executor's). Falls back to a resharding copy
+  when the layouts do not line up (one process only).
+  """
+  want = like.sharding.addressable_devices_indices_map(like.shape)
+  have = {s.device: s for s in rows.addressable_shards}
+  pieces = []
+  for device, index in want.items():
+    shard = have.get(device)
+    if shard is None or _normalized(shard.index[1:], rows.shape[1:]) != _normalized(index, like.shape):
+      pieces = None
+      break
+    pieces.append(shard.data[0])
+  if pieces is not None:
+    return jax.make_array_from_single_device_arrays(like.shape, like.sharding, pieces)
+  if not rows.is_fully_addressable:
+    raise ValueError(f"the executor's mean (sharding {rows.sharding}) does not line up with the "
+                     f"in-flight buffer's ({like.sharding}) on this process's devices")
+  return distributed.replicated_array(np.asarray(rows[0]), like.sharding)
+
+
+def _normalized(index, shape) -> tuple:
+  return tuple(s.indices(n) for s, n in zip(index, shape))
