@@ -108,6 +108,23 @@ def test_thread_step_programs_hold_no_cross_replica_collective(tmp_path_factory)
   assert send_phases and all(inline_found[ph] >= 1 for ph in send_phases), inline_found
 
 
+def test_thread_leaves_the_non_sync_step_program_unchanged(tmp_path_factory):
+  """With no fragment in flight the step compiles to the same HLO under both executors (only the
+  source-location metadata differs): a non-sync step costs the same; the thread adds work only on
+  send and merge steps."""
+  programs = {}
+  for mode in ("thread", "inline"):
+    trainer = _run(tmp_path_factory, "mesh", 2, mode)
+    programs[mode] = {phase: compiled.as_text()
+                      for (phase, _), (compiled, _) in trainer._programs.items()}  # pylint: disable=protected-access
+  quiet = [ph for ph in programs["thread"] if not ph.send and not ph.receive]
+  assert len(quiet) == 1 and quiet[0] in programs["inline"]
+  strip = lambda text: [re.sub(r"HloModule \S+", "", line) for line in text.splitlines()
+                        if "file_name_id=" not in line]
+  thread_hlo, inline_hlo = strip(programs["thread"][quiet[0]]), strip(programs["inline"][quiet[0]])
+  assert len(thread_hlo) > 100 and thread_hlo == inline_hlo
+
+
 def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path_factory):
   """Stopped after step 4 (fragment 0 issued with step 4, merged after step 5 at τ = 2) and
   resumed: the checkpoint holds the in-flight mean (the loop settles the future into the state's
