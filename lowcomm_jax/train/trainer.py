@@ -216,7 +216,7 @@ class Trainer:
 
   def evaluate(self, eval_step, state, eval_batches) -> dict:
     self._overlap.quiet()  # before dispatching: the evaluation's programs span every process
-    losses = self._fetch([eval_step(state, b) for b in eval_batches])
+    losses = distributed.fetch([eval_step(state, b) for b in eval_batches])
     return {k: float(np.mean([l[k] for l in losses])) for k in losses[0]}
 
   def data_iterators(self, tokens):
