@@ -66,9 +66,12 @@ def _dp(m):
   return {"algorithm": "dp", "mesh.data": 1, "data.batch_size": 8 * m, "_m": m}
 
 
-def _diloco(m, h, outer_lr=0.7):
+def _diloco(m, h, outer_lr=0.7, outer_momentum=None):
+  # outer_momentum None keeps the config's Nesterov 0.9 (the papers'); the rows that set 0.5 come
+  # from the small model's M = 1 finding: at 100 outer steps, 0.9 leaves DiLoCo above data-parallel.
+  momentum = {} if outer_momentum is None else {"outer_optimizer.momentum": outer_momentum}
   return {"algorithm": "diloco", "num_replicas": m, "diloco.sync_every": h, "mesh.data": 1,
-          "outer_optimizer.learning_rate": outer_lr, "_m": m}
+          "outer_optimizer.learning_rate": outer_lr, **momentum, "_m": m}
 
 
 def _streaming(h):
@@ -83,14 +86,17 @@ def _streaming(h):
 def rows() -> list[tuple[str, int, dict]]:
   """(run, seed, config changes) in the order they run: the headline comparisons first."""
   table = [("dp M=1", 0, _dp(1)), ("diloco M=1 H=30", 0, _diloco(1, 30)),
-           ("dp M=2", 0, _dp(2)), ("diloco M=2 H=30", 0, _diloco(2, 30)),
-           ("streaming M=2 H=30 e3m0", 0, _streaming(30)),
+           ("diloco M=1 H=30 outer_momentum=0.5", 0, _diloco(1, 30, outer_momentum=0.5)),
+           ("dp M=2", 0, _dp(2)),
+           ("diloco M=2 H=30 outer_momentum=0.5", 0, _diloco(2, 30, outer_momentum=0.5)),
+           ("streaming M=2 H=30 e3m0", 0, _streaming(30)), ("diloco M=2 H=30", 0, _diloco(2, 30)),
            ("diloco M=2 H=100", 0, _diloco(2, 100)),
            ("streaming M=2 H=100 e3m0", 0, _streaming(100)),
            # The outer learning-rate sweep at M = 2 (0.7 is the row above), all reported.
            ("diloco M=2 H=30 outer_lr=0.4", 0, _diloco(2, 30, 0.4)),
            ("diloco M=2 H=30 outer_lr=1.0", 0, _diloco(2, 30, 1.0))]
-  table += [(run, 1, changes) for run, _, changes in table[:4]]  # the headline rows' second seed
+  headline = ("dp M=1", "diloco M=1 H=30", "dp M=2", "diloco M=2 H=30")
+  table += [(run, 1, changes) for run, _, changes in table if run in headline]  # their second seed
   table += [("dp M=4", 0, _dp(4)), ("diloco M=4 H=30", 0, _diloco(4, 30)),
             # NoLoCo in pairs at the paper's H = 50 (PAPERS.md 2.5), against DiLoCo M=4.
             ("noloco M=4 H=50", 0, {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 50,
