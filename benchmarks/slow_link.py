@@ -3,6 +3,7 @@ outer-communication thread or inline) between two processes on a shaped link, ne
 clock's prediction for the same link.
 
   nice -n 10 python benchmarks/slow_link.py [--link=20Mbit,0ms --steps=32 --warm_steps=12]   # as root
+  nice -n 10 python benchmarks/slow_link.py --taus=2 --out=/tmp/slow_link_tau2.json   # τ = 2 rows only
 
 Two network namespaces joined by a veth pair; `tc` gives each direction the link's rate and
 one-way delay (netem; a link without delay uses tbf, for kernels without netem such as this
@@ -43,6 +44,10 @@ _LINK = flags.DEFINE_string("link", "20Mbit,0ms", "Rate and one-way delay of the
 # executor's collectives first, so one there would hide none of that all-reduce.
 _STEPS = flags.DEFINE_integer("steps", 32, "Steps per run.")
 _WARM = flags.DEFINE_integer("warm_steps", 12, "Steps before the timed window (compiles).")
+_TAUS = flags.DEFINE_list("taus", None, "Only the Streaming rows with these τ (e.g. 2, while "
+                          "iterating; write them with --out elsewhere). Default: every row.")
+_BATCH = flags.DEFINE_integer("batch_size", 2, "Sequences per replica per step.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
 _REPLOT = flags.DEFINE_bool("replot", False, "Only redraw the timeline PNG from --out's timelines.")
 _OUT = flags.DEFINE_string("out", str(ROOT / "benchmarks" / "results" / "slow_link.json"),
                            "Where to write the results.")
@@ -62,7 +67,7 @@ TIMELINE_RUN = "streaming P=2 τ=2 α=0.5 H=10"
 # step is small, so one all-reduce of the `small` model spans several inner steps at 20 Mbit/s even
 # when this shared 2-core machine is loaded.
 COMMON = {"model.size": "small", "num_replicas": 2, "mesh.replica": 2, "diloco.sync_every": 10,
-          "data.batch_size": 2, "data.seq_len": 64, "eval.every": 100000,
+          "eval.every": 100000,
           "checkpoint.every": 100000, "progress_bar": False,
           "hardware.peak_flops_per_device": 1e10}
 
@@ -159,11 +164,15 @@ def main(argv):
   link = network.parse_network(_LINK.value)
   window = _STEPS.value - _WARM.value
   results = {"link": _LINK.value, "steps": _STEPS.value, "warm_steps": _WARM.value,
-             "model": COMMON["model.size"], "rows": []}
+             "model": COMMON["model.size"], "batch_size": _BATCH.value, "seq_len": _SEQ_LEN.value,
+             "rows": []}
   timelines = {}
   with veth_pair() as shape, tempfile.TemporaryDirectory() as tmp:
     for index, (name, executor, tau, extra) in enumerate(RUNS):
+      if _TAUS.value is not None and (extra["algorithm"] == "diloco" or str(tau) not in _TAUS.value):
+        continue
       changes = {**COMMON, **extra, "diloco.overlap_executor": executor,
+                 "data.batch_size": _BATCH.value, "data.seq_len": _SEQ_LEN.value,
                  "num_steps": _STEPS.value + 1, "stop_at_step": _STEPS.value, "log_every": _WARM.value}
       shape(None)
       fast = run(changes, pathlib.Path(tmp) / f"{index}_fast")

@@ -180,10 +180,31 @@ class StreamingDiLoCo:
     local = optax.apply_updates(params, inner_updates)
     blocking = {p: self._reduce(p, frags[p], state.outer_params, local, residuals, state.count)
                 for p in phase.send if not self.schedule.delay[p]}
-    outer_params, outer_states = state.outer_params, list(state.outer_states)
-    nonfinite = state.nonfinite
-    for p in phase.receive:
-      mean_delta = blocking[p] if p in blocking else in_flight[p]
+    means = {p: blocking[p] if p in blocking else in_flight[p] for p in phase.receive}
+    local, outer_params, outer_states, nonfinite = self._merge(
+        frags, means, local, state.outer_params, state.outer_states, state.nonfinite)
+    new_state = StreamingDiLoCoState(state.count + 1, inner_state, outer_params, outer_states,
+                                     tuple(in_flight), tuple(residuals), nonfinite)
+    return jax.tree.map(lambda n, o: n - o, local, params), new_state
+
+  def merge_in_flight(self, receive: tuple, state: StreamingDiLoCoState, params):
+    """(params, state) once fragments `receive` merged their in-flight means into `params`, the
+    parameters after a step that ran without those merges (the outer-communication thread's merge
+    step: its inner step runs while the mean is still on the wire). The same outer step and merge as
+    `update` with them in the phase; one replica's view, as `update`."""
+    frags = self.fragments(params)
+    local, outer_params, outer_states, nonfinite = self._merge(
+        frags, {p: state.in_flight[p] for p in receive}, params, state.outer_params,
+        state.outer_states, state.nonfinite)
+    return local, state._replace(outer_params=outer_params, outer_states=outer_states,
+                                 nonfinite=nonfinite)
+
+  def _merge(self, frags, means: dict, local, outer_params, outer_states, nonfinite):
+    """The outer step of each fragment p in `means` (its averaged Δ_p) and its merge into `local`.
+
+    Returns (local, outer_params, outer_states, nonfinite)."""
+    outer_states = list(outer_states)
+    for p, mean_delta in means.items():
       old_global_p = frag_lib.extract(frags[p], outer_params)
       outer_updates, new_outer_state = self.outer.update(mean_delta, outer_states[p], old_global_p)
       # A NaN or inf in the averaged outer gradient never reaches φ: the outer step of this
@@ -200,9 +221,7 @@ class StreamingDiLoCo:
           frag_lib.extract(frags[p], local), global_p)
       outer_params = frag_lib.insert(frags[p], outer_params, global_p)
       local = frag_lib.insert(frags[p], local, merged)
-    new_state = StreamingDiLoCoState(state.count + 1, inner_state, outer_params, tuple(outer_states),
-                                     tuple(in_flight), tuple(residuals), nonfinite)
-    return jax.tree.map(lambda n, o: n - o, local, params), new_state
+    return local, outer_params, tuple(outer_states), nonfinite
 
 
 def _resolve_fragments(fragments: FragmentsArg, pattern: str, non_block: str) -> FragmentRule:

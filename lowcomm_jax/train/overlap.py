@@ -6,17 +6,25 @@
           thread: on XLA:CPU the steps dispatched after it wait for every peer to join.
   thread  `comm.OuterCommExecutor`: on the send step the loop computes Δ_p = φ_p − θ_p from the
           parameters entering the step (a small program without collectives), submits it and
-          runs the step without that send; before the merge step it waits on that future only,
-          writes the mean into the fragment's in-flight buffer and runs the merge step as inline.
+          runs the step without that send. The merge step's program runs without the merge (its
+          forward, backward and inner update do not need the mean: they overlap the all-reduce
+          too); after dispatching it, the loop waits on that future only, writes the mean into
+          the fragment's in-flight buffer and runs the outer step and merge as a program of
+          their own (`StreamingDiLoCo.merge_in_flight`, no collective).
   auto    (default) thread where it works: Streaming DiLoCo with τ ≥ 1 on the `replicas` or
           `skippipe` gradient sources; inline elsewhere (DiLoCo and τ = 0 have nothing to overlap,
           NoLoCo and data parallel have no outer all-reduce, the pipeline keeps a grid layout).
 
-The loop sees `Overlap`: `before_step` (phase the step's program runs, state with the means it
-needs), `settle` (every future written into the state: before a checkpoint and at the end, so a
-checkpoint holds the in-flight mean exactly as the inline state does), `quiet` (no collective of
-the executor running: before the training thread's own cross-process work, e.g. metric gathers)
-and `close`.
+The loop sees `Overlap`: `before_step` (the phase the step's program runs), `after_step` (the
+state once the merges left out of that program ran), `settle` (every future written into the
+state: before a checkpoint and at the end, so a checkpoint holds the in-flight mean exactly as the
+inline state does), `quiet` (no collective of the executor running: before the training thread's
+own cross-process work, e.g. metric gathers) and `close`.
+
+Same results as inline within 1e-7 (max abs over parameters and state; tests/test_overlap_loop.py):
+the thread's merge program applies the outer step to the parameters the step's program wrote,
+inline applies it inside the step, where XLA fuses it with the inner update and the step's
+`θ + (merged − θ)`; the two round differently at the ulp scale.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ class Inline:
 
   def before_step(self, step: int, phase, state):
     return phase, state
+
+  def after_step(self, state):
+    return state
 
   def settle(self, state):
     return state
@@ -89,6 +100,8 @@ class Threaded:
     self.executor = comm.OuterCommExecutor(tx.codec, tx.codec_kernels, tx.axis_name, mesh)
     self._futures: dict = {}  # fragment p -> the future of its mean, while in flight
     self._deltas: dict = {}  # fragment p -> the compiled Δ_p program
+    self._merges: dict = {}  # fragments merged together -> their compiled merge program
+    self._due: list = []  # fragments the step just dispatched left for after_step to merge
     self._multiprocess = jax.process_count() > 1
     self._frags = None
 
@@ -103,9 +116,10 @@ class Threaded:
     return self._deltas[p]
 
   def before_step(self, step: int, phase: Phase, state):
-    """Submits the overlapped sends of `step` and writes in the means its merges need.
+    """Submits the overlapped sends of `step`.
 
-    Returns (the phase the step's program runs: `phase` without the overlapped sends, the state).
+    Returns (the phase the step's program runs: `phase` without the overlapped sends and without
+    the merges of fragments still in flight, which `after_step` runs; the state).
     """
     opt = state.opt_state
     if self._frags is None:  # from one replica's shapes (the parameters carry a leading [M])
@@ -122,10 +136,33 @@ class Threaded:
         # As inline: fold_in(key(p), count), count = inner steps taken before this step.
         key = jax.random.fold_in(jax.random.key(p), step - 1)
       self._futures[p] = self.executor.submit(step, p, delta_r, residual_copy, key)
-    waits = [p for p in phase.receive if p in self._futures]
-    if waits:
-      state = self._write(state, waits)
-    return Phase(tuple(p for p in phase.send if not self.delay[p]), phase.receive), state
+    # Overlapped merges leave the program: its inner step does not need the mean. Also a merge
+    # without a future (after a resume the checkpoint's in-flight buffer holds the mean), so that
+    # a resumed run rounds as the uninterrupted one.
+    self._due = [p for p in phase.receive if self.delay[p]]
+    return Phase(tuple(p for p in phase.send if not self.delay[p]),
+                 tuple(p for p in phase.receive if p not in self._due)), state
+
+  def after_step(self, state):
+    """After the step's program is dispatched: waits on the futures of the merges it left out,
+    writes their means into the state and runs their outer steps and merges (one program)."""
+    if not self._due:
+      return state
+    due, self._due = tuple(self._due), []
+    state = self._write(state, [p for p in due if p in self._futures])
+    params, opt_state = self._merge_program(due, state)(state.params, state.opt_state)
+    return state._replace(params=params, opt_state=opt_state)
+
+  def _merge_program(self, due: tuple, state):
+    """(params_R, opt_state) -> the same after `StreamingDiLoCo.merge_in_flight(due)` per replica:
+    elementwise, no collective; the state keeps its layout (the next step's program expects it)."""
+    if due not in self._merges:
+      axes = self.tx.state_axes
+      per_replica = jax.vmap(lambda params, opt: self.tx.merge_in_flight(due, opt, params),
+                             in_axes=(0, axes), out_axes=(0, axes))
+      layout = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
+      self._merges[due] = jax.jit(per_replica, out_shardings=layout, donate_argnums=(0, 1))
+    return self._merges[due]
 
   def settle(self, state):
     """Every fragment in flight waited for and written into the state (its in-flight buffer, and

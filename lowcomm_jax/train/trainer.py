@@ -311,7 +311,8 @@ class Trainer:
       phase = self.algorithm.phase_at(step)
       route = self.source.route_at(step)
       # With the thread, the step's program leaves out the overlapped sends (submitted here) and
-      # finds the means it merges in the state; the ledger counts the phase's collectives anyway.
+      # the merges of fragments in flight (after_step runs them once their means arrive, so the
+      # step's compute overlaps the all-reduce); the ledger counts the phase's collectives anyway.
       step_phase, state = overlap.before_step(step, phase, state)
       program, _ = self.program(step_phase, state, route)
       entries = self.phase_entries(phase, state, route)
@@ -319,6 +320,7 @@ class Trainer:
           np.stack([next(it) for it in data_iters]), self.batch_sharding(),
           (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
       state, step_metrics = program(state, batch)
+      state = overlap.after_step(state)  # the thread's merges, once their means arrived
       if step_times is not None:
         step_times.watch(step, [step_metrics["loss"]])
       ready = take_ready()  # the last logged step's metrics, fetched now that this step is queued
