@@ -4,6 +4,8 @@ clock's prediction for the same link.
 
   nice -n 10 python benchmarks/slow_link.py [--link=20Mbit,0ms --steps=32 --warm_steps=12]   # as root
   nice -n 10 python benchmarks/slow_link.py --taus=2 --out=/tmp/slow_link_tau2.json   # τ = 2 rows only
+  nice -n 10 python benchmarks/slow_link.py --taus=2 --batch_size=2 --seq_len=64 \
+    --out=benchmarks/results/slow_link_comm_bound.json   # the all-reduce-bound step
 
 Two network namespaces joined by a veth pair; `tc` gives each direction the link's rate and
 one-way delay (netem; a link without delay uses tbf, for kernels without netem such as this
@@ -14,7 +16,7 @@ shaped one; the time of steps warm_steps+1 .. steps (all programs compiled by th
 metric gathers) comes from metrics.jsonl. The prediction: lowcomm_jax.sim.clock on the run's own
 collectives, with the per-step compute time of the unshaped run. Writes
 benchmarks/results/slow_link.json (`rows`: run, executor, tau, unshaped_s, shaped_s, clock_s) and
-benchmarks/results/slow_link_timeline.png (process 0's steps and the executor's all-reduces, from
+benchmarks/results/slow_link_timeline.png (beside --out; process 0's steps and the executor's all-reduces, from
 benchmarks/slow_link_worker.py's timeline.json, for Streaming τ = 2 on the shaped link, thread
 against inline). Needs root, `ip` and `tc` (iproute2); the namespaces and the
 veth pair are removed at the end.
@@ -46,8 +48,14 @@ _STEPS = flags.DEFINE_integer("steps", 32, "Steps per run.")
 _WARM = flags.DEFINE_integer("warm_steps", 12, "Steps before the timed window (compiles).")
 _TAUS = flags.DEFINE_list("taus", None, "Only the Streaming rows with these τ (e.g. 2, while "
                           "iterating; write them with --out elsewhere). Default: every row.")
-_BATCH = flags.DEFINE_integer("batch_size", 2, "Sequences per replica per step.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
+# The default step (16 × 128 tokens per replica, the `small` model) takes about 0.6 s on this
+# 2-core machine, so one fragment's all-reduce at 20 Mbit/s (about 1.1 s on the clock, 1.2-1.3 s
+# measured) spans about two inner steps: as much as τ = 2 can hide. With τ steps beside it, a
+# period of H/P = 5 steps takes max(C, τ·s) + (5 − τ)·s with the thread and C + 5·s inline (C the
+# all-reduce, s a step), so the thread's gain is largest, (2 + 5)/(2 + 3) = 1.4× at τ = 2, when
+# C = 2·s. --batch_size=2 --seq_len=64 is the all-reduce-bound case (C ≈ 30·s): τ = 2 hides little.
+_BATCH = flags.DEFINE_integer("batch_size", 16, "Sequences per replica per step.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per sequence.")
 _REPLOT = flags.DEFINE_bool("replot", False, "Only redraw the timeline PNG from --out's timelines.")
 _OUT = flags.DEFINE_string("out", str(ROOT / "benchmarks" / "results" / "slow_link.json"),
                            "Where to write the results.")
@@ -63,12 +71,8 @@ RUNS = [("diloco H=10", "inline", 0, {"algorithm": "diloco"})] + [
     (f"streaming P=2 τ={tau} α=0.5 H=10", executor, tau, {**_STREAMING, "diloco.overlap_steps": tau})
     for tau in (0, 1, 2) for executor in (("inline",) if tau == 0 else ("thread", "inline"))]
 TIMELINE_RUN = "streaming P=2 τ=2 α=0.5 H=10"
-# Few tokens per step (2 × 64 per replica): the all-reduce's bytes are the model's, the compute per
-# step is small, so one all-reduce of the `small` model spans several inner steps at 20 Mbit/s even
-# when this shared 2-core machine is loaded.
 COMMON = {"model.size": "small", "num_replicas": 2, "mesh.replica": 2, "diloco.sync_every": 10,
-          "eval.every": 100000,
-          "checkpoint.every": 100000, "progress_bar": False,
+          "eval.every": 100000, "checkpoint.every": 100000, "progress_bar": False,
           "hardware.peak_flops_per_device": 1e10}
 
 
@@ -158,7 +162,7 @@ def main(argv):
   del argv
   if _REPLOT.value:
     plot_timelines(json.loads(pathlib.Path(_OUT.value).read_text())["timelines"],
-                   pathlib.Path(_OUT.value).with_name("slow_link_timeline.png"))
+                   _timeline_png())
     return
   from lowcomm_jax.sim import network  # pylint: disable=g-import-not-at-top
   link = network.parse_network(_LINK.value)
@@ -196,7 +200,13 @@ def main(argv):
     print(f"{r['run']:30} {r['executor']:>8} {r['unshaped_s']:10.2f} {r['shaped_s']:9.2f} "
           f"{r['clock_s']:8.2f} {r['shaped_s'] / r['clock_s']:12.2f}")
   if timelines:
-    plot_timelines(timelines, pathlib.Path(_OUT.value).with_name("slow_link_timeline.png"))
+    plot_timelines(timelines, _timeline_png())
+
+
+def _timeline_png() -> pathlib.Path:
+  """Beside --out: slow_link.json -> slow_link_timeline.png."""
+  out = pathlib.Path(_OUT.value)
+  return out.with_name(f"{out.stem}_timeline.png")
 
 
 def plot_timelines(timelines: dict, path: pathlib.Path) -> None:

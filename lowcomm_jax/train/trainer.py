@@ -320,9 +320,9 @@ class Trainer:
           np.stack([next(it) for it in data_iters]), self.batch_sharding(),
           (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
       state, step_metrics = program(state, batch)
-      state = overlap.after_step(state)  # the thread's merges, once their means arrived
       if step_times is not None:
         step_times.watch(step, [step_metrics["loss"]])
+      state = overlap.after_step(state)  # the thread's merges, once their means arrived
       ready = take_ready()  # the last logged step's metrics, fetched now that this step is queued
       if ready:
         writer.write(*ready)
