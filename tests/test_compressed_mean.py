@@ -93,6 +93,10 @@ def test_mesh_with_shard_map_equals_vmap():
     on_mesh = np.asarray(jax.jit(per_device)(x_sharded))
     simulated = np.asarray(_vmapped_mean(x_R, codec, use_pallas))
     assert np.array_equal(on_mesh, simulated), name
+    if not use_pallas:  # the mean is typed as the same on every replica: it may leave replicated
+      replicated = jax.shard_map(lambda x: comm.compressed_mean(x[0], "replica", codec), mesh=mesh,
+                                 in_specs=P("replica"), out_specs=P())
+      assert np.array_equal(np.asarray(jax.jit(replicated)(x_sharded)), simulated[0]), name
 
 
 def test_pytree_input_and_stochastic_rounding():

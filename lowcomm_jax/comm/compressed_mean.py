@@ -85,7 +85,12 @@ def _array_mean(x: jax.Array, axis_name, codec: codecs.Codec, axis_size: int,
   mean_codes, mean_scales = codec.encode_blocks(mean_blocks, mean_key, **kernel_options)
 
   # All-gather: every worker gets every chunk's encoded mean.
-  gather = lambda a: None if a is None else lax.all_gather(a, axis_name)
+  # Under shard_map (codes varying over the axis) the gathered mean is the same on every worker:
+  # say so (to="invarying"), so it may leave shard_map replicated (the in-flight buffer, φ).
+  # vmap has no varying axes (and no invariant all-gather): a plain all-gather.
+  varying = lambda a: axis_name in jax.typeof(a).manual_axis_type.varying
+  gather = lambda a: None if a is None else lax.all_gather(
+      a, axis_name, to="invarying" if varying(a) else "varying")
   mean = decode_per_worker(gather(mean_codes), gather(mean_scales))
   return mean.reshape(-1)[:num_elements].reshape(x.shape), sent
 
