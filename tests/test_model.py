@@ -150,3 +150,19 @@ def test_backward_keeps_one_attention_matrix_per_layer(dtype):
   square = [r for r in jax.tree.leaves(vjp) if r.shape == (b, cfg.num_heads, t, t)]
   assert len(square) == cfg.num_layers
   assert {r.dtype for r in square} == {jnp.dtype(dtype)}
+
+
+def test_rotary_tables_are_constants_of_the_compiled_step():
+  # Traced, the tables' cos and sin were fused into every rotary fusion and evaluated per element
+  # of q and k; computed at trace time they are constants, and the step has no cosine or sine.
+  cfg = models.get_model_config("tiny")
+  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
+  tokens = jnp.zeros((2, 24), jnp.int32)
+  step = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))
+  hlo = step.lower(params).compile().as_text()
+  assert " cosine(" not in hlo and " sine(" not in hlo
+  cos, sin = jax.jit(lambda: llama.rotary_tables(24, cfg.head_dim, cfg.rope_base))()
+  positions, pairs = np.arange(24)[:, None], np.arange(0, cfg.head_dim, 2)[None, :]
+  angles = positions / cfg.rope_base ** (pairs / cfg.head_dim)  # float64 reference
+  np.testing.assert_allclose(cos, np.cos(angles), atol=1e-5)
+  np.testing.assert_allclose(sin, np.sin(angles), atol=1e-5)
