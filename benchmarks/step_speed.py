@@ -14,8 +14,9 @@ Each timed round runs every setup in turn (this machine is shared: rounds interl
 load hits all alike); a round also re-measures the host's float32 matmul peak (train/mfu.py).
 Figures are process CPU-seconds per step (`time.process_time`: every XLA thread counts, other
 processes' load does not), tokens per CPU-second, and medians of per-round ratios:
-`overhead_vs_plain_jit` = trainer CPU-s per step ÷ plain jit's, `mfu_small` = the trainer's model
-FLOPs per CPU-second ÷ the host matmul's FLOPs per CPU-second.
+`overhead_vs_plain_jit` = trainer CPU-s per step ÷ plain jit's, `mfu_small` = the Trainer's MFU
+(train/mfu.cpu_mfu: the trainer's model FLOPs per CPU-second ÷ the host matmul's FLOPs per
+CPU-second, the matmul on every local device at once as the Trainer measures it).
 
 Peers, each a long-lived subprocess in its own virtual environment (benchmarks/peers/; a missing
 venv skips the peer with the reason in the JSON, as in CI), timed in the same rounds:
@@ -317,7 +318,7 @@ def main(argv):
       for name, (c, w) in timed.items():
         cpu[name].append(c)
         wall[name].append(w)
-      peaks.append(mfu.measure_host_peak(devices=jax.devices()[:1]).flops_per_cpu_second)
+      peaks.append(mfu.measure_host_peak().flops_per_cpu_second)
   finally:
     for peer in peers.values():
       peer.close()
@@ -326,7 +327,8 @@ def main(argv):
 
   per_round = lambda a, b: statistics.median(x / y for x, y in zip(cpu[a], cpu[b]))
   rates = {k: tokens[k] / statistics.median(v) for k, v in cpu.items()}
-  mfu_rounds = [mfu.mfu(tokens["trainer"] / c, fpt["trainer"], p) for c, p in zip(cpu["trainer"], peaks)]
+  mfu_rounds = [mfu.cpu_mfu(tokens["trainer"] * fpt["trainer"], c, p)
+                for c, p in zip(cpu["trainer"], peaks)]
   peer_info = {}
   for name, peer in peers.items():
     peer_info[name] = ({"ran": True, **peer.ready} if peer.skipped is None

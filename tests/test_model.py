@@ -150,3 +150,48 @@ def test_backward_keeps_one_attention_matrix_per_layer(dtype):
   square = [r for r in jax.tree.leaves(vjp) if r.shape == (b, cfg.num_heads, t, t)]
   assert len(square) == cfg.num_layers
   assert {r.dtype for r in square} == {jnp.dtype(dtype)}
+
+
+def test_rotary_tables_are_constants_of_the_compiled_step():
+  # Traced, the tables' cos and sin were fused into every rotary fusion and evaluated per element
+  # of q and k; computed at trace time they are constants, and the step has no cosine or sine.
+  cfg = models.get_model_config("tiny")
+  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
+  tokens = jnp.zeros((2, 24), jnp.int32)
+  step = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))
+  hlo = step.lower(params).compile().as_text()
+  assert " cosine(" not in hlo and " sine(" not in hlo
+  cos, sin = jax.jit(lambda: llama.rotary_tables(24, cfg.head_dim, cfg.rope_base))()
+  positions, pairs = np.arange(24)[:, None], np.arange(0, cfg.head_dim, 2)[None, :]
+  angles = positions / cfg.rope_base ** (pairs / cfg.head_dim)  # float64 reference
+  np.testing.assert_allclose(cos, np.cos(angles), atol=1e-5)
+  np.testing.assert_allclose(sin, np.sin(angles), atol=1e-5)
+
+
+def _swiglu_separate_matmuls(mlp, x):
+  """The SwiGLU as written before gate and up shared a matmul: the reference formula."""
+  gate = jax.nn.silu(x @ mlp.w_gate[...])
+  return (gate * (x @ mlp.w_up[...])) @ mlp.w_down[...]
+
+
+def test_swiglu_with_one_gate_up_matmul_equals_separate_matmuls():
+  cfg = models.get_model_config("tiny")
+  mlp = llama.SwiGLU(cfg, nnx.Rngs(3))
+  graphdef, params = nnx.split(mlp, nnx.Param)
+  x = jax.random.normal(jax.random.key(5), (2, 16, cfg.d_model))
+  d_out = jax.random.normal(jax.random.key(6), (2, 16, cfg.d_model))
+  def vjp_of(forward):
+    out, vjp = jax.vjp(lambda p, x: forward(nnx.merge(graphdef, p), x), params, x)
+    return out, vjp(d_out)
+  out_new, grads_new = vjp_of(lambda m, x: m(x))
+  out_old, grads_old = vjp_of(_swiglu_separate_matmuls)
+  np.testing.assert_allclose(out_new, out_old, rtol=1e-5, atol=1e-7)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_new, grads_old)
+
+
+def test_gated_silu_backward_equals_autodiff():
+  gate_up, d_hidden = jax.random.normal(jax.random.key(7), (3, 5, 2, 8)), jax.random.normal(jax.random.key(8), (3, 5, 8))
+  autodiff = lambda a: jax.nn.silu(a[..., 0, :]) * a[..., 1, :]
+  np.testing.assert_allclose(llama.gated_silu(gate_up), autodiff(gate_up), rtol=1e-6)
+  hand = jax.vjp(llama.gated_silu, gate_up)[1](d_hidden)[0]
+  np.testing.assert_allclose(hand, jax.vjp(autodiff, gate_up)[1](d_hidden)[0], rtol=1e-5, atol=1e-7)

@@ -105,13 +105,6 @@ def test_binary_rejects_an_unknown_config_key_before_compute(tmp_path):
 
 
 
-def test_mfu_divides_by_the_run_peak():
-  from lowcomm_jax.train import mfu  # pylint: disable=g-import-not-at-top
-  # A declared per-device peak counts once per device; 1000 tokens/s at 2 MFLOP each on 4 GFLOP/s.
-  assert mfu.run_peak_flops(1e10, 8) == 8e10
-  assert mfu.mfu(1000.0, 2e6, 4e9) == 0.5
-
-
 def test_metrics_one_step_behind_fetch_after_the_next_dispatch():
   from lowcomm_jax.train import metrics  # pylint: disable=g-import-not-at-top
   fetched, ticks = [], iter([10.0, 20.0])

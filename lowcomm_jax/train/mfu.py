@@ -1,24 +1,40 @@
-"""Model FLOPs utilisation: the model's matmul FLOP rate over a matmul peak measured on this host.
+"""Model FLOPs utilisation (MFU): the model's FLOP rate over the peak of the hardware that ran it.
 
-One definition for the Trainer and every benchmark:
+One definition for the Trainer and every benchmark (`RunPeak.mfu`, `cpu_mfu`):
 
-  MFU = tokens per second · FLOPs per token (models.flops_per_token) / host peak FLOP/s
+- On CPU (no declared peak), both sides are counted in process CPU-seconds:
 
-The peak is that of the whole host, measured, not one device's times the device count: XLA's CPU
-backend runs every (fake) device of a process on one shared pool of threads, so one device's matmul
-already uses every core, and the old "one-device peak × 8" made an 8-fake-device run look 8× less
-efficient than it was. The peak is measured by running the same float32 matmul on every local
-device at once, so it is also right on a host with several real accelerators.
+    MFU = (F / (C · P)) / (F_mm / C_mm)
 
-Both rates may be per wall-second (what a training log shows) or per process CPU-second (what the
-benchmarks use on a shared machine, where other processes' load would otherwise count against us);
-`HostPeak` holds both, measured in the same loop.
+  F: the model FLOPs of the counted steps, all processes (steps · tokens per step · FLOPs per
+  token, models.flops_per_token); C: this process's CPU-seconds over those steps
+  (`time.process_time`, every thread of the process: XLA's pool and the Python loop); P: the number
+  of processes (each counts its own CPU-seconds; they are alike); F_mm / C_mm: the FLOPs per
+  process CPU-second of a float32 [1024, 1024] matmul loop dispatched on every local device at once
+  (`measure_host_peak`). Multiplying numerator and denominator by n, the cores the process may
+  use (`usable_cores`), reads it as FLOP/s: the step's FLOPs per second on n fully busy cores over
+  the host's peak n · F_mm / C_mm (`RunPeak.flops_per_second`). Time other processes take from
+  ours counts on neither side, so a loaded machine no longer inflates or deflates it: the old
+  wall-clock form divided a step's wall time under one load by a peak measured once at start
+  under another, and logged MFU > 1. It is 1 for a step that does only that matmul, and below 1
+  for one that moves data, waits on the Python loop, or idles threads.
+- On accelerators with a datasheet peak (`hardware.peak_flops_per_device` > 0), per wall-second:
+
+    MFU = (F / T) / (peak per device · devices)
+
+  T: wall seconds. An accelerator without a declared peak divides by the same matmul's measured
+  wall-clock rate on every local device × processes (its CPU-seconds do not count device work).
+
+The peak is that of the whole host, not one device's times the device count: XLA's CPU backend
+runs every (fake) device of a process on one shared pool of threads, so one device's matmul
+already uses every core.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 
 import jax
@@ -51,18 +67,50 @@ def measure_host_peak(size: int = 1024, seconds: float = 0.3, devices=None) -> H
 
 @functools.lru_cache(maxsize=1)
 def host_peak() -> HostPeak:
-  """`measure_host_peak()`, measured once per process (runs in one process share it)."""
+  """`measure_host_peak()`, measured once per process (runs in one process share it). In
+  CPU-seconds the load at the time of measuring cancels, so once is enough."""
   return measure_host_peak()
 
 
-def run_peak_flops(peak_flops_per_device: float, num_devices: int) -> float:
-  """The FLOP/s an MFU divides by: a declared per-device peak × devices (accelerators whose
-  datasheet peak is known), else the measured host peak × processes (each process one host)."""
+def usable_cores() -> int:
+  """The cores this process may run on (its CPU affinity), which XLA's thread pool fills."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    return os.cpu_count() or 1
+
+
+def cpu_mfu(flops: float, cpu_seconds: float, peak_flops_per_cpu_second: float) -> float:
+  """MFU on CPU: `flops` done in this process's `cpu_seconds` over the matmul's FLOPs per
+  CPU-second (divide `flops` by the process count first when it counts every process's work)."""
+  return flops / cpu_seconds / peak_flops_per_cpu_second
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPeak:
+  """What a run's MFU divides by; `clock` is "cpu" (process CPU-seconds) or "wall"."""
+
+  clock: str
+  flops_per_second: float  # the run's peak as FLOP/s (cpu: cores · processes · FLOPs per CPU-second)
+  flops_per_cpu_second: float = 0.0  # cpu: the host matmul's FLOPs per process CPU-second
+  processes: int = 1
+
+  def mfu(self, flops: float, wall_seconds: float, cpu_seconds: float) -> float:
+    """MFU of `flops` (every process's) done in `wall_seconds` / this process's `cpu_seconds`."""
+    if self.clock == "cpu":
+      return cpu_mfu(flops / self.processes, cpu_seconds, self.flops_per_cpu_second)
+    return flops / wall_seconds / self.flops_per_second
+
+
+def run_peak(peak_flops_per_device: float, num_devices: int) -> RunPeak:
+  """The run's peak: a declared per-device peak × devices (accelerators whose datasheet peak is
+  known, wall clock); on CPU the measured host matmul in CPU-seconds; on an accelerator without a
+  declared peak, the measured host matmul per wall-second × processes."""
+  processes = jax.process_count()
   if peak_flops_per_device > 0:
-    return peak_flops_per_device * num_devices
-  return host_peak().flops_per_second * jax.process_count()
-
-
-def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> float:
-  """Model FLOPs utilisation; `tokens_per_second` and `peak_flops` in the same time unit."""
-  return tokens_per_second * flops_per_token / peak_flops
+    return RunPeak("wall", peak_flops_per_device * num_devices, processes=processes)
+  measured = host_peak()
+  if jax.default_backend() == "cpu":
+    return RunPeak("cpu", measured.flops_per_cpu_second * usable_cores() * processes,
+                   measured.flops_per_cpu_second, processes)
+  return RunPeak("wall", measured.flops_per_second * processes, processes=processes)
