@@ -74,6 +74,55 @@ class OneStepBehind:
     return step, {**values, **host_metrics}, self._clock()
 
 
+class Throughput:
+  """Throughput windows timed on both clocks: wall (tokens_per_s) and this process's CPU-seconds
+  (the MFU on CPU, where other processes' load must not count; train/mfu.py). A window ends when
+  its last step's metrics are fetched (`OneStepBehind`); the window holding the run's first step
+  (it compiles) is logged but left out of the run's totals."""
+
+  def __init__(self, tokens_per_step: int, flops_per_token: float, peak, first_step: int):
+    self._tokens, self._flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+    self._first = first_step
+    self.steps, self.seconds, self.cpu_seconds = 0, 0.0, 0.0  # the timed windows' totals
+    self.restart()
+
+  def restart(self) -> None:
+    """A new window starts now (after work that is not the steps', e.g. an evaluation)."""
+    self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+  def window(self, last_step: int, num_steps: int, fetched_at: float) -> dict:
+    """The logged values of the window of `num_steps` steps ending at `last_step`, whose metrics
+    were fetched at `fetched_at` (perf_counter); the next window starts there."""
+    fetched_cpu = time.process_time()
+    elapsed, elapsed_cpu = fetched_at - self._wall, fetched_cpu - self._cpu
+    if last_step - num_steps > self._first:
+      self.steps += num_steps
+      self.seconds += elapsed
+      self.cpu_seconds += elapsed_cpu
+    tokens = num_steps * self._tokens
+    values = {"tokens_per_s": tokens / elapsed}
+    if self.peak.clock == "cpu":
+      values["tokens_per_cpu_s"] = tokens / elapsed_cpu
+    values["mfu"] = self.peak.mfu(tokens * self._flops_per_token, elapsed, elapsed_cpu)
+    self._wall, self._cpu = fetched_at, fetched_cpu
+    return values
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.steps * self._tokens / self.seconds if self.seconds else float("nan")
+
+  def summary(self) -> dict:
+    """The run's totals over the timed windows (NaN where no step was timed)."""
+    timed, tokens = bool(self.seconds), self.steps * self._tokens
+    out = {"mfu": (self.peak.mfu(tokens * self._flops_per_token, self.seconds, self.cpu_seconds)
+                   if timed else float("nan")),
+           "mfu_clock": self.peak.clock, "peak_flops": self.peak.flops_per_second}
+    if self.peak.clock == "cpu":
+      out["tokens_per_cpu_s"] = tokens / self.cpu_seconds if timed else float("nan")
+      out["peak_flops_per_cpu_s"] = self.peak.flops_per_cpu_second
+    return out
+
+
 class MetricWriter:
   """Writes each logged step to metrics.jsonl and TensorBoard; shows a bar or plain lines.
 

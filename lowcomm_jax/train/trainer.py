@@ -280,33 +280,20 @@ class Trainer:
     tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
     flops_per_token = model_config.flops_per_token(self.model_cfg, c.data.seq_len)
     peak = mfu_lib.run_peak(c.hardware.peak_flops_per_device, self.mesh.devices.size)
-    timed_steps, timed_seconds, timed_cpu_seconds, eval_loss, eval_losses = 0, 0.0, 0.0, None, {}
-    # Each throughput window is timed on both clocks: wall (tokens_per_s) and this process's
-    # CPU-seconds (the MFU on CPU, where other processes' load must not count; train/mfu.py).
-    window_start, window_cpu_start, window_steps = time.perf_counter(), time.process_time(), 0
+    eval_loss, eval_losses, window_steps = None, {}, 0
+    throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start)
     # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
     # the host wait for a step before dispatching the next; throughput windows end at the fetch.
     behind = metrics_lib.OneStepBehind(self._fetch)
 
     def take_ready():
-      nonlocal window_start, window_cpu_start, timed_steps, timed_seconds, timed_cpu_seconds
       record = behind.ready()
       if record is None:
         return None
       held_step, values, fetched_at = record
-      fetched_cpu = time.process_time()
       window = int(values.pop("_window_steps", 0))
       if window:
-        elapsed, elapsed_cpu = fetched_at - window_start, fetched_cpu - window_cpu_start
-        if held_step - window > start:  # the window holding the first step (compiles) is not timed
-          timed_steps += window
-          timed_seconds += elapsed
-          timed_cpu_seconds += elapsed_cpu
-        values["tokens_per_s"] = window * tokens_per_step / elapsed
-        if peak.clock == "cpu":
-          values["tokens_per_cpu_s"] = window * tokens_per_step / elapsed_cpu
-        values["mfu"] = peak.mfu(window * tokens_per_step * flops_per_token, elapsed, elapsed_cpu)
-        window_start, window_cpu_start = fetched_at, fetched_cpu
+        values.update(throughput.window(held_step, window, fetched_at))
       return held_step, values
 
     pending_refusals = None  # (counts, step) of the last logged step, read once the next is queued
@@ -355,7 +342,7 @@ class Trainer:
         eval_losses = self.evaluate(eval_step, state, eval_batches)
         eval_loss = eval_losses["eval_loss"]
         writer.write(step, {**held, **eval_losses})
-        window_start, window_cpu_start = time.perf_counter(), time.process_time()
+        throughput.restart()
       preempted = preemption.reached(step)  # reliability: every process, every step
       if step % c.checkpoint.every == 0 or step == stop or preempted:
         ready = take_ready()  # written before the checkpoint, so that a resume never loses its line
@@ -387,16 +374,9 @@ class Trainer:
     writer.close()
     wall = time.perf_counter() - run_start
 
-    tokens_per_s = timed_steps * tokens_per_step / timed_seconds if timed_seconds else float("nan")
+    tokens_per_s = throughput.tokens_per_s
     summary = self._summary(stop, eval_loss, wall, tokens_per_s, sent_bytes, peak_sync_bytes, state)
-    timed_flops = timed_steps * tokens_per_step * flops_per_token
-    summary["mfu"] = (peak.mfu(timed_flops, timed_seconds, timed_cpu_seconds)
-                      if timed_seconds else float("nan"))
-    summary.update(mfu_clock=peak.clock, peak_flops=peak.flops_per_second)
-    if peak.clock == "cpu":
-      summary["tokens_per_cpu_s"] = (timed_steps * tokens_per_step / timed_cpu_seconds
-                                     if timed_seconds else float("nan"))
-      summary["peak_flops_per_cpu_s"] = peak.flops_per_cpu_second
+    summary.update(throughput.summary())
     if self.algorithm.eval_replicas:  # no global model: each replica's loss
       summary["final_eval_loss_replicas"] = [eval_losses.get(f"eval_loss_replica_{i}")
                                              for i in range(c.num_replicas)]
@@ -407,7 +387,7 @@ class Trainer:
       summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
     if stop == c.num_steps and distributed.is_primary():  # strict JSON, nulls explained
       untimed = "no timed step: every step of this start was in the window that compiles"
-      summary = workdir_lib.write_summary(self.workdir, summary, {} if timed_seconds else {
+      summary = workdir_lib.write_summary(self.workdir, summary, {} if throughput.seconds else {
           k: untimed for k in ("tokens_per_s", "tokens_per_cpu_s", "mfu") if k in summary})
     self.final_state = state
     self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
