@@ -94,7 +94,9 @@ def default_config() -> ml_collections.ConfigDict:
       error_feedback=False,  # add each replica's quantization residual to its next outer gradient
       # How an overlapped fragment's (τ >= 1) mean travels (lowcomm_jax.train.overlap, docs/overlap.md):
       #   thread: a communication thread issues it (comm.OuterCommExecutor) while the next inner
-      #           steps run; the step programs hold no cross-replica collective
+      #           steps run; the step programs hold no cross-replica collective, and the
+      #           merge runs as its own program after step n+τ (same results as inline within
+      #           1e-7 + 1e-6·|x|: the separate merge rounds differently at the ulp scale)
       #   inline: inside the send step's own program (XLA:CPU then holds the next steps back)
       #   auto:   thread where it works (streaming_diloco with τ >= 1, gradients=replicas or
       #           skippipe, each replica inside one process), inline elsewhere (τ = 0, diloco,
