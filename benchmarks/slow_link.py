@@ -2,10 +2,12 @@
 outer-communication thread or inline) between two processes on a shaped link, next to the virtual
 clock's prediction for the same link.
 
-  nice -n 10 python benchmarks/slow_link.py [--link=20Mbit,0ms --steps=32 --warm_steps=12]   # as root
+  nice -n 10 python benchmarks/slow_link.py [--link=20Mbit,0ms]   # as root; H = 6, steps 21..39
   nice -n 10 python benchmarks/slow_link.py --taus=2 --out=/tmp/slow_link_tau2.json   # τ = 2 rows only
-  nice -n 10 python benchmarks/slow_link.py --taus=2 --batch_size=2 --seq_len=64 \
-    --out=benchmarks/results/slow_link_comm_bound.json   # the all-reduce-bound step
+  nice -n 10 python benchmarks/slow_link.py --sync_every=10 --warm_steps=12 --steps=32 \
+    --out=benchmarks/results/slow_link_h10.json   # H = 10: the thread's gain is at most 1.4×
+  nice -n 10 python benchmarks/slow_link.py --sync_every=10 --warm_steps=12 --steps=32 \
+    --batch_size=2 --seq_len=64 --out=benchmarks/results/slow_link_comm_bound.json   # all-reduce-bound
 
 Two network namespaces joined by a veth pair; `tc` gives each direction the link's rate and
 one-way delay (netem; a link without delay uses tbf, for kernels without netem such as this
@@ -40,20 +42,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 _LINK = flags.DEFINE_string("link", "20Mbit,0ms", "Rate and one-way delay of the shaped link.")
-# Logged steps are warm_steps, its multiples and the last (log_every = warm_steps): the defaults log
-# steps 12 and 24, whose metric gathers (one step late) fall on no step that issues a fragment's
-# all-reduce (steps ≡ 1 mod 5 at H = 10, P = 2); with several processes a gather waits for the
-# executor's collectives first, so one there would hide none of that all-reduce.
-_STEPS = flags.DEFINE_integer("steps", 32, "Steps per run.")
-_WARM = flags.DEFINE_integer("warm_steps", 12, "Steps before the timed window (compiles).")
+# Logged steps are warm_steps, its multiples and the last (log_every = warm_steps). With several
+# processes a metric gather (one step late) waits for the executor's collectives first, so a gather
+# on a step with a fragment in flight would hide none of its all-reduce: the defaults log step 20
+# (gathered at step 21) and the last, 39. At H = 6, P = 2, τ = 2 a fragment is sent with every step
+# ≡ 1 (mod 3) and is in flight for two steps, so only steps ≡ 0 (mod 3) are free. At H = 10,
+# --warm_steps=12 --steps=32 log steps 12 and 24 (gathered at 13 and 25; sends are steps ≡ 1 mod 5).
+_STEPS = flags.DEFINE_integer("steps", 39, "Steps per run.")
+_WARM = flags.DEFINE_integer("warm_steps", 20, "Steps before the timed window (compiles).")
 _TAUS = flags.DEFINE_list("taus", None, "Only the Streaming rows with these τ (e.g. 2, while "
                           "iterating; write them with --out elsewhere). Default: every row.")
 # The default step (16 × 128 tokens per replica, the `small` model) takes about 0.6 s on this
 # 2-core machine, so one fragment's all-reduce at 20 Mbit/s (about 1.1 s on the clock, 1.2-1.3 s
 # measured) spans about two inner steps: as much as τ = 2 can hide. With τ steps beside it, a
-# period of H/P = 5 steps takes max(C, τ·s) + (5 − τ)·s with the thread and C + 5·s inline (C the
-# all-reduce, s a step), so the thread's gain is largest, (2 + 5)/(2 + 3) = 1.4× at τ = 2, when
-# C = 2·s. --batch_size=2 --seq_len=64 is the all-reduce-bound case (C ≈ 30·s): τ = 2 hides little.
+# period of H/P steps takes max(C, τ·s) + (H/P − τ)·s with the thread and C + (H/P)·s inline (C the
+# all-reduce, s a step), so the thread's gain is largest, (H/P + τ)/(H/P), when C = τ·s: 1.67× at
+# the default H = 6 (H/P = 3, the shortest period with room for τ = 2, which must be < H/P), 1.4×
+# at H = 10 (H/P = 5). --batch_size=2 --seq_len=64 is the all-reduce-bound case (C ≈ 30·s).
+_SYNC_EVERY = flags.DEFINE_integer("sync_every", 6, "H: inner steps per outer step (P = 2 fragments).")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Sequences per replica per step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per sequence.")
 # Other jobs on this shared machine only ever slow a run down: the clock takes its step time from
@@ -71,13 +77,18 @@ _STREAMING = {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
               "diloco.non_block_fragment": "fold", "diloco.merge_alpha": 0.5}
 # (run, executor, τ): DiLoCo and τ = 0 have nothing to overlap (their all-reduce blocks the step
 # that merges it), so they run inline only.
-RUNS = [("diloco H=10", "inline", 0, {"algorithm": "diloco"})] + [
-    (f"streaming P=2 τ={tau} α=0.5 H=10", executor, tau, {**_STREAMING, "diloco.overlap_steps": tau})
-    for tau in (0, 1, 2) for executor in (("inline",) if tau == 0 else ("thread", "inline"))]
-TIMELINE_RUN = "streaming P=2 τ=2 α=0.5 H=10"
-COMMON = {"model.size": "small", "num_replicas": 2, "mesh.replica": 2, "diloco.sync_every": 10,
-          "eval.every": 100000, "checkpoint.every": 100000, "progress_bar": False,
-          "hardware.peak_flops_per_device": 1e10}
+def runs(h: int) -> list[tuple[str, str, int, dict]]:
+  return [(f"diloco H={h}", "inline", 0, {"algorithm": "diloco"})] + [
+      (f"streaming P=2 τ={tau} α=0.5 H={h}", executor, tau, {**_STREAMING, "diloco.overlap_steps": tau})
+      for tau in (0, 1, 2) for executor in (("inline",) if tau == 0 else ("thread", "inline"))]
+
+
+def timeline_run() -> str:
+  return f"streaming P=2 τ=2 α=0.5 H={_SYNC_EVERY.value}"
+
+
+COMMON = {"model.size": "small", "num_replicas": 2, "mesh.replica": 2,
+          "eval.every": 100000, "checkpoint.every": 100000, "progress_bar": False}
 
 
 def sh(*args: str) -> None:
@@ -172,14 +183,15 @@ def main(argv):
   link = network.parse_network(_LINK.value)
   window = _STEPS.value - _WARM.value
   results = {"link": _LINK.value, "steps": _STEPS.value, "warm_steps": _WARM.value,
-             "model": COMMON["model.size"], "batch_size": _BATCH.value, "seq_len": _SEQ_LEN.value,
+             "sync_every": _SYNC_EVERY.value, "model": COMMON["model.size"], "batch_size": _BATCH.value, "seq_len": _SEQ_LEN.value,
              "rows": []}
   timelines = {}
   with veth_pair() as shape, tempfile.TemporaryDirectory() as tmp:
-    for index, (name, executor, tau, extra) in enumerate(RUNS):
+    for index, (name, executor, tau, extra) in enumerate(runs(_SYNC_EVERY.value)):
       if _TAUS.value is not None and (extra["algorithm"] == "diloco" or str(tau) not in _TAUS.value):
         continue
       changes = {**COMMON, **extra, "diloco.overlap_executor": executor,
+                 "diloco.sync_every": _SYNC_EVERY.value,
                  "data.batch_size": _BATCH.value, "data.seq_len": _SEQ_LEN.value,
                  "num_steps": _STEPS.value + 1, "stop_at_step": _STEPS.value, "log_every": _WARM.value}
       shape(None)
@@ -188,7 +200,7 @@ def main(argv):
       shape(link)
       slow_dir = pathlib.Path(tmp) / f"{index}_slow"
       slow = run(changes, slow_dir)
-      if name == TIMELINE_RUN:
+      if name == timeline_run():
         timelines[executor] = json.loads((slow_dir / "timeline.json").read_text())
       clock_s = predicted_window(changes, fast / window)
       results["rows"].append({"run": name, "executor": executor, "tau": tau, "unshaped_s": fast,
@@ -241,7 +253,7 @@ def plot_timelines(timelines: dict, path: pathlib.Path) -> None:
   ax.set_yticklabels([f"{e}: {what}" for e in sorted(timelines) for what in ("inner steps",
                                                                                "all-reduce (thread)")])
   ax.set_xlabel(f"seconds since step {_WARM.value + 2} was dispatched (process 0)")
-  ax.set_title(f"{TIMELINE_RUN}, 2 processes, {_LINK.value} link: steps and the executor's all-reduces")
+  ax.set_title(f"{timeline_run()}, 2 processes, {_LINK.value} link: steps and the executor's all-reduces")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
