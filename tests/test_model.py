@@ -195,3 +195,32 @@ def test_gated_silu_backward_equals_autodiff():
   np.testing.assert_allclose(llama.gated_silu(gate_up), autodiff(gate_up), rtol=1e-6)
   hand = jax.vjp(llama.gated_silu, gate_up)[1](d_hidden)[0]
   np.testing.assert_allclose(hand, jax.vjp(autodiff, gate_up)[1](d_hidden)[0], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec, x_shape, w_shape", [
+    ("btd,dgf->btgf", (2, 16, 8), (8, 2, 12)),  # the SwiGLU's gate‖up
+    ("btd,dv->btv", (2, 16, 8), (8, 20)),  # the head
+])
+def test_project_equals_einsum_with_its_gradients(spec, x_shape, w_shape):
+  x, w = jax.random.normal(jax.random.key(1), x_shape), jax.random.normal(jax.random.key(2), w_shape)
+  out, vjp_hand = jax.vjp(lambda x, w: llama.project(spec, x, w), x, w)
+  expected, vjp_auto = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)
+  np.testing.assert_array_equal(out, expected)
+  d_out = jax.random.normal(jax.random.key(3), out.shape)
+  for hand, auto in zip(vjp_hand(d_out), vjp_auto(d_out)):
+    assert hand.shape == auto.shape
+    np.testing.assert_allclose(hand, auto, rtol=1e-5, atol=1e-6)
+
+
+def test_weight_gradients_copy_the_input_not_the_wider_output_gradient():
+  # XLA's CPU matmul takes each operand with its contracted axis minor: autodiff's weight gradient
+  # dot(dY, x) made it copy the gate‖up cotangent [tokens, 2F] and the logits' cotangent
+  # [tokens, V] transposed; llama.project's dot(x, dY) copies the input [D, tokens] instead.
+  cfg = models.get_model_config("tiny", layer_loop="unroll")  # D = 32, 2F = 128, V = 256
+  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
+  b, t = 3, 16
+  tokens = jnp.zeros((b, t), jnp.int32)
+  step = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))
+  hlo = step.lower(params).compile().as_text()
+  assert f"f32[{2 * cfg.d_ff},{b * t}]" not in hlo and f"f32[{cfg.vocab_size},{b * t}]" not in hlo
+  assert f"f32[{cfg.d_model},{b * t}]" in hlo

@@ -136,6 +136,39 @@ class Attention(nnx.Module):
     return jnp.einsum("bhtk,hkd->btd", out_BxHxTxK, self.wo[...].astype(dt))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def project(spec: str, x, w):
+  """jnp.einsum(spec, x, w) for an activation x and a weight w ("btd,dgf->btgf").
+
+  The backward is written by hand for the weight gradient's operand order: autodiff computes it as
+  dot(dY, x) over the token axes and transposes the small result, and XLA's CPU matmul, which takes
+  each operand with its contracted axis minor, then copies the whole cotangent dY transposed
+  ([2F, tokens] for the SwiGLU's gate‖up). einsum(x, dY) copies x transposed instead ([D, tokens],
+  6× smaller there) and writes the gradient straight in w's layout. Same products and sums (the
+  `small` model's first steps are bit-identical); the input gradient is autodiff's. Used where the
+  output is wider than the input (gate‖up, the head); for a narrower output (w_down) autodiff's
+  order already copies the smaller operand.
+  """
+  return jnp.einsum(spec, x, w)
+
+
+def _project_fwd(spec, x, w):
+  return jnp.einsum(spec, x, w), (x, w)
+
+
+def _project_bwd(spec, saved, d_out):
+  x, w = saved
+  # autodiff's input gradient (jnp.einsum would contract the weight's axes in another order, and
+  # XLA then copies both operands in that order)
+  d_x = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)[1](d_out)[0]
+  x_axes, rest = spec.split(",")
+  w_axes, out_axes = rest.split("->")
+  return d_x, jnp.einsum(f"{x_axes},{out_axes}->{w_axes}", x, d_out).astype(w.dtype)
+
+
+project.defvjp(_project_fwd, _project_bwd)
+
+
 @jax.custom_vjp
 def gated_silu(gate_up_Nx2xF):
   """silu(gate) · up for gate, up = gate_up[..., 0, :], gate_up[..., 1, :].
@@ -154,6 +187,10 @@ def _gated_silu_fwd(gate_up):
 
 
 def _gated_silu_bwd(gate_up, d_hidden):
+  # The barrier keeps XLA from sharing sigmoid(gate) with the forward: shared, it was written out
+  # to memory between two forward fusions and read back in the backward; recomputing it here is
+  # cheaper than that traffic.
+  gate_up = jax.lax.optimization_barrier(gate_up)
   gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
   s = jax.nn.sigmoid(gate)
   d_gate = d_hidden * up * s * (1 + gate * (1 - s))
@@ -182,7 +219,7 @@ class SwiGLU(nnx.Module):
   def __call__(self, x_BxTxD):
     dt = self.dtype
     w_Dx2xF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)
-    gate_up_BxTx2xF = jnp.einsum("btd,dgf->btgf", x_BxTxD, w_Dx2xF)
+    gate_up_BxTx2xF = project("btd,dgf->btgf", x_BxTxD, w_Dx2xF)
     return gated_silu(gate_up_BxTx2xF) @ self.w_down[...].astype(dt)
 
 
@@ -258,7 +295,7 @@ class Decoder(nnx.Module):
         return nnx.merge(graphdef, layer_state)(x, cos, sin), None
       x_BxTxD, _ = jax.lax.scan(run_indexed, x_BxTxD, jnp.asarray(path, jnp.int32))
     x_BxTxD = self.final_norm(x_BxTxD)
-    return (x_BxTxD @ self.head[...].astype(dt)).astype(jnp.float32)
+    return project("btd,dv->btv", x_BxTxD, self.head[...].astype(dt)).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
