@@ -1,5 +1,7 @@
 """The decoder: shapes, parameter count and FLOPs against hand counts, and the path forward."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,3 +226,18 @@ def test_weight_gradients_copy_the_input_not_the_wider_output_gradient():
   hlo = step.lower(params).compile().as_text()
   assert f"f32[{2 * cfg.d_ff},{b * t}]" not in hlo and f"f32[{cfg.vocab_size},{b * t}]" not in hlo
   assert f"f32[{cfg.d_model},{b * t}]" in hlo
+
+
+def test_attention_backward_writes_no_constant_of_the_score_shape():
+  # The backward's 1/√K scale applied to dS [B, H, T, S]: XLA's CPU matmul fusion took the constant
+  # as an operand of that shape, materialised (a fusion of the constant alone) every step. Applied
+  # to dQ and dK it fuses into their consumers.
+  cfg = models.get_model_config("tiny", layer_loop="unroll")
+  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
+  b, t = 4, 64
+  tokens = jnp.zeros((b, t), jnp.int32)
+  step = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))
+  hlo = step.lower(params).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):]
+  materialised = re.findall(r"= (f32\[[\d,]*\])\{[\d,]*\} fusion\(%constant[.\d]*\)", entry)
+  assert f"f32[{b},{cfg.num_heads},{t},{t}]" not in materialised

@@ -86,7 +86,7 @@ def causal_attention(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK):
   the compute dtype: autodiff of the same forward saved both the float32 scores and the cast
   probabilities, and moved both through memory again in the backward. With dO the output's
   cotangent: dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(P ⊙ dP)) (the softmax's vector-Jacobian
-  product, in float32), dQ = dS·K / √K, dK = dSᵀ·Q / √K.
+  product, in float32), dQ = (dS·K) / √K, dK = (dSᵀ·Q) / √K.
   """
   return _attention_fwd(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK)[0]
 
@@ -102,10 +102,12 @@ def _attention_bwd(saved, d_out_BxHxTxK):
   d_v = jnp.einsum("bhts,bhtk->bhsk", probs, d_out_BxHxTxK.astype(dt))
   d_probs = jnp.einsum("bhtk,bhsk->bhts", d_out_BxHxTxK.astype(dt), v).astype(jnp.float32)
   p32 = probs.astype(jnp.float32)
-  d_scores = p32 * (d_probs - jnp.sum(p32 * d_probs, axis=-1, keepdims=True))
-  d_scores = (d_scores / q.shape[-1] ** 0.5).astype(dt)
-  d_q = jnp.einsum("bhts,bhsk->bhtk", d_scores, k)
-  d_k = jnp.einsum("bhts,bhtk->bhsk", d_scores, q)
+  d_scores = (p32 * (d_probs - jnp.sum(p32 * d_probs, axis=-1, keepdims=True))).astype(dt)
+  # 1/√K applied to dQ and dK ([B, H, T, K]) rather than to dS ([B, H, T, S]): there XLA's CPU
+  # matmul fusion took the constant as a materialised [B, H, T, S] operand, written every step.
+  scale = q.shape[-1] ** 0.5
+  d_q = jnp.einsum("bhts,bhsk->bhtk", d_scores, k) / scale
+  d_k = jnp.einsum("bhts,bhtk->bhsk", d_scores, q) / scale
   return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
 
 
