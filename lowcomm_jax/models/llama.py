@@ -114,30 +114,6 @@ def _attention_bwd(saved, d_out_BxHxTxK):
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-class Attention(nnx.Module):
-  """Causal multi-head self-attention with rotary positions."""
-
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
-    out_std = _INIT_STD / (2 * cfg.num_layers) ** 0.5  # keeps the residual stream's scale with depth
-    self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
-    self.wk = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
-    self.wv = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
-    self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), out_std)
-    self.dtype = jnp.dtype(cfg.dtype)
-
-  def __call__(self, x_BxTxD, cos, sin):
-    dt = self.dtype
-    # Projected straight into the [B, H, T, K] layout the attention matmuls batch over, so XLA
-    # does not transpose q, k, v (and their gradients) around them.
-    project = lambda w: jnp.einsum("btd,dhk->bhtk", x_BxTxD, w[...].astype(dt))
-    cos, sin = cos[None, None], sin[None, None]
-    q = apply_rotary(project(self.wq), cos, sin)
-    k = apply_rotary(project(self.wk), cos, sin)
-    out_BxHxTxK = causal_attention(q, k, project(self.wv))
-    return jnp.einsum("bhtk,hkd->btd", out_BxHxTxK, self.wo[...].astype(dt))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def project(spec: str, x, w):
   """jnp.einsum(spec, x, w) for an activation x and a weight w ("btd,dgf->btgf").
@@ -148,8 +124,10 @@ def project(spec: str, x, w):
   ([2F, tokens] for the SwiGLU's gate‖up). einsum(x, dY) copies x transposed instead ([D, tokens],
   6× smaller there) and writes the gradient straight in w's layout. Same products and sums (the
   `small` model's first steps are bit-identical); the input gradient is autodiff's. Used where the
-  output is wider than the input (gate‖up, the head); for a narrower output (w_down) autodiff's
-  order already copies the smaller operand.
+  output is wider than the input (gate‖up, the head), and for q, k, v, whose forward XLA computes
+  transposed from the same [D, tokens] copy of x, which the three weight gradients then share
+  (autodiff's order made each copy its own). For a narrower output (w_down) autodiff's order
+  already copies the smaller operand.
   """
   return jnp.einsum(spec, x, w)
 
@@ -169,6 +147,30 @@ def _project_bwd(spec, saved, d_out):
 
 
 project.defvjp(_project_fwd, _project_bwd)
+
+
+class Attention(nnx.Module):
+  """Causal multi-head self-attention with rotary positions."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
+    out_std = _INIT_STD / (2 * cfg.num_layers) ** 0.5  # keeps the residual stream's scale with depth
+    self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
+    self.wk = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
+    self.wv = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
+    self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), out_std)
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x_BxTxD, cos, sin):
+    dt = self.dtype
+    # Projected straight into the [B, H, T, K] layout the attention matmuls batch over, so XLA
+    # does not transpose q, k, v (and their gradients) around them.
+    project_heads = lambda w: project("btd,dhk->bhtk", x_BxTxD, w[...].astype(dt))
+    cos, sin = cos[None, None], sin[None, None]
+    q = apply_rotary(project_heads(self.wq), cos, sin)
+    k = apply_rotary(project_heads(self.wk), cos, sin)
+    out_BxHxTxK = causal_attention(q, k, project_heads(self.wv))
+    return jnp.einsum("bhtk,hkd->btd", out_BxHxTxK, self.wo[...].astype(dt))
 
 
 @jax.custom_vjp
