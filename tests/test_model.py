@@ -1,5 +1,7 @@
 """The decoder: shapes, parameter count and FLOPs against hand counts, and the path forward."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,3 +197,54 @@ def test_gated_silu_backward_equals_autodiff():
   np.testing.assert_allclose(llama.gated_silu(gate_up), autodiff(gate_up), rtol=1e-6)
   hand = jax.vjp(llama.gated_silu, gate_up)[1](d_hidden)[0]
   np.testing.assert_allclose(hand, jax.vjp(autodiff, gate_up)[1](d_hidden)[0], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec, x_shape, w_shape", [
+    ("btd,dgf->btgf", (2, 16, 8), (8, 2, 12)),  # the SwiGLU's gate‖up
+    ("btd,dv->btv", (2, 16, 8), (8, 20)),  # the head
+    ("btd,dhk->bhtk", (2, 16, 8), (8, 2, 4)),  # q, k, v
+])
+def test_project_equals_einsum_with_its_gradients(spec, x_shape, w_shape):
+  x, w = jax.random.normal(jax.random.key(1), x_shape), jax.random.normal(jax.random.key(2), w_shape)
+  out, vjp_hand = jax.vjp(lambda x, w: llama.project(spec, x, w), x, w)
+  expected, vjp_auto = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)
+  np.testing.assert_array_equal(out, expected)
+  d_out = jax.random.normal(jax.random.key(3), out.shape)
+  for hand, auto in zip(vjp_hand(d_out), vjp_auto(d_out)):
+    assert hand.shape == auto.shape
+    np.testing.assert_allclose(hand, auto, rtol=1e-5, atol=1e-6)
+
+
+def test_weight_gradients_copy_the_input_once_not_the_wider_output_gradient():
+  # XLA's CPU matmul takes each operand with its contracted axis minor: autodiff's weight gradient
+  # dot(dY, x) made it copy the gate‖up cotangent [tokens, 2F] and the logits' cotangent
+  # [tokens, V] transposed; llama.project's dot(x, dY) copies the input [D, tokens] instead.
+  cfg = models.get_model_config("tiny", layer_loop="unroll")  # D = 32, 2F = 128, V = 256
+  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
+  b, t = 3, 16
+  tokens = jnp.zeros((b, t), jnp.int32)
+  step = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))
+  hlo = step.lower(params).compile().as_text()
+  assert f"f32[{2 * cfg.d_ff},{b * t}]" not in hlo and f"f32[{cfg.vocab_size},{b * t}]" not in hlo
+  assert f"f32[{cfg.d_model},{b * t}]" in hlo
+  # q, k, v: XLA's forward already copies x to [D, tokens]; the weight gradients reuse that copy
+  # instead of transposing x again for each of the three (autodiff's order).
+  entry = hlo[hlo.index("\nENTRY"):]
+  own_copies = [line for line in entry.splitlines() if f"= f32[{cfg.d_model},{b * t}]" in line
+                and "fusion(" in line and "transpose(jvp(btd,dhk->bhtk))/transpose" in line]
+  assert not own_copies
+
+
+def test_attention_backward_writes_no_constant_of_the_score_shape():
+  # The backward's 1/√K scale applied to dS [B, H, T, S]: XLA's CPU matmul fusion took the constant
+  # as an operand of that shape, materialised (a fusion of the constant alone) every step. Applied
+  # to dQ and dK it fuses into their consumers.
+  cfg = models.get_model_config("tiny", layer_loop="unroll")
+  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
+  b, t = 4, 64
+  tokens = jnp.zeros((b, t), jnp.int32)
+  step = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))
+  hlo = step.lower(params).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):]
+  materialised = re.findall(r"= (f32\[[\d,]*\])\{[\d,]*\} fusion\(%constant[.\d]*\)", entry)
+  assert f"f32[{b},{cfg.num_heads},{t},{t}]" not in materialised

@@ -86,7 +86,7 @@ def causal_attention(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK):
   the compute dtype: autodiff of the same forward saved both the float32 scores and the cast
   probabilities, and moved both through memory again in the backward. With dO the output's
   cotangent: dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(P ⊙ dP)) (the softmax's vector-Jacobian
-  product, in float32), dQ = dS·K / √K, dK = dSᵀ·Q / √K.
+  product, in float32), dQ = (dS·K) / √K, dK = (dSᵀ·Q) / √K.
   """
   return _attention_fwd(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK)[0]
 
@@ -102,14 +102,51 @@ def _attention_bwd(saved, d_out_BxHxTxK):
   d_v = jnp.einsum("bhts,bhtk->bhsk", probs, d_out_BxHxTxK.astype(dt))
   d_probs = jnp.einsum("bhtk,bhsk->bhts", d_out_BxHxTxK.astype(dt), v).astype(jnp.float32)
   p32 = probs.astype(jnp.float32)
-  d_scores = p32 * (d_probs - jnp.sum(p32 * d_probs, axis=-1, keepdims=True))
-  d_scores = (d_scores / q.shape[-1] ** 0.5).astype(dt)
-  d_q = jnp.einsum("bhts,bhsk->bhtk", d_scores, k)
-  d_k = jnp.einsum("bhts,bhtk->bhsk", d_scores, q)
+  d_scores = (p32 * (d_probs - jnp.sum(p32 * d_probs, axis=-1, keepdims=True))).astype(dt)
+  # 1/√K applied to dQ and dK ([B, H, T, K]) rather than to dS ([B, H, T, S]): there XLA's CPU
+  # matmul fusion took the constant as a materialised [B, H, T, S] operand, written every step.
+  scale = q.shape[-1] ** 0.5
+  d_q = jnp.einsum("bhts,bhsk->bhtk", d_scores, k) / scale
+  d_k = jnp.einsum("bhts,bhtk->bhsk", d_scores, q) / scale
   return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
 
 
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def project(spec: str, x, w):
+  """jnp.einsum(spec, x, w) for an activation x and a weight w ("btd,dgf->btgf").
+
+  The backward is written by hand for the weight gradient's operand order: autodiff computes it as
+  dot(dY, x) over the token axes and transposes the small result, and XLA's CPU matmul, which takes
+  each operand with its contracted axis minor, then copies the whole cotangent dY transposed
+  ([2F, tokens] for the SwiGLU's gate‖up). einsum(x, dY) copies x transposed instead ([D, tokens],
+  6× smaller there) and writes the gradient straight in w's layout. Same products and sums (the
+  `small` model's first steps are bit-identical); the input gradient is autodiff's. Used where the
+  output is wider than the input (gate‖up, the head), and for q, k, v, whose forward XLA computes
+  transposed from the same [D, tokens] copy of x, which the three weight gradients then share
+  (autodiff's order made each copy its own). For a narrower output (w_down) autodiff's order
+  already copies the smaller operand.
+  """
+  return jnp.einsum(spec, x, w)
+
+
+def _project_fwd(spec, x, w):
+  return jnp.einsum(spec, x, w), (x, w)
+
+
+def _project_bwd(spec, saved, d_out):
+  x, w = saved
+  # autodiff's input gradient (jnp.einsum would contract the weight's axes in another order, and
+  # XLA then copies both operands in that order)
+  d_x = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)[1](d_out)[0]
+  x_axes, rest = spec.split(",")
+  w_axes, out_axes = rest.split("->")
+  return d_x, jnp.einsum(f"{x_axes},{out_axes}->{w_axes}", x, d_out).astype(w.dtype)
+
+
+project.defvjp(_project_fwd, _project_bwd)
 
 
 class Attention(nnx.Module):
@@ -128,11 +165,11 @@ class Attention(nnx.Module):
     dt = self.dtype
     # Projected straight into the [B, H, T, K] layout the attention matmuls batch over, so XLA
     # does not transpose q, k, v (and their gradients) around them.
-    project = lambda w: jnp.einsum("btd,dhk->bhtk", x_BxTxD, w[...].astype(dt))
+    project_heads = lambda w: project("btd,dhk->bhtk", x_BxTxD, w[...].astype(dt))
     cos, sin = cos[None, None], sin[None, None]
-    q = apply_rotary(project(self.wq), cos, sin)
-    k = apply_rotary(project(self.wk), cos, sin)
-    out_BxHxTxK = causal_attention(q, k, project(self.wv))
+    q = apply_rotary(project_heads(self.wq), cos, sin)
+    k = apply_rotary(project_heads(self.wk), cos, sin)
+    out_BxHxTxK = causal_attention(q, k, project_heads(self.wv))
     return jnp.einsum("bhtk,hkd->btd", out_BxHxTxK, self.wo[...].astype(dt))
 
 
@@ -154,6 +191,10 @@ def _gated_silu_fwd(gate_up):
 
 
 def _gated_silu_bwd(gate_up, d_hidden):
+  # The barrier keeps XLA from sharing sigmoid(gate) with the forward: shared, it was written out
+  # to memory between two forward fusions and read back in the backward; recomputing it here is
+  # cheaper than that traffic.
+  gate_up = jax.lax.optimization_barrier(gate_up)
   gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
   s = jax.nn.sigmoid(gate)
   d_gate = d_hidden * up * s * (1 + gate * (1 - s))
@@ -182,7 +223,7 @@ class SwiGLU(nnx.Module):
   def __call__(self, x_BxTxD):
     dt = self.dtype
     w_Dx2xF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)
-    gate_up_BxTx2xF = jnp.einsum("btd,dgf->btgf", x_BxTxD, w_Dx2xF)
+    gate_up_BxTx2xF = project("btd,dgf->btgf", x_BxTxD, w_Dx2xF)
     return gated_silu(gate_up_BxTx2xF) @ self.w_down[...].astype(dt)
 
 
@@ -258,7 +299,7 @@ class Decoder(nnx.Module):
         return nnx.merge(graphdef, layer_state)(x, cos, sin), None
       x_BxTxD, _ = jax.lax.scan(run_indexed, x_BxTxD, jnp.asarray(path, jnp.int32))
     x_BxTxD = self.final_norm(x_BxTxD)
-    return (x_BxTxD @ self.head[...].astype(dt)).astype(jnp.float32)
+    return project("btd,dv->btv", x_BxTxD, self.head[...].astype(dt)).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
