@@ -39,9 +39,45 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x_BxTxD):
-    x = x_BxTxD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * self.scale[...]).astype(x_BxTxD.dtype)
+    return rms_norm(self.eps, x_BxTxD, self.scale[...])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def rms_norm(eps: float, x, scale):
+  """x · r · scale with r = 1 / √(mean(x²) + eps) over the last axis, in float32, cast back to x's dtype.
+
+  The backward is written by hand so that no [tokens, D] array is written for it in the forward
+  and one in the backward: autodiff saved the normalised x̂ = x · r (one [tokens, D] write per norm
+  in the forward) and its backward wrote dY · scale for a row-sum reduction. Here the forward
+  saves r ([tokens]) besides x; with h = dY · r (the one array the backward writes):
+  d scale = Σ_tokens h · x, dx = h · scale − x · r² · mean_D(h · x · scale), the mean taken as a
+  matrix-vector product with scale. Same formula as autodiff's up to the order of the products
+  and of the sums (rounding).
+  """
+  return _rms_norm_fwd(eps, x, scale)[0]
+
+
+def _rms_norm_fwd(eps, x, scale):
+  x32 = x.astype(jnp.float32)
+  inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
+  return (x32 * inv_rms[..., None] * scale).astype(x.dtype), (x, inv_rms, scale)
+
+
+def _rms_norm_bwd(eps, saved, d_out):
+  del eps
+  x, inv_rms, scale = saved
+  x32, inv_rms = x.astype(jnp.float32), inv_rms[..., None]
+  # XLA's CPU reductions neither fused r broadcast over D nor a [D] vector broadcast over the
+  # tokens: summing x̂ · dY or x · dY · scale made it write x̂ or dY · scale too. h · x reads
+  # only full-size arrays, and the row sum with scale is a matrix-vector product.
+  h = d_out.astype(jnp.float32) * inv_rms
+  d_scale = jnp.sum(h * x32, axis=tuple(range(x.ndim - 1)))
+  mean_hxs = jnp.einsum("...d,d->...", h * x32, scale)[..., None] / x.shape[-1]
+  d_x = h * scale - x32 * (inv_rms * inv_rms * mean_hxs)
+  return d_x.astype(x.dtype), d_scale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
