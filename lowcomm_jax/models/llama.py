@@ -185,6 +185,12 @@ def _project_bwd(spec, saved, d_out):
 project.defvjp(_project_fwd, _project_bwd)
 
 
+def head_logits(x_BxTxD, head_DxV, dtype):
+  """The output head's float32 logits from the final norm's output (the Decoder and SkipPipe's
+  pipeline stages share it, so both take `project`'s weight gradient)."""
+  return project("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype)).astype(jnp.float32)
+
+
 class Attention(nnx.Module):
   """Causal multi-head self-attention with rotary positions."""
 
@@ -334,8 +340,7 @@ class Decoder(nnx.Module):
         layer_state = jax.tree.map(lambda a: a[layer_index], blocks_state)
         return nnx.merge(graphdef, layer_state)(x, cos, sin), None
       x_BxTxD, _ = jax.lax.scan(run_indexed, x_BxTxD, jnp.asarray(path, jnp.int32))
-    x_BxTxD = self.final_norm(x_BxTxD)
-    return project("btd,dv->btv", x_BxTxD, self.head[...].astype(dt)).astype(jnp.float32)
+    return head_logits(self.final_norm(x_BxTxD), self.head[...], dt)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -108,7 +108,7 @@ class StageFunctions:
 
   def head_loss(self, outer, x_BxTxD, targets_BxT):
     x = nnx.merge(self._norm_def, outer["final_norm"])(x_BxTxD)
-    return cross_entropy((x @ outer["head"].astype(self.dtype)).astype(jnp.float32), targets_BxT)
+    return cross_entropy(llama.head_logits(x, outer["head"], self.dtype), targets_BxT)
 
 
 def layer_path(route: Route, layers_per_stage: int, num_model_layers: int) -> np.ndarray:
