@@ -114,6 +114,37 @@ def lm_loss(model: Decoder, batch_BxT1):
   return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch_BxT1[:, 1:].reshape(-1))
 
 
+def add_shape_args(parser) -> None:
+  """The model's shape and the sequence length as required command-line flags of a peer script."""
+  for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len"):
+    parser.add_argument(f"--{name}", type=int, required=True)
+
+
+def shape_from_args(a) -> Shape:
+  return Shape(a.vocab_size, a.d_model, a.num_layers, a.num_heads, a.d_ff)
+
+
+def inner_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+  """AdamW as our default inner optimizer (lr 3e-3, β = (0.9, 0.95), weight decay 0.1)."""
+  return torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def inner_steps(model: Decoder, optimizer: torch.optim.Optimizer, batch_BxT1, n: int) -> float:
+  """`n` training steps on one batch: loss, backward, global-norm clip to 1.0, optimizer step.
+
+  Returns the last loss. (Wrapped in torchft's DiLoCo, the optimizer's step also runs the outer
+  step after every H-th inner step.)
+  """
+  loss = None
+  for _ in range(n):
+    optimizer.zero_grad()
+    loss = lm_loss(model, batch_BxT1)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+  return float(loss.detach())
+
+
 def param_count(model: nn.Module) -> int:
   return sum(p.numel() for p in model.parameters())
 

@@ -41,8 +41,7 @@ import torch_decoder  # pylint: disable=g-import-not-at-top,wrong-import-positio
 
 def _args(argv=None):
   p = argparse.ArgumentParser()
-  for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len"):
-    p.add_argument(f"--{name}", type=int, required=True)
+  torch_decoder.add_shape_args(p)
   p.add_argument("--batch", type=int, default=8, help="sequences per replica per inner step")
   p.add_argument("--replicas", type=int, default=2, help="K: DiLoCo replicas (processes)")
   p.add_argument("--sync_every", type=int, default=10, help="H: inner steps between outer steps")
@@ -52,10 +51,6 @@ def _args(argv=None):
   p.add_argument("--replica_id", type=int, default=-1, help="internal: run as this replica")
   p.add_argument("--lighthouse", default="", help="internal: the lighthouse's address")
   return p.parse_args(argv)
-
-
-def _shape(a) -> torch_decoder.Shape:
-  return torch_decoder.Shape(a.vocab_size, a.d_model, a.num_layers, a.num_heads, a.d_ff)
 
 
 def _say(obj):
@@ -71,8 +66,8 @@ def replica_main(a):
 
   torch.set_num_threads(a.threads or max(1, (os.cpu_count() or 1) // a.replicas))
   torch.manual_seed(0)  # the same initial model on every replica (torchft also syncs it at step 0)
-  model = torch_decoder.Decoder(_shape(a))
-  inner = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+  model = torch_decoder.Decoder(torch_decoder.shape_from_args(a))
+  inner = torch_decoder.inner_optimizer(model)
   outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
   gen = torch.Generator().manual_seed(1 + a.replica_id)
   batch = torch.randint(0, a.vocab_size, (a.batch, a.seq_len + 1), generator=gen)
@@ -87,27 +82,17 @@ def replica_main(a):
       world_size=1, lighthouse_addr=a.lighthouse, port=0, timeout=timeout, quorum_timeout=timeout,
       connect_timeout=timeout)
 
-  def inner_steps(n):
-    loss = None
-    for _ in range(n):
-      inner.zero_grad()
-      loss = torch_decoder.lm_loss(model, batch)
-      loss.backward()
-      torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-      inner.step()  # DiLoCo's hook runs the outer step after every H-th inner step
-    return float(loss)
-
   try:
     with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu"),
                 pin_memory=False):
-      inner_steps(a.warmup)
+      torch_decoder.inner_steps(model, inner, batch, a.warmup)
       _say({"replica": a.replica_id, "ready": True})
       for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":
           break
         cpu, wall = time.process_time(), time.perf_counter()
-        loss = inner_steps(int(cmd[1]))
+        loss = torch_decoder.inner_steps(model, inner, batch, int(cmd[1]))
         _say({"replica": a.replica_id, "cpu_seconds": time.process_time() - cpu,
               "wall_seconds": time.perf_counter() - wall, "loss": loss,
               "manager_step": manager.current_step()})
@@ -141,7 +126,7 @@ def driver_main(a):
 
   try:
     read_all()
-    shape = _shape(a)
+    shape = torch_decoder.shape_from_args(a)
     _say({"ready": True, "torch": torch.__version__, "torchft": importlib.metadata.version("torchft"),
           "params": torch_decoder.param_count(torch_decoder.Decoder(shape)),
           "flops_per_token": torch_decoder.training_flops_per_token(shape, a.seq_len),
