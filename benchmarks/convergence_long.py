@@ -21,14 +21,13 @@ Rows run in priority order (the headline comparison first) and each lives in its
 it stopped (the Trainer resumes bit-identically); each finished run is added to
 benchmarks/results/convergence_long.json at once (ratios to data-parallel are recomputed over all
 finished rows) and the PNG redrawn. Rerunning the command skips finished rows; two copies of it
-running at once share the rows (a row's lock file holds the pid of the process running it).
+running at once share the rows (a row's lock file holds the pid of the process running it). Each copy
+pins itself to a core no other copy holds, so that XLA gives it one thread (`_pin_to_a_free_core`).
 """
 
 import os
 
-# One thread per run: the machine is shared, and each run is small (a 1.3M-parameter model).
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
-
+import fcntl  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pathlib
 import time
@@ -169,6 +168,37 @@ def _claim(workdir: pathlib.Path) -> bool:
   return True
 
 
+def _pin_to_a_free_core(root: pathlib.Path) -> None:
+  """One core for this run, one not held by another copy of this script (when one is left).
+
+  The runs are small (a 1.3M-parameter model) and two copies share this 2-core machine: XLA's CPU
+  thread pool takes as many threads as the process may use cores (an XLA flag such as
+  --xla_cpu_multi_thread_eigen=false does not change that), so two unpinned copies contend for
+  both cores; one thread each costs ~7% fewer CPU-seconds per step (docs/performance.md, fifth
+  pass). Must run before JAX creates its CPU client (the first jax.devices()).
+  """
+  mine = sorted(os.sched_getaffinity(0))
+  if len(mine) < 2:
+    return
+  root.mkdir(parents=True, exist_ok=True)
+  with open(root / ".cores.lock", "w") as lock:  # two copies starting together choose in turn
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    taken = set()
+    for proc in pathlib.Path("/proc").iterdir():
+      if not proc.name.isdigit() or int(proc.name) == os.getpid():
+        continue
+      try:
+        if b"convergence_long.py" in (proc / "cmdline").read_bytes():
+          cores = os.sched_getaffinity(int(proc.name))
+          if len(cores) == 1:
+            taken |= cores
+      except OSError:  # a process that ended meanwhile, or one we may not inspect
+        continue
+    free = [c for c in mine if c not in taken]
+    if free:
+      os.sched_setaffinity(0, {free[0]})
+
+
 def _unfinished(results: dict) -> list[dict]:
   """Rows started but not finished: their eval curve so far (not a result: mid-schedule)."""
   out = []
@@ -234,6 +264,8 @@ def main(argv):
     for run, seed, _ in rows():
       print(f"{_key(run, seed):<44}{'selected' if _selected(run, seed) else ''}")
     return
+  if not _REPORT.value:
+    _pin_to_a_free_core(pathlib.Path(convergence._WORKDIR.value))  # pylint: disable=protected-access
   results = _load()
   started = [(_workdir(run, seed) / "config.json").stat().st_mtime for run, seed, _ in rows()
              if (_workdir(run, seed) / "config.json").exists()]  # the first row's start
