@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -103,6 +104,28 @@ def test_binary_rejects_an_unknown_config_key_before_compute(tmp_path):
   assert "learnin_rate" in proc.stderr
   assert not (tmp_path / "w").exists()
 
+
+
+def test_a_throughput_window_after_an_evaluation_holds_only_the_steps_it_timed():
+  """eval.every = 30 between steps logged every 20: steps 21-30 ran before the evaluation, outside
+  the window that the restart after it opens, so the window logged at 40 holds steps 31-40 only."""
+  from lowcomm_jax.train import metrics, mfu  # pylint: disable=g-import-not-at-top
+  t = metrics.Throughput(tokens_per_step=100, flops_per_token=6.0, peak=mfu.RunPeak("wall", 1e9),
+                         first_step=0)
+  for _ in range(20):
+    t.count_step()
+  assert t.take_window_steps() == 20  # logged at step 20
+  t.window(20, 20, fetched_at=time.perf_counter())  # the run's first window (it compiles): untimed
+  for _ in range(10):  # steps 21-30, then the evaluation
+    t.count_step()
+  t.restart()
+  for _ in range(10):  # steps 31-40
+    t.count_step()
+  steps = t.take_window_steps()
+  assert steps == 10
+  values = t.window(40, steps, fetched_at=t._wall + 2.0)  # pylint: disable=protected-access
+  assert values["tokens_per_s"] == 10 * 100 / 2.0
+  assert t.steps == 10 and t.tokens_per_s == 10 * 100 / 2.0
 
 
 def test_metrics_one_step_behind_fetch_after_the_next_dispatch():

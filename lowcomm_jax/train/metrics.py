@@ -87,8 +87,24 @@ class Throughput:
     self.restart()
 
   def restart(self) -> None:
-    """A new window starts now (after work that is not the steps', e.g. an evaluation)."""
+    """A new window starts now (after work that is not the steps', e.g. an evaluation).
+
+    The steps counted since the last logged step ran before this restart, outside the window's
+    clocks, so they leave the window: counted, a window after an evaluation that falls between two
+    logged steps reported the tokens of all its steps over the time of the last few (2x the rate
+    with eval.every = 150, log_every = 20) and the run's totals grew the same way.
+    """
     self._wall, self._cpu = time.perf_counter(), time.process_time()
+    self._window_steps = 0
+
+  def count_step(self) -> None:
+    """One more step in the current window."""
+    self._window_steps += 1
+
+  def take_window_steps(self) -> int:
+    """The steps of the window ending at the step being logged; the next window counts from 0."""
+    steps, self._window_steps = self._window_steps, 0
+    return steps
 
   def window(self, last_step: int, num_steps: int, fetched_at: float) -> dict:
     """The logged values of the window of `num_steps` steps ending at `last_step`, whose metrics

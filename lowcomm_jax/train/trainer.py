@@ -280,7 +280,7 @@ class Trainer:
     tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
     flops_per_token = model_config.flops_per_token(self.model_cfg, c.data.seq_len)
     peak = mfu_lib.run_peak(c.hardware.peak_flops_per_device, self.mesh.devices.size)
-    eval_loss, eval_losses, window_steps = None, {}, 0
+    eval_loss, eval_losses = None, {}
     throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start)
     # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
     # the host wait for a step before dispatching the next; throughput windows end at the fetch.
@@ -327,14 +327,14 @@ class Trainer:
       step_bytes = sum(e.sent_bytes for e in entries)
       sent_bytes += step_bytes
       peak_sync_bytes = max(peak_sync_bytes, step_bytes)
-      window_steps += 1
+      throughput.count_step()
       log_now = step % c.log_every == 0 or step == stop
       if self.algorithm.checks_refusals(phase):  # a sync step: read now
         self._check_refused(self._refused_array(state), step)
       elif log_now:  # a copy (the state is donated to the next step), read after it is dispatched
         pending_refusals = (jnp.copy(self._refused_array(state)), step)
       if log_now:
-        logged["_window_steps"], window_steps = window_steps, 0
+        logged["_window_steps"] = throughput.take_window_steps()
       if logged:
         behind.hold(step, step_metrics if log_now else {}, logged)
       if step % c.eval.every == 0 or step == c.num_steps:
