@@ -25,10 +25,9 @@ running at once share the rows (a row's lock file holds the pid of the process r
 pins itself to a core no other copy holds, so that XLA gives it one thread (`_pin_to_a_free_core`).
 """
 
+import fcntl
+import json
 import os
-
-import fcntl  # pylint: disable=g-import-not-at-top,wrong-import-position
-import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pathlib
 import time
 

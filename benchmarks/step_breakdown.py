@@ -19,7 +19,7 @@ differences); `rest` is the step without attention. Writes benchmarks/results/st
 import os
 
 # One core for this process and the peers it starts (they inherit it): XLA sizes its CPU thread
-# pool from this affinity when the client is created, so it must precede importing jax.
+# pool from this affinity when it creates the CPU client, so it comes first, before any JAX work.
 os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
 
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
