@@ -100,6 +100,7 @@ def rows() -> list[tuple[str, int, dict]]:
               "diloco M=2 H=100", "streaming M=2 H=100 e3m0")
   table += [(run, 1, changes) for run, _, changes in table if run in headline]  # their second seed
   table += [("dp M=4", 0, _dp(4)), ("diloco M=4 H=30", 0, _diloco(4, 30)),
+            ("diloco M=4 H=30 outer_momentum=0.5", 0, _diloco(4, 30, outer_momentum=0.5)),
             # NoLoCo in pairs at the paper's H = 50 (PAPERS.md 2.5), against DiLoCo M=4.
             ("noloco M=4 H=50", 0, {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 50,
                                     "mesh.data": 1, "_m": 4})]
