@@ -22,7 +22,8 @@ it stopped (the Trainer resumes bit-identically); each finished run is added to
 benchmarks/results/convergence_long.json at once (ratios to data-parallel are recomputed over all
 finished rows) and the PNG redrawn. Rerunning the command skips finished rows; two copies of it
 running at once share the rows (a row's lock file holds the pid of the process running it). Each copy
-pins itself to a core no other copy holds, so that XLA gives it one thread (`_pin_to_a_free_core`).
+pins itself to a core no other copy holds, so that XLA gives it one thread (`_pin_to_a_free_core`);
+`--nopin_to_core` lets a copy that runs alone use every core.
 """
 
 import fcntl
@@ -48,6 +49,8 @@ _MODEL = flags.DEFINE_string("model", "small", "Model preset; other than small, 
                              "<workdir>/<model>/ and the results in convergence_long_<model>.json.")
 _REPORT = flags.DEFINE_boolean("report", False, "Rewrite the JSON and PNG from the runs so far "
                                "(unfinished rows' curves included), run nothing.")
+_PIN = flags.DEFINE_boolean("pin_to_core", True, "Pin this copy to one core no other copy holds "
+                            "(two copies side by side); --nopin_to_core lets one copy alone use every core.")
 _WARMUP = 150
 _EVAL_EVERY = 150
 _RESULTS = pathlib.Path(__file__).parent / "results"
@@ -268,7 +271,7 @@ def main(argv):
     for run, seed, _ in rows():
       print(f"{_key(run, seed):<44}{'selected' if _selected(run, seed) else ''}")
     return
-  if not _REPORT.value:
+  if not _REPORT.value and _PIN.value:
     _pin_to_a_free_core(pathlib.Path(convergence._WORKDIR.value))  # pylint: disable=protected-access
   results = _load()
   started = [(_workdir(run, seed) / "config.json").stat().st_mtime for run, seed, _ in rows()
