@@ -53,6 +53,7 @@ def default_config() -> ml_collections.ConfigDict:
       dtype="float32",  # activation dtype; parameters stay float32
       d_ff=0,  # SwiGLU hidden width; 0 keeps the preset's (HDEE varies it for S/M/L experts)
       layer_loop="auto",  # auto | scan | unroll: how the forward runs the layers (ModelConfig)
+      attention="xla",  # xla | cpu_kernel: how attention is computed (ModelConfig)
   ))
   c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
@@ -211,7 +212,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   checks.require(c.algorithm in names, "algorithm", f"one of {names}", c.algorithm)
   checks.integer(c, "num_steps", 1)
   checks.integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
-  model_config.get_model_config(c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop)
+  model_config.get_model_config(c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop,
+                                attention=c.model.attention)
   corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
   checks.require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
   checks.require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
@@ -304,7 +306,7 @@ def model_config_of(c):
   if c.gradients != "replicas":
     changes["num_layers"] = c.pipeline.num_stages * c.pipeline.layers_per_stage
   return model_config.get_model_config(
-      c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop,
+      c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop, attention=c.model.attention,
       max_seq_len=max(preset.max_seq_len, c.data.seq_len), d_ff=c.model.d_ff or preset.d_ff, **changes)
 
 

@@ -12,6 +12,7 @@ import dataclasses
 
 
 LAYER_LOOPS = ("auto", "scan", "unroll")
+ATTENTIONS = ("xla", "cpu_kernel")
 # Deepest stack "auto" unrolls on CPU: beyond it compile time grows with depth for a shrinking gain.
 UNROLL_MAX_LAYERS = 12
 
@@ -39,6 +40,11 @@ class ModelConfig:
       `UNROLL_MAX_LAYERS` layers, scan otherwise and on GPU/TPU (unmeasured
       here; scan is what MaxText defaults to there). A `path` forward always
       scans over its layer indices. The arithmetic is the same either way.
+    attention: how causal attention is computed: "xla" (batched dots and a
+      softmax, every backend), or "cpu_kernel" (one fused C++ kernel per
+      direction, `models/cpu_attention.py`: CPU, float32, head_dim 16/32/64/128;
+      −10% CPU time per `small` step on one core, docs/performance.md). Same
+      arithmetic up to float32 rounding.
   """
 
   vocab_size: int = 256
@@ -51,6 +57,7 @@ class ModelConfig:
   norm_eps: float = 1e-5
   dtype: str = "float32"
   layer_loop: str = "auto"
+  attention: str = "xla"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
@@ -66,6 +73,11 @@ class ModelConfig:
       raise ValueError(f"model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
     if self.layer_loop not in LAYER_LOOPS:
       raise ValueError(f"model.layer_loop must be one of {LAYER_LOOPS}, got {self.layer_loop!r}")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"model.attention must be one of {ATTENTIONS}, got {self.attention!r}")
+    if self.attention == "cpu_kernel":
+      from lowcomm_jax.models import cpu_attention  # pylint: disable=g-import-not-at-top
+      cpu_attention.check(self.dtype, self.head_dim)
 
   @property
   def head_dim(self) -> int:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lowcomm_jax.models import cpu_attention
 from lowcomm_jax.models.config import ModelConfig
 
 _INIT_STD = 0.02
@@ -202,6 +203,7 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
     self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), out_std)
     self.dtype = jnp.dtype(cfg.dtype)
+    self.attention = cfg.attention
 
   def __call__(self, x_BxTxD, cos, sin):
     dt = self.dtype
@@ -211,7 +213,8 @@ class Attention(nnx.Module):
     cos, sin = cos[None, None], sin[None, None]
     q = apply_rotary(project_heads(self.wq), cos, sin)
     k = apply_rotary(project_heads(self.wk), cos, sin)
-    out_BxHxTxK = causal_attention(q, k, project_heads(self.wv))
+    attend = cpu_attention.causal_attention if self.attention == "cpu_kernel" else causal_attention
+    out_BxHxTxK = attend(q, k, project_heads(self.wv))
     return jnp.einsum("bhtk,hkd->btd", out_BxHxTxK, self.wo[...].astype(dt))
 
 

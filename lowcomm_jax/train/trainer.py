@@ -30,7 +30,7 @@ from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax import sharding
 from lowcomm_jax.data import corpora, pipeline
 from lowcomm_jax.models import config as model_config
-from lowcomm_jax.models import llama
+from lowcomm_jax.models import cpu_attention, llama
 from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources
 from lowcomm_jax.train import workdir as workdir_lib
 from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib, step as step_lib
@@ -57,6 +57,12 @@ class Trainer:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the mesh's "
                        f"data axis ({data_ways})")
     self.model_cfg = config_lib.model_config_of(config)
+    if self.model_cfg.attention == "cpu_kernel":
+      platforms = sorted({d.platform for d in self.mesh.devices.flat})
+      if platforms != ["cpu"]:
+        raise ValueError(f"model.attention='cpu_kernel' runs on CPU devices only, the mesh has {platforms} "
+                         "(use model.attention='xla')")
+      cpu_attention.load()  # compiled (or found in the cache) now: a missing compiler fails here
     if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     self.rules = sharding.rules_for(config.sharding.layout)

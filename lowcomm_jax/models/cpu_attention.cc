@@ -1,0 +1,260 @@
+// Causal softmax attention on the CPU as one XLA FFI custom call per direction, for
+// lowcomm_jax/models/cpu_attention.py (which builds this file with the host's C++ compiler).
+//
+// Shapes: q, k, v, o, dO are [N, T, K] float32 (N = every leading axis, batch × heads), lse is
+// [N, T]; T a multiple of kRows (the Python side pads). Per (batch, head) slice the forward
+// computes each block of kRows query rows' scores against the keys up to the diagonal, the
+// softmax, the output and the log-sum-exp L; the backward recomputes P = exp(S − L) row block by
+// row block, forms dS = P ⊙ (dP − rowsum(dO ⊙ O)) · scale, and the three gradients from P and dS
+// held for that one slice ([T, T] each, in cache), never for the whole batch as XLA's batched
+// dots do. Slices are shared out over XLA's CPU thread pool.
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTile = 16;  // score columns per register tile (2 AVX2 vectors)
+constexpr int64_t kRows = 4;   // rows computed together, sharing each loaded tile
+
+// out[c * ld + j] = x[j * k + c]: [t, k] to [k, ld] (ld >= t; columns t.. ld keep their zeros)
+void Transpose(const float* __restrict x, int64_t t, int64_t k, int64_t ld,
+               float* __restrict out) {
+  for (int64_t j = 0; j < t; ++j)
+    for (int64_t c = 0; c < k; ++c) out[c * ld + j] = x[j * k + c];
+}
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, unaligned access
+static_assert(kTile == 16, "two vectors per tile");
+
+inline v8 Load(const float* p) { return *reinterpret_cast<const v8*>(p); }
+inline void Store(float* p, v8 x) { *reinterpret_cast<v8*>(p) = x; }
+
+// The one inner product of both directions, a kRows × kTile block held in registers:
+// out[r * ldo + u] = alpha * sum_{i<n} w[r * wr + i * wi] * x[i * ldx + u], r < kRows, u < kTile.
+inline void Tile(const float* __restrict w, int64_t wr, int64_t wi, const float* __restrict x,
+                 int64_t ldx, int64_t n, float alpha, float* __restrict out, int64_t ldo) {
+  v8 acc0[kRows] = {}, acc1[kRows] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const v8 x0 = Load(x + i * ldx), x1 = Load(x + i * ldx + 8);
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float p = w[r * wr + i * wi];
+      acc0[r] += p * x0;
+      acc1[r] += p * x1;
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < kRows; ++r) {
+    Store(out + r * ldo, alpha * acc0[r]);
+    Store(out + r * ldo + 8, alpha * acc1[r]);
+  }
+}
+
+// rows r < kRows: out[r * ld + j] = alpha * a[r] · bT[:, j] for j < n rounded up to a tile
+// (a: kRows rows of K; bT: [K, t]).
+template <int64_t K>
+inline void RowsTimes(const float* __restrict a, const float* __restrict bT, int64_t t, int64_t n,
+                      float alpha, float* __restrict out, int64_t ld) {
+  for (int64_t jb = 0; jb < n; jb += kTile) Tile(a, K, 1, bT + jb, t, K, alpha, out + jb, ld);
+}
+
+// rows r < kRows: out[r][0..K) = sum_{j<n} w[r * wr + j * wj] * x[j, 0..K)
+template <int64_t K>
+inline void RowsCombine(const float* __restrict w, int64_t wr, int64_t wj,
+                        const float* __restrict x, int64_t n, float* __restrict out) {
+  for (int64_t c0 = 0; c0 < K; c0 += kTile) Tile(w, wr, wj, x + c0, K, n, 1.f, out + c0, K);
+}
+
+template <int64_t K>
+void ForwardOne(const float* __restrict q, const float* __restrict k, const float* __restrict v,
+                int64_t t, int64_t tp, float scale, float* __restrict o, float* __restrict lse,
+                float* __restrict kT, float* __restrict s) {
+  Transpose(k, t, K, tp, kT);  // kT is [K, tp], columns t.. tp zero
+  for (int64_t i0 = 0; i0 < t; i0 += kRows) {
+    const int64_t n = i0 + kRows;
+    RowsTimes<K>(q + i0 * K, kT, tp, n, scale, s, tp);
+    for (int64_t r = 0; r < kRows; ++r) {
+      float* __restrict sr = s + r * tp;
+      const int64_t m_end = i0 + r + 1;
+      float m = sr[0];
+      for (int64_t j = 1; j < m_end; ++j) m = sr[j] > m ? sr[j] : m;
+      float l = 0.f;
+      for (int64_t j = 0; j < m_end; ++j) { sr[j] = std::exp(sr[j] - m); l += sr[j]; }
+      const float inv = 1.f / l;
+      for (int64_t j = 0; j < m_end; ++j) sr[j] *= inv;
+      for (int64_t j = m_end; j < n; ++j) sr[j] = 0.f;
+      lse[i0 + r] = m + std::log(l);
+    }
+    RowsCombine<K>(s, tp, 1, v, n, o + i0 * K);
+  }
+}
+
+template <int64_t K>
+void BackwardOne(const float* __restrict q, const float* __restrict k, const float* __restrict v,
+                 const float* __restrict o, const float* __restrict lse,
+                 const float* __restrict d_o, int64_t t, int64_t tp, float scale,
+                 float* __restrict dq, float* __restrict dk, float* __restrict dv,
+                 float* __restrict kT, float* __restrict vT, float* __restrict p,
+                 float* __restrict ds) {
+  Transpose(k, t, K, tp, kT);
+  Transpose(v, t, K, tp, vT);
+  // P and dS as [t, tp] matrices (row i valid on j <= i, zero above)
+  for (int64_t i0 = 0; i0 < t; i0 += kRows) {
+    const int64_t n = i0 + kRows;
+    RowsTimes<K>(q + i0 * K, kT, tp, n, scale, p + i0 * tp, tp);
+    RowsTimes<K>(d_o + i0 * K, vT, tp, n, 1.f, ds + i0 * tp, tp);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t i = i0 + r, m_end = i + 1;
+      float* __restrict pi = p + i * tp;
+      float* __restrict dsi = ds + i * tp;
+      const float li = lse[i];
+      float di = 0.f;
+      for (int64_t c = 0; c < K; ++c) di += d_o[i * K + c] * o[i * K + c];
+      for (int64_t j = 0; j < m_end; ++j) {
+        pi[j] = std::exp(pi[j] - li);
+        dsi[j] = pi[j] * (dsi[j] - di) * scale;
+      }
+      for (int64_t j = m_end; j < tp; ++j) { pi[j] = 0.f; dsi[j] = 0.f; }
+    }
+    RowsCombine<K>(ds + i0 * tp, tp, 1, k, n, dq + i0 * K);
+  }
+  // dK[j] = sum_{i>=j} dS[i, j] q[i], dV[j] = sum_{i>=j} P[i, j] dO[i], kRows columns j at a time
+  for (int64_t j0 = 0; j0 < t; j0 += kRows) {
+    RowsCombine<K>(ds + j0 * tp + j0, 1, tp, q + j0 * K, t - j0, dk + j0 * K);
+    RowsCombine<K>(p + j0 * tp + j0, 1, tp, d_o + j0 * K, t - j0, dv + j0 * K);
+  }
+}
+
+// Runs body(i) for i in [0, n) on the caller and XLA's CPU thread pool. The caller takes items
+// too and then waits only for items already taken, so a pool of one thread (or none) cannot
+// deadlock; the shared state outlives tasks that start after the work is done.
+template <typename Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, body]() {
+    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
+      body(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work(); });
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+template <int64_t K>
+void Forward(ffi::ThreadPool& pool, const float* q, const float* k, const float* v, int64_t n,
+             int64_t t, float* o, float* lse) {
+  const int64_t tp = (t + kTile - 1) / kTile * kTile;
+  const float scale = 1.f / std::sqrt(static_cast<float>(K));
+  ParallelFor(pool, n, [=](int64_t b) {
+    thread_local std::vector<float> kT, s;
+    kT.assign(K * tp, 0.f);
+    s.assign(kRows * tp, 0.f);
+    ForwardOne<K>(q + b * t * K, k + b * t * K, v + b * t * K, t, tp, scale, o + b * t * K,
+                  lse + b * t, kT.data(), s.data());
+  });
+}
+
+template <int64_t K>
+void Backward(ffi::ThreadPool& pool, const float* q, const float* k, const float* v,
+              const float* o, const float* lse, const float* d_o, int64_t n, int64_t t,
+              float* dq, float* dk, float* dv) {
+  const int64_t tp = (t + kTile - 1) / kTile * kTile;
+  const float scale = 1.f / std::sqrt(static_cast<float>(K));
+  ParallelFor(pool, n, [=](int64_t b) {
+    thread_local std::vector<float> kT, vT, p, ds;
+    kT.assign(K * tp, 0.f);
+    vT.assign(K * tp, 0.f);
+    p.resize(t * tp);
+    ds.resize(t * tp);
+    const int64_t x = b * t * K;
+    BackwardOne<K>(q + x, k + x, v + x, o + x, lse + b * t, d_o + x, t, tp, scale, dq + x, dk + x,
+                   dv + x, kT.data(), vT.data(), p.data(), ds.data());
+  });
+}
+
+// The slices' shape [N, T, K] of q: N (every leading axis) and T, or false if T is not a multiple
+// of kRows (the Python side pads T; this guards the kernel's row blocks).
+bool Slices(const ffi::Buffer<ffi::F32>& q, int64_t& n, int64_t& t) {
+  auto d = q.dimensions();
+  if (d.size() < 2) return false;
+  t = d[d.size() - 2];
+  n = static_cast<int64_t>(q.element_count()) / (t * d[d.size() - 1]);
+  return t % kRows == 0;
+}
+
+#define LOWCOMM_DISPATCH_HEAD_DIM(kd, CALL)                                       \
+  switch (kd) {                                                                   \
+    case 16: CALL(16); break;                                                     \
+    case 32: CALL(32); break;                                                     \
+    case 64: CALL(64); break;                                                     \
+    case 128: CALL(128); break;                                                   \
+    default: return ffi::Error::InvalidArgument("attention: head_dim must be 16, 32, 64 or 128"); \
+  }
+
+ffi::Error FfiForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                      ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
+                      ffi::ResultBuffer<ffi::F32> lse) {
+  int64_t n, t;
+  if (!Slices(q, n, t)) return ffi::Error::InvalidArgument("attention: need [..., T, K], T % 4 == 0");
+  const int64_t kd = q.dimensions().back();
+#define LOWCOMM_FORWARD(K_)                                                                 \
+  Forward<K_>(pool, q.typed_data(), k.typed_data(), v.typed_data(), n, t, o->typed_data(), \
+              lse->typed_data())
+  LOWCOMM_DISPATCH_HEAD_DIM(kd, LOWCOMM_FORWARD)
+  return ffi::Error::Success();
+}
+
+ffi::Error FfiBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o,
+                       ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_o,
+                       ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                       ffi::ResultBuffer<ffi::F32> dv) {
+  int64_t n, t;
+  if (!Slices(q, n, t)) return ffi::Error::InvalidArgument("attention: need [..., T, K], T % 4 == 0");
+  const int64_t kd = q.dimensions().back();
+#define LOWCOMM_BACKWARD(K_)                                                               \
+  Backward<K_>(pool, q.typed_data(), k.typed_data(), v.typed_data(), o.typed_data(),      \
+               lse.typed_data(), d_o.typed_data(), n, t, dq->typed_data(), dk->typed_data(), \
+               dv->typed_data())
+  LOWCOMM_DISPATCH_HEAD_DIM(kd, LOWCOMM_BACKWARD)
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowcommAttentionForward, FfiForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowcommAttentionBackward, FfiBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,236 @@
+"""Causal attention as one fused CPU kernel: `ModelConfig.attention = "cpu_kernel"`.
+
+XLA:CPU runs `llama.causal_attention` as batched dots with the softmax between them, and writes the
+whole [B, H, T, S] probability tensor (and its gradient) to memory between them, with transposed
+copies of k and v for the dots; on the `small` model that is a quarter of a training step's CPU
+time, twice what torch's fused CPU attention costs (docs/performance.md, "Fifth pass"). This
+module runs the same function as two custom calls (XLA FFI, `cpu_attention.cc`), forward and
+backward, each working one (batch, head) slice at a time in cache:
+
+  forward   S = q·kᵀ/√K (causal), O = softmax(S)·v, and the log-sum-exp L of each row of S
+  backward  P = exp(S − L) recomputed, dP = dO·vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O)) / √K,
+            dQ = dS·k, dK = dSᵀ·q, dV = Pᵀ·dO
+
+(the same formulas as `llama.causal_attention`'s hand-written backward, with L saved instead of
+P). The arithmetic is the same up to float32 rounding (sums in another order; the outputs and
+gradients agree with the XLA path to ~1e-6 relative, tests/test_cpu_attention.py). float32 only,
+head_dim 16, 32, 64 or 128, any T (padded to a multiple of 4 here), CPU only.
+
+The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else `c++`/`g++`)
+against the FFI headers of the installed jaxlib, with -O3 -march=native, into a cache folder
+(`$LOWCOMM_JAX_CACHE`, else `~/.cache/lowcomm_jax`) keyed by the source, the jaxlib version and the
+host CPU, so later processes load it in milliseconds. `load()` raises a clear error (no compiler,
+compile failure) before any compute; the Trainer calls it when it is built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax import custom_batching
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+_SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cc")
+HEAD_DIMS = (16, 32, 64, 128)  # the kernel's compiled head widths
+_ROWS = 4  # the kernel's query-row block: T is padded to a multiple of it
+_FORWARD, _BACKWARD = "lowcomm_attention_forward", "lowcomm_attention_backward"
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def _cache_dir() -> pathlib.Path:
+  root = os.environ.get("LOWCOMM_JAX_CACHE") or pathlib.Path.home() / ".cache" / "lowcomm_jax"
+  return pathlib.Path(root)
+
+
+def _cpu_model() -> str:
+  """The host CPU's model line: -march=native code is only valid on the CPU it was built for."""
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith(("model name", "flags")):
+        return line
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def _compiler() -> str:
+  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    if name and shutil.which(name):
+      return name
+  raise RuntimeError("model.attention='cpu_kernel' needs a C++ compiler to build its kernel: none of "
+                     "$CXX, c++, g++, clang++ is on PATH (install one, e.g. `apt install g++`, or "
+                     "use model.attention='xla')")
+
+
+def _build() -> pathlib.Path:
+  """The kernel's shared library, compiled into the cache unless already there."""
+  source = _SOURCE.read_bytes()
+  key = hashlib.sha256(b"\0".join([source, jax.lib.__version__.encode(), _cpu_model().encode(),
+                                   " ".join(_FLAGS).encode()])).hexdigest()[:16]
+  library = _cache_dir() / f"cpu_attention-{key}.so"
+  if library.exists():
+    return library
+  library.parent.mkdir(parents=True, exist_ok=True)
+  compiler = _compiler()
+  # Compiled under a temporary name and renamed: concurrent processes (pytest-xdist, the replicas
+  # of a multi-process run) each build their own copy and the rename is atomic.
+  with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+    built = pathlib.Path(tmp) / library.name
+    command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(built)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode:
+      raise RuntimeError(f"model.attention='cpu_kernel': building the kernel failed ({' '.join(command)}):\n"
+                         f"{result.stderr[-4000:]}")
+    os.replace(built, library)
+  return library
+
+
+@functools.cache
+def load() -> pathlib.Path:
+  """Builds (once per host and jaxlib) and registers the kernel with XLA; returns the library."""
+  library = _build()
+  handle = ctypes.cdll.LoadLibrary(str(library))
+  jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(handle.LowcommAttentionForward), platform="cpu")
+  jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(handle.LowcommAttentionBackward), platform="cpu")
+  return library
+
+
+def check(dtype, head_dim: int) -> None:
+  """Raises ValueError unless the kernel supports this compute dtype and head width."""
+  if jnp.dtype(dtype) != jnp.float32:
+    raise ValueError(f"model.attention='cpu_kernel' computes in float32 only; model.dtype is {dtype!r} "
+                     "(use model.attention='xla' for bfloat16)")
+  if head_dim not in HEAD_DIMS:
+    raise ValueError(f"model.attention='cpu_kernel' supports head_dim (d_model // num_heads) in "
+                     f"{HEAD_DIMS}, got {head_dim} (use model.attention='xla')")
+
+
+def _varying(x) -> frozenset:
+  aval = jax.typeof(x)
+  return frozenset(aval.mat.varying if hasattr(aval, "mat") else getattr(aval, "vma", ()))
+
+
+def _vary_like(x, like):
+  """x marked varying over the manual mesh axes `like` varies over: a custom call's results carry
+  none, and under `jax.shard_map` custom_vjp requires the gradients' types to match the inputs'."""
+  missing = tuple(sorted(_varying(like) - _varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _pad_time(x, t_padded: int):
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, t_padded - x.shape[-2]), (0, 0)])
+
+
+def _result_shapes(name: str, args) -> tuple[jax.ShapeDtypeStruct, ...]:
+  q = args[0]
+  if name == _FORWARD:  # the output and the log-sum-exp of each query row
+    return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:-1], q.dtype))
+  return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[:3])  # dq, dk, dv
+
+
+def _ffi(name: str, *args):
+  # broadcast_all: under vmap every operand gets the batch axis in front, which the kernel treats as
+  # more leading (batch × heads) slices.
+  return jax.ffi.ffi_call(name, _result_shapes(name, args), vmap_method="broadcast_all")(*args)
+
+
+def _per_slice(sharding, ndim: int) -> PartitionSpec:
+  """The operands' spec: q's sharding of the leading (batch, head) axes, time and head_dim whole."""
+  spec = tuple(getattr(sharding, "spec", ())) + (None,) * ndim
+  return PartitionSpec(*spec[:ndim - 2], None, None)
+
+
+def _shardings(mesh, spec: PartitionSpec, shapes):
+  # [..., T, K] operands take `spec`, the [..., T] log-sum-exp the same without its last axis
+  full = len(spec)
+  return tuple(NamedSharding(mesh, spec if len(s.shape) == full else PartitionSpec(*spec[:-1]))
+               for s in shapes)
+
+
+def _partitioned(name: str):
+  """The custom call under `custom_partitioning`: sharded over its leading (batch, head) axes it runs
+  on each device's own slices, where a bare custom call would be all-gathered to every device."""
+
+  @custom_partitioning
+  def call(*args):
+    return _ffi(name, *args)
+
+  def infer(mesh, arg_shapes, result_shape):
+    spec = _per_slice(arg_shapes[0].sharding, len(arg_shapes[0].shape))
+    return _shardings(mesh, spec, jax.tree.leaves(result_shape))
+
+  def partition(mesh, arg_shapes, result_shape):
+    spec = _per_slice(arg_shapes[0].sharding, len(arg_shapes[0].shape))
+    return (mesh, functools.partial(_ffi, name), _shardings(mesh, spec, jax.tree.leaves(result_shape)),
+            _shardings(mesh, spec, arg_shapes))
+
+  rule = {_FORWARD: "... t k, ... t k, ... t k -> ... t k, ... t",
+          _BACKWARD: "... t k, ... t k, ... t k, ... t k, ... t, ... t k -> ... t k, ... t k, ... t k"}[name]
+  call.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=("t", "k"))
+
+  # custom_partitioning has no batching rule; the kernel takes a vmapped axis as one more leading
+  # axis of slices, so vmap (the Trainer's stacked replicas) calls it on the batched operands.
+  @custom_batching.custom_vmap
+  def batchable(*args):
+    return call(*args)
+
+  @batchable.def_vmap
+  def _(axis_size, in_batched, *args):
+    args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+    out = call(*args)
+    return out, tuple(True for _ in out)
+
+  return batchable
+
+
+_PARTITIONED = {name: _partitioned(name) for name in (_FORWARD, _BACKWARD)}
+
+
+def _run(name: str, *args):
+  # Inside `jax.shard_map` (manual mesh axes: the Trainer's one replica per device slice) the call is
+  # already per device, and custom_partitioning does not apply there; a mesh axis left automatic
+  # inside it (mesh.data > 1 beside mesh.replica > 1) then sees its slices gathered to every device.
+  if jax.sharding.get_abstract_mesh().manual_axes:
+    return _ffi(name, *args)
+  return _PARTITIONED[name](*args)
+
+
+@jax.custom_vjp
+def causal_attention(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK):
+  """softmax(q·kᵀ / √K, causal) · v, as `llama.causal_attention`, by the fused CPU kernel."""
+  return _forward(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK)[0]
+
+
+def _forward(q, k, v):
+  load()
+  check(q.dtype, q.shape[-1])
+  t = q.shape[-2]
+  # Padded keys sit after every real query, so the causal mask hides them; padded query rows are
+  # cut from the output and get a zero cotangent.
+  t_padded = -(-t // _ROWS) * _ROWS
+  q, k, v = (_pad_time(x, t_padded) for x in (q, k, v))
+  out, lse = (_vary_like(x, q) for x in _run(_FORWARD, q, k, v))
+  return out[..., :t, :], (q, k, v, out, lse)
+
+
+def _backward(saved, d_out):
+  q, k, v, out, lse = saved
+  t = d_out.shape[-2]
+  d_out = _pad_time(d_out, q.shape[-2])
+  grads = _run(_BACKWARD, q, k, v, out, lse, d_out)
+  return tuple(_vary_like(g[..., :t, :], x) for g, x in zip(grads, (q, k, v)))
+
+
+causal_attention.defvjp(_forward, _backward)
