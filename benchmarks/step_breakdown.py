@@ -11,6 +11,8 @@ and each side once more with attention replaced by the mean of q, k and v (proje
 everything else kept). Setups, timed in interleaved rounds (process CPU-seconds per step; medians):
 - `ours`: the Trainer's compiled step on one CPU device;
 - `ours, no attention`: the same with `llama.causal_attention` replaced while the step is traced;
+- `ours, attention=cpu_kernel`: `ours` with model.attention="cpu_kernel" (the fused C++ kernel,
+  models/cpu_attention.py), whose attention cost is likewise its difference to the ablated step;
 - `torch` and `torch, no attention`: benchmarks/peers/torch_step.py in the torchft venv.
 Attention's cost in a step is the difference of a side's two setups (median of per-round
 differences); `rest` is the step without attention. Writes benchmarks/results/step_breakdown.json.
@@ -43,8 +45,8 @@ def _no_attention(q, k, v):
   return (q + k + v) / 3
 
 
-def _ours(ablate: bool):
-  config = step_speed._config(None)  # pylint: disable=protected-access
+def _ours(ablate: bool, attention=None):
+  config = step_speed._config(None, attention)  # pylint: disable=protected-access
   config.data.batch_size = _BATCH
   original = llama.causal_attention
   if ablate:  # Attention.__call__ looks the function up when the step is traced (here)
@@ -68,6 +70,9 @@ def main(argv):
   del argv
   steps = step_speed._STEPS.value  # pylint: disable=protected-access
   ours = {"ours": _ours(False), "ours, no attention": _ours(True)}
+  kernel = step_speed._KERNEL  # pylint: disable=protected-access
+  if kernel:
+    ours["ours" + kernel] = _ours(False, "cpu_kernel")
   model_cfg = ours["ours"]["trainer"].model_cfg
   peers = {"torch": _torch(model_cfg, False), "torch, no attention": _torch(model_cfg, True)}
   for name, peer in peers.items():
@@ -99,8 +104,11 @@ def main(argv):
                                 "torch": ms(diff("torch", "torch, no attention"))},
       "ours_over_torch": {"step": ratio("ours", "torch"),
                           "without_attention": ratio("ours, no attention", "torch, no attention")},
-      "cpu_seconds_per_round": cpu,
   }
+  if kernel:
+    result["attention_ms_per_step"]["ours" + kernel] = ms(diff("ours" + kernel, "ours, no attention"))
+    result["ours_over_torch"]["step" + kernel] = ratio("ours" + kernel, "torch")
+  result["cpu_seconds_per_round"] = cpu
   result["attention_share_ours"] = result["attention_ms_per_step"]["ours"] / result["cpu_ms_per_step"]["ours"]
   out = pathlib.Path(step_speed._OUT.value)  # pylint: disable=protected-access
   out.parent.mkdir(parents=True, exist_ok=True)

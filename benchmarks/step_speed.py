@@ -9,7 +9,11 @@ Setups on the `small` model (1,345,152 parameters), batch 16 × 128, one CPU dev
 - `plain jit`: a hand-written `jax.jit` of `value_and_grad` + the same optax transformation
   (clipped AdamW with the config's schedule), donating its state, no Trainer;
 - `trainer, layer_loop=scan`: the Trainer with the layer loop scanned instead of unrolled (the
-  unrolling's share of the step).
+  unrolling's share of the step);
+- `..., attention=cpu_kernel`: the Trainer setups (this one, the DiLoCo and the MaxText-shape one
+  below) again with `model.attention="cpu_kernel"`, the fused C++ attention kernel
+  (models/cpu_attention.py; an option, not the default): `cpu_kernel_over_xla` (its step's
+  CPU-seconds ÷ the default's), `torchft_ratio_cpu_kernel`, `maxtext_ratio_cpu_kernel`.
 Each timed round runs every setup in turn (this machine is shared: rounds interleave so that
 load hits all alike); a round also re-measures the host's float32 matmul peak (train/mfu.py).
 Figures are process CPU-seconds per step (`time.process_time`: every XLA thread counts, other
@@ -76,6 +80,8 @@ _BATCH, _SEQ = 16, 128
 # The DiLoCo comparison with torchft: K replicas, H inner steps per outer step, sequences per replica.
 _K, _H, _DILOCO_BATCH = 2, 10, 8
 _PEERS_DIR = pathlib.Path(__file__).parent / "peers"
+# Our setups again with model.attention="cpu_kernel" (name suffix); "" on a checkout without the key.
+_KERNEL = ", attention=cpu_kernel" if "attention" in config_lib.default_config().model else ""
 # MaxText's CPU test shape (issue 20: 1,115,264 parameters, 4,096 tokens per step on 8 fake devices),
 # in our architecture's terms; head_dim = 128 / 4 = 32. MaxText builds the same tensors
 # (q, k, v, o, SwiGLU wi_0, wi_1, wo, two norms per layer, untied embedding and head).
@@ -83,13 +89,15 @@ _MAXTEXT_SHAPE = dict(vocab_size=256, d_model=128, num_layers=4, num_heads=4, d_
 _MAXTEXT_DEVICES, _MAXTEXT_PER_DEVICE_BATCH = 8, 4  # 8 × 4 sequences × 128 tokens = 4,096 tokens
 
 
-def _config(layer_loop: str | None):
+def _config(layer_loop: str | None, attention: str | None = None):
   c = config_lib.default_config()
   c.model.size, c.model.dtype = "small", _DTYPE.value
   c.data.batch_size, c.data.seq_len = _BATCH, _SEQ
   c.mesh.data = 1
   if layer_loop is not None:  # an older checkout (the "before" run) has no layer_loop key
     c.model.layer_loop = layer_loop
+  if attention is not None:  # nor a model.attention key
+    c.model.attention = attention
   return c
 
 
@@ -128,9 +136,9 @@ def _plain_setup(trainer):
   return {"run": run, "state": run(run((params, tx.init(params))))}
 
 
-def _diloco_setup():
+def _diloco_setup(attention=None):
   """Our DiLoCo: the Trainer's phase programs (inner steps, and the sync step every H), K devices."""
-  c = _config(None)
+  c = _config(None, attention)
   c.algorithm, c.num_replicas, c.diloco.sync_every = "diloco", _K, _H
   c.data.batch_size, c.mesh.replica, c.mesh.data = _DILOCO_BATCH, _K, 1
   c.num_steps = 100_000  # the schedule's length only; steps are run by hand below
@@ -203,20 +211,22 @@ class Peer:
         self.proc.kill()
 
 
-def _maxtext_pair():
-  """Our data-parallel Trainer and MaxText's train step on MaxText's CPU test shape."""
+def _maxtext_pair(attention=None):
+  """Our data-parallel Trainer and MaxText's train step on MaxText's CPU test shape (with
+  `attention`: ours only, no peer)."""
   shape = dict(_MAXTEXT_SHAPE, seq_len=_SEQ, devices=_MAXTEXT_DEVICES,
                per_device_batch=_MAXTEXT_PER_DEVICE_BATCH)
   cfg = ModelConfig(**_MAXTEXT_SHAPE, max_seq_len=2 * _SEQ, dtype=_DTYPE.value)
   shape["params"] = param_count(cfg)
   # A named preset, so that the Trainer builds this shape from its config as for any other size.
   model_config.PRESETS.setdefault("maxtext_cpu_test", cfg)
-  c = _config(None)
+  c = _config(None, attention)
   c.model.size = "maxtext_cpu_test"
   c.data.batch_size = _MAXTEXT_DEVICES * _MAXTEXT_PER_DEVICE_BATCH
   c.mesh.data = _MAXTEXT_DEVICES
-  peer = Peer("maxtext", _MAXTEXT_PYTHON.value, "maxtext_step.py",
-              [f"--{k}={v}" for k, v in shape.items() if k != "params"] + [f"--dtype={_DTYPE.value}"])
+  peer = None if attention else Peer(
+      "maxtext", _MAXTEXT_PYTHON.value, "maxtext_step.py",
+      [f"--{k}={v}" for k, v in shape.items() if k != "params"] + [f"--dtype={_DTYPE.value}"])
   return {"setup": _trainer_setup(config=c, devices=_MAXTEXT_DEVICES), "peer": peer,
           "tokens": c.data.batch_size * _SEQ, "flops_per_token": flops_per_token(cfg, _SEQ),
           "shape": shape}
@@ -246,12 +256,12 @@ def _chart(rates: dict, peers: set, path: pathlib.Path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   names = list(rates)
-  fig, ax = plt.subplots(figsize=(7, 0.45 * len(names) + 1.2))
+  fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.2))
   ax.barh(names, [rates[n] for n in names],
           color=["tab:orange" if n in peers else "tab:blue" for n in names])
   ax.invert_yaxis()
-  ax.set_xlabel("tokens per process CPU-second (median of rounds); orange: peers")
-  ax.set_title(f"{_DTYPE.value}; pairs (ours, peer) run the same model and tokens per step", fontsize=10)
+  ax.set_xlabel("tokens per process CPU-second (median of rounds); orange: peers", fontsize=9)
+  ax.set_title(f"{_DTYPE.value}; pairs (ours, peer): the same model and tokens per step", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
@@ -272,13 +282,16 @@ def main(argv):
   setups = {"trainer": trainer_setup, "plain jit": _plain_setup(trainer_setup["trainer"])}
   if has_layer_loop:
     setups["trainer, layer_loop=scan"] = _trainer_setup("scan")
+  if _KERNEL:  # model.attention="cpu_kernel" (models/cpu_attention.py) beside the default
+    setups[f"trainer{_KERNEL}"] = _trainer_setup(config=_config(None, "cpu_kernel"))
   steps = {k: _STEPS.value for k in setups}
   tokens = {k: _BATCH * _SEQ for k in setups}
   fpt = {k: flops_per_token(model_cfg, _SEQ) for k in setups}
 
-  setups["diloco K=2"] = _diloco_setup()
-  steps["diloco K=2"], tokens["diloco K=2"] = _H, _K * _DILOCO_BATCH * _SEQ
-  fpt["diloco K=2"] = fpt["trainer"]
+  for suffix in ("", _KERNEL) if _KERNEL else ("",):
+    name = f"diloco K=2{suffix}"
+    setups[name] = _diloco_setup("cpu_kernel" if suffix else None)
+    steps[name], tokens[name], fpt[name] = _H, _K * _DILOCO_BATCH * _SEQ, fpt["trainer"]
   peers = {"torchft diloco K=2": _torchft_peer(model_cfg)}
   steps["torchft diloco K=2"] = _H
   maxtext_pair = _maxtext_pair()
@@ -287,6 +300,11 @@ def main(argv):
     steps["dp, MaxText shape"] = _STEPS.value
     tokens["dp, MaxText shape"] = tokens["maxtext"] = maxtext_pair["tokens"]
     fpt["dp, MaxText shape"] = maxtext_pair["flops_per_token"]
+    if _KERNEL:
+      name = f"dp, MaxText shape{_KERNEL}"
+      setups[name] = _maxtext_pair("cpu_kernel")["setup"]
+      steps[name], tokens[name], fpt[name] = (_STEPS.value, maxtext_pair["tokens"],
+                                              maxtext_pair["flops_per_token"])
   peers["maxtext"] = maxtext_pair["peer"]
   steps["maxtext"] = _STEPS.value
   for name, peer in peers.items():
@@ -344,6 +362,10 @@ def main(argv):
       "mfu_small": statistics.median(mfu_rounds),
       "torchft_ratio": _ratio(cpu, tokens, "diloco K=2", "torchft diloco K=2"),
       "maxtext_ratio": _ratio(cpu, tokens, "dp, MaxText shape", "maxtext"),
+      # the same three with model.attention="cpu_kernel" (a documented option, not the default)
+      "torchft_ratio_cpu_kernel": _ratio(cpu, tokens, f"diloco K=2{_KERNEL}", "torchft diloco K=2"),
+      "maxtext_ratio_cpu_kernel": _ratio(cpu, tokens, f"dp, MaxText shape{_KERNEL}", "maxtext"),
+      "cpu_kernel_over_xla": (per_round(f"trainer{_KERNEL}", "trainer") if _KERNEL else None),
       "peers": peer_info,
       "diloco": {"K": _K, "H": _H, "sequences_per_replica": _DILOCO_BATCH, "seq_len": _SEQ,
                  "model": dataclasses.asdict(model_cfg)},
@@ -363,7 +385,9 @@ def main(argv):
   print(f"overhead vs plain jit {result['overhead_vs_plain_jit']:.3f}; MFU (CPU-seconds) "
         f"{result['mfu_small']:.3f} of {result['host_matmul_flops_per_cpu_second'] / 1e9:.1f} GFLOP per "
         f"CPU-second; torchft_ratio {result['torchft_ratio']}; maxtext_ratio {result['maxtext_ratio']}; "
-        f"wrote {out}")
+        f"with model.attention=cpu_kernel: torchft_ratio {result['torchft_ratio_cpu_kernel']}, "
+        f"maxtext_ratio {result['maxtext_ratio_cpu_kernel']}, step CPU-s {result['cpu_kernel_over_xla']} "
+        f"of the default's; wrote {out}")
 
 
 if __name__ == "__main__":
