@@ -13,6 +13,12 @@ from lowcomm_jax.testing import read_metrics, tiny_config, tree_hash
 from lowcomm_jax.train import Trainer
 
 
+def _kernel_bhtk(q, k, v):
+  """The kernel ([B, T, H, K]) on llama.causal_attention's [B, H, T, K] operands."""
+  swap = lambda x: jnp.swapaxes(x, -3, -2)
+  return swap(cpu_attention.causal_attention(swap(q), swap(k), swap(v)))
+
+
 def _value_and_grads(attention, q, k, v, w):
   return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v) * w), argnums=(0, 1, 2)))(q, k, v)
 
@@ -23,10 +29,10 @@ def _value_and_grads(attention, q, k, v, w):
 def test_output_and_gradients_match_the_xla_attention(shape):
   q, k, v, w = (jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(shape[2]), 4))
   ref_out = llama.causal_attention(q, k, v)
-  out = jax.jit(cpu_attention.causal_attention)(q, k, v)
+  out = jax.jit(_kernel_bhtk)(q, k, v)
   np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
   (ref_loss, ref_grads), (loss, grads) = (_value_and_grads(f, q, k, v, w)
-                                          for f in (llama.causal_attention, cpu_attention.causal_attention))
+                                          for f in (llama.causal_attention, _kernel_bhtk))
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, ref in zip(grads, ref_grads):
     np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5 * max(1.0, float(jnp.max(jnp.abs(ref)))))
@@ -38,10 +44,10 @@ def test_vmap_over_a_stacked_axis_equals_the_slices_one_by_one():
   shape = (2, 2, 16, 16)
   q, k, v = (jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(7), 3))
   qs = jnp.stack([q, 2 * q, -q])  # batched q, unbatched k and v (broadcast by the vmap rule)
-  batched = jax.jit(jax.vmap(cpu_attention.causal_attention, in_axes=(0, None, None)))(qs, k, v)
+  batched = jax.jit(jax.vmap(_kernel_bhtk, in_axes=(0, None, None)))(qs, k, v)
   for i in range(3):
-    np.testing.assert_allclose(batched[i], cpu_attention.causal_attention(qs[i], k, v), rtol=1e-6)
-  grad = jax.vmap(jax.grad(lambda q: jnp.sum(cpu_attention.causal_attention(q, k, v) ** 2)))(qs)
+    np.testing.assert_allclose(batched[i], _kernel_bhtk(qs[i], k, v), rtol=1e-6)
+  grad = jax.vmap(jax.grad(lambda q: jnp.sum(_kernel_bhtk(q, k, v) ** 2)))(qs)
   ref = jax.vmap(jax.grad(lambda q: jnp.sum(llama.causal_attention(q, k, v) ** 2)))(qs)
   np.testing.assert_allclose(grad, ref, rtol=1e-4, atol=1e-5)
 
@@ -55,11 +61,11 @@ def test_trainer_on_eight_devices_matches_the_xla_path_without_gathering_the_bat
                              [m["loss"] for m in read_metrics(tmp_path / "xla")], rtol=2e-6)
   compiled = kernel.program(None, kernel.init_state())[0].as_text()
   # The batch is split over mesh.data = 8: each device's custom call holds its own sequence
-  # (custom_partitioning), where a bare custom call would be all-gathered to [.., 8, heads, 64, 16].
+  # (custom_partitioning), where a bare custom call would be all-gathered to [.., 8, 64, heads, 16].
   calls = [line for line in compiled.splitlines() if "custom_call_target=\"lowcomm_attention" in line]
   heads, t, k = 2, 64, 16
   assert len(calls) == 2 * 2  # forward and backward of each of the 2 layers
-  assert all(f"f32[1,1,{heads},{t},{k}]" in line for line in calls)
+  assert all(f"f32[1,1,{t},{heads},{k}]" in line for line in calls)
   assert "all-gather" not in compiled
   # No [B, H, T, T] score or probability tensor is left in the step: that is the kernel's point.
   assert not re.search(rf"f32\[[\d,]*{heads},{t},{t}\]", compiled)

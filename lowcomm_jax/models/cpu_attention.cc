@@ -1,8 +1,9 @@
 // Causal softmax attention on the CPU as one XLA FFI custom call per direction, for
 // lowcomm_jax/models/cpu_attention.py (which builds this file with the host's C++ compiler).
 //
-// Shapes: q, k, v, o, dO are [N, T, K] float32 (N = every leading axis, batch × heads), lse is
-// [N, T]; T a multiple of kRows (the Python side pads). Per (batch, head) slice the forward
+// Shapes: q, k, v, o, dO are [N, T, H, K] float32 (N = every leading axis: batch, replicas; the
+// layout of the projections around the call, so XLA copies none of them), lse is [N, T, H]; T a
+// multiple of kRows (the Python side pads). Per (batch, head) slice the forward
 // computes each block of kRows query rows' scores against the keys up to the diagonal, the
 // softmax, the output and the log-sum-exp L; the backward recomputes P = exp(S − L) row block by
 // row block, forms dS = P ⊙ (dP − rowsum(dO ⊙ O)) · scale, and the three gradients from P and dS
@@ -25,11 +26,11 @@ namespace {
 constexpr int64_t kTile = 16;  // score columns per register tile (2 AVX2 vectors)
 constexpr int64_t kRows = 4;   // rows computed together, sharing each loaded tile
 
-// out[c * ld + j] = x[j * k + c]: [t, k] to [k, ld] (ld >= t; columns t.. ld keep their zeros)
-void Transpose(const float* __restrict x, int64_t t, int64_t k, int64_t ld,
+// out[c * ldo + j] = x[j * ldx + c]: t rows of k to [k, ldo] (ldo >= t; columns t.. keep zeros)
+void Transpose(const float* __restrict x, int64_t t, int64_t ldx, int64_t k, int64_t ldo,
                float* __restrict out) {
   for (int64_t j = 0; j < t; ++j)
-    for (int64_t c = 0; c < k; ++c) out[c * ld + j] = x[j * k + c];
+    for (int64_t c = 0; c < k; ++c) out[c * ldo + j] = x[j * ldx + c];
 }
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, unaligned access
@@ -44,7 +45,10 @@ inline void Tile(const float* __restrict w, int64_t wr, int64_t wi, const float*
                  int64_t ldx, int64_t n, float alpha, float* __restrict out, int64_t ldo) {
   v8 acc0[kRows] = {}, acc1[kRows] = {};
   for (int64_t i = 0; i < n; ++i) {
-    const v8 x0 = Load(x + i * ldx), x1 = Load(x + i * ldx + 8);
+    v8 x0 = Load(x + i * ldx), x1 = Load(x + i * ldx + 8);
+    // Held in registers: else the compiler folds a reload of x into each of the 2·kRows FMAs,
+    // and the loads, not the FMAs, bound the loop.
+    asm("" : "+x"(x0), "+x"(x1));
 #pragma GCC unroll 4
     for (int64_t r = 0; r < kRows; ++r) {
       const float p = w[r * wr + i * wi];
@@ -60,28 +64,29 @@ inline void Tile(const float* __restrict w, int64_t wr, int64_t wi, const float*
 }
 
 // rows r < kRows: out[r * ld + j] = alpha * a[r] · bT[:, j] for j < n rounded up to a tile
-// (a: kRows rows of K; bT: [K, t]).
+// (a: kRows rows of K, lda apart; bT: [K, t]).
 template <int64_t K>
-inline void RowsTimes(const float* __restrict a, const float* __restrict bT, int64_t t, int64_t n,
-                      float alpha, float* __restrict out, int64_t ld) {
-  for (int64_t jb = 0; jb < n; jb += kTile) Tile(a, K, 1, bT + jb, t, K, alpha, out + jb, ld);
+inline void RowsTimes(const float* __restrict a, int64_t lda, const float* __restrict bT,
+                      int64_t t, int64_t n, float alpha, float* __restrict out, int64_t ld) {
+  for (int64_t jb = 0; jb < n; jb += kTile) Tile(a, lda, 1, bT + jb, t, K, alpha, out + jb, ld);
 }
 
-// rows r < kRows: out[r][0..K) = sum_{j<n} w[r * wr + j * wj] * x[j, 0..K)
+// rows r < kRows: out[r * ldo + (0..K)] = sum_{j<n} w[r * wr + j * wj] * x[j * ldx + (0..K)]
 template <int64_t K>
 inline void RowsCombine(const float* __restrict w, int64_t wr, int64_t wj,
-                        const float* __restrict x, int64_t n, float* __restrict out) {
-  for (int64_t c0 = 0; c0 < K; c0 += kTile) Tile(w, wr, wj, x + c0, K, n, 1.f, out + c0, K);
+                        const float* __restrict x, int64_t ldx, int64_t n,
+                        float* __restrict out, int64_t ldo) {
+  for (int64_t c0 = 0; c0 < K; c0 += kTile) Tile(w, wr, wj, x + c0, ldx, n, 1.f, out + c0, ldo);
 }
 
 template <int64_t K>
 void ForwardOne(const float* __restrict q, const float* __restrict k, const float* __restrict v,
-                int64_t t, int64_t tp, float scale, float* __restrict o, float* __restrict lse,
-                float* __restrict kT, float* __restrict s) {
-  Transpose(k, t, K, tp, kT);  // kT is [K, tp], columns t.. tp zero
+                int64_t t, int64_t tp, int64_t ld, int64_t ls, float scale, float* __restrict o,
+                float* __restrict lse, float* __restrict kT, float* __restrict s) {
+  Transpose(k, t, ld, K, tp, kT);  // kT is [K, tp], columns t.. tp zero
   for (int64_t i0 = 0; i0 < t; i0 += kRows) {
     const int64_t n = i0 + kRows;
-    RowsTimes<K>(q + i0 * K, kT, tp, n, scale, s, tp);
+    RowsTimes<K>(q + i0 * ld, ld, kT, tp, n, scale, s, tp);
     for (int64_t r = 0; r < kRows; ++r) {
       float* __restrict sr = s + r * tp;
       const int64_t m_end = i0 + r + 1;
@@ -92,45 +97,46 @@ void ForwardOne(const float* __restrict q, const float* __restrict k, const floa
       const float inv = 1.f / l;
       for (int64_t j = 0; j < m_end; ++j) sr[j] *= inv;
       for (int64_t j = m_end; j < n; ++j) sr[j] = 0.f;
-      lse[i0 + r] = m + std::log(l);
+      lse[(i0 + r) * ls] = m + std::log(l);
     }
-    RowsCombine<K>(s, tp, 1, v, n, o + i0 * K);
+    RowsCombine<K>(s, tp, 1, v, ld, n, o + i0 * ld, ld);
   }
 }
 
 template <int64_t K>
 void BackwardOne(const float* __restrict q, const float* __restrict k, const float* __restrict v,
                  const float* __restrict o, const float* __restrict lse,
-                 const float* __restrict d_o, int64_t t, int64_t tp, float scale,
+                 const float* __restrict d_o, int64_t t, int64_t tp, int64_t ld, int64_t ls,
+                 float scale,
                  float* __restrict dq, float* __restrict dk, float* __restrict dv,
                  float* __restrict kT, float* __restrict vT, float* __restrict p,
                  float* __restrict ds) {
-  Transpose(k, t, K, tp, kT);
-  Transpose(v, t, K, tp, vT);
+  Transpose(k, t, ld, K, tp, kT);
+  Transpose(v, t, ld, K, tp, vT);
   // P and dS as [t, tp] matrices (row i valid on j <= i, zero above)
   for (int64_t i0 = 0; i0 < t; i0 += kRows) {
     const int64_t n = i0 + kRows;
-    RowsTimes<K>(q + i0 * K, kT, tp, n, scale, p + i0 * tp, tp);
-    RowsTimes<K>(d_o + i0 * K, vT, tp, n, 1.f, ds + i0 * tp, tp);
+    RowsTimes<K>(q + i0 * ld, ld, kT, tp, n, scale, p + i0 * tp, tp);
+    RowsTimes<K>(d_o + i0 * ld, ld, vT, tp, n, 1.f, ds + i0 * tp, tp);
     for (int64_t r = 0; r < kRows; ++r) {
       const int64_t i = i0 + r, m_end = i + 1;
       float* __restrict pi = p + i * tp;
       float* __restrict dsi = ds + i * tp;
-      const float li = lse[i];
+      const float li = lse[i * ls];
       float di = 0.f;
-      for (int64_t c = 0; c < K; ++c) di += d_o[i * K + c] * o[i * K + c];
+      for (int64_t c = 0; c < K; ++c) di += d_o[i * ld + c] * o[i * ld + c];
       for (int64_t j = 0; j < m_end; ++j) {
         pi[j] = std::exp(pi[j] - li);
         dsi[j] = pi[j] * (dsi[j] - di) * scale;
       }
       for (int64_t j = m_end; j < tp; ++j) { pi[j] = 0.f; dsi[j] = 0.f; }
     }
-    RowsCombine<K>(ds + i0 * tp, tp, 1, k, n, dq + i0 * K);
+    RowsCombine<K>(ds + i0 * tp, tp, 1, k, ld, n, dq + i0 * ld, ld);
   }
   // dK[j] = sum_{i>=j} dS[i, j] q[i], dV[j] = sum_{i>=j} P[i, j] dO[i], kRows columns j at a time
   for (int64_t j0 = 0; j0 < t; j0 += kRows) {
-    RowsCombine<K>(ds + j0 * tp + j0, 1, tp, q + j0 * K, t - j0, dk + j0 * K);
-    RowsCombine<K>(p + j0 * tp + j0, 1, tp, d_o + j0 * K, t - j0, dv + j0 * K);
+    RowsCombine<K>(ds + j0 * tp + j0, 1, tp, q + j0 * ld, ld, t - j0, dk + j0 * ld, ld);
+    RowsCombine<K>(p + j0 * tp + j0, 1, tp, d_o + j0 * ld, ld, t - j0, dv + j0 * ld, ld);
   }
 }
 
@@ -155,46 +161,58 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
+// Operands [N, T, H, K] (lse [N, T, H]): slice (b, h) starts at b·T·H·K + h·K (its lse at b·T·H + h)
+// and its rows are H·K apart (lse H apart).
+struct Geometry {
+  int64_t n, t, h;
+  int64_t slices() const { return n * h; }
+  int64_t offset(int64_t s, int64_t k) const { return (s / h) * t * h * k + (s % h) * k; }
+  int64_t lse_offset(int64_t s) const { return (s / h) * t * h + s % h; }
+};
+
 template <int64_t K>
-void Forward(ffi::ThreadPool& pool, const float* q, const float* k, const float* v, int64_t n,
-             int64_t t, float* o, float* lse) {
-  const int64_t tp = (t + kTile - 1) / kTile * kTile;
+void Forward(ffi::ThreadPool& pool, const float* q, const float* k, const float* v, Geometry g,
+             float* o, float* lse) {
+  const int64_t t = g.t, tp = (t + kTile - 1) / kTile * kTile, ld = g.h * K;
   const float scale = 1.f / std::sqrt(static_cast<float>(K));
-  ParallelFor(pool, n, [=](int64_t b) {
-    thread_local std::vector<float> kT, s;
+  ParallelFor(pool, g.slices(), [=](int64_t s) {
+    thread_local std::vector<float> kT, rows;
     kT.assign(K * tp, 0.f);
-    s.assign(kRows * tp, 0.f);
-    ForwardOne<K>(q + b * t * K, k + b * t * K, v + b * t * K, t, tp, scale, o + b * t * K,
-                  lse + b * t, kT.data(), s.data());
+    rows.assign(kRows * tp, 0.f);
+    const int64_t x = g.offset(s, K);
+    ForwardOne<K>(q + x, k + x, v + x, t, tp, ld, g.h, scale, o + x, lse + g.lse_offset(s),
+                  kT.data(), rows.data());
   });
 }
 
 template <int64_t K>
 void Backward(ffi::ThreadPool& pool, const float* q, const float* k, const float* v,
-              const float* o, const float* lse, const float* d_o, int64_t n, int64_t t,
-              float* dq, float* dk, float* dv) {
-  const int64_t tp = (t + kTile - 1) / kTile * kTile;
+              const float* o, const float* lse, const float* d_o, Geometry g, float* dq,
+              float* dk, float* dv) {
+  const int64_t t = g.t, tp = (t + kTile - 1) / kTile * kTile, ld = g.h * K;
   const float scale = 1.f / std::sqrt(static_cast<float>(K));
-  ParallelFor(pool, n, [=](int64_t b) {
+  ParallelFor(pool, g.slices(), [=](int64_t s) {
     thread_local std::vector<float> kT, vT, p, ds;
     kT.assign(K * tp, 0.f);
     vT.assign(K * tp, 0.f);
     p.resize(t * tp);
     ds.resize(t * tp);
-    const int64_t x = b * t * K;
-    BackwardOne<K>(q + x, k + x, v + x, o + x, lse + b * t, d_o + x, t, tp, scale, dq + x, dk + x,
-                   dv + x, kT.data(), vT.data(), p.data(), ds.data());
+    const int64_t x = g.offset(s, K);
+    BackwardOne<K>(q + x, k + x, v + x, o + x, lse + g.lse_offset(s), d_o + x, t, tp, ld, g.h,
+                   scale, dq + x, dk + x, dv + x, kT.data(), vT.data(), p.data(), ds.data());
   });
 }
 
-// The slices' shape [N, T, K] of q: N (every leading axis) and T, or false if T is not a multiple
-// of kRows (the Python side pads T; this guards the kernel's row blocks).
-bool Slices(const ffi::Buffer<ffi::F32>& q, int64_t& n, int64_t& t) {
+// q's [N, T, H, K] (N: every leading axis), or false if T is not a multiple of kRows (the Python
+// side pads T; this guards the kernel's row blocks).
+bool Slices(const ffi::Buffer<ffi::F32>& q, Geometry& g) {
   auto d = q.dimensions();
-  if (d.size() < 2) return false;
-  t = d[d.size() - 2];
-  n = static_cast<int64_t>(q.element_count()) / (t * d[d.size() - 1]);
-  return t % kRows == 0;
+  if (d.size() < 3) return false;
+  const int64_t r = d.size();
+  g.t = d[r - 3];
+  g.h = d[r - 2];
+  g.n = static_cast<int64_t>(q.element_count()) / (g.t * g.h * d[r - 1]);
+  return g.t % kRows == 0;
 }
 
 #define LOWCOMM_DISPATCH_HEAD_DIM(kd, CALL)                                       \
@@ -209,11 +227,11 @@ bool Slices(const ffi::Buffer<ffi::F32>& q, int64_t& n, int64_t& t) {
 ffi::Error FfiForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                       ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
                       ffi::ResultBuffer<ffi::F32> lse) {
-  int64_t n, t;
-  if (!Slices(q, n, t)) return ffi::Error::InvalidArgument("attention: need [..., T, K], T % 4 == 0");
+  Geometry g;
+  if (!Slices(q, g)) return ffi::Error::InvalidArgument("attention: need [..., T, H, K], T % 4 == 0");
   const int64_t kd = q.dimensions().back();
 #define LOWCOMM_FORWARD(K_)                                                                 \
-  Forward<K_>(pool, q.typed_data(), k.typed_data(), v.typed_data(), n, t, o->typed_data(), \
+  Forward<K_>(pool, q.typed_data(), k.typed_data(), v.typed_data(), g, o->typed_data(), \
               lse->typed_data())
   LOWCOMM_DISPATCH_HEAD_DIM(kd, LOWCOMM_FORWARD)
   return ffi::Error::Success();
@@ -224,12 +242,12 @@ ffi::Error FfiBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_o,
                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                        ffi::ResultBuffer<ffi::F32> dv) {
-  int64_t n, t;
-  if (!Slices(q, n, t)) return ffi::Error::InvalidArgument("attention: need [..., T, K], T % 4 == 0");
+  Geometry g;
+  if (!Slices(q, g)) return ffi::Error::InvalidArgument("attention: need [..., T, H, K], T % 4 == 0");
   const int64_t kd = q.dimensions().back();
 #define LOWCOMM_BACKWARD(K_)                                                               \
   Backward<K_>(pool, q.typed_data(), k.typed_data(), v.typed_data(), o.typed_data(),      \
-               lse.typed_data(), d_o.typed_data(), n, t, dq->typed_data(), dk->typed_data(), \
+               lse.typed_data(), d_o.typed_data(), g, dq->typed_data(), dk->typed_data(), \
                dv->typed_data())
   LOWCOMM_DISPATCH_HEAD_DIM(kd, LOWCOMM_BACKWARD)
   return ffi::Error::Success();

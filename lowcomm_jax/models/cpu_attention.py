@@ -13,7 +13,8 @@ backward, each working one (batch, head) slice at a time in cache:
 
 (the same formulas as `llama.causal_attention`'s hand-written backward, with L saved instead of
 P). The arithmetic is the same up to float32 rounding (sums in another order; the outputs and
-gradients agree with the XLA path to ~1e-6 relative, tests/test_cpu_attention.py). float32 only,
+gradients agree with the XLA path to ~1e-6 relative, tests/test_cpu_attention.py). Operands are
+[B, T, H, K] (the projections' layout: no transposed copies around the calls). float32 only,
 head_dim 16, 32, 64 or 128, any T (padded to a multiple of 4 here), CPU only.
 
 The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else `c++`/`g++`)
@@ -129,7 +130,7 @@ def _vary_like(x, like):
 
 
 def _pad_time(x, t_padded: int):
-  return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, t_padded - x.shape[-2]), (0, 0)])
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 3) + [(0, t_padded - x.shape[-3]), (0, 0), (0, 0)])
 
 
 def _result_shapes(name: str, args) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -146,21 +147,21 @@ def _ffi(name: str, *args):
 
 
 def _per_slice(sharding, ndim: int) -> PartitionSpec:
-  """The operands' spec: q's sharding of the leading (batch, head) axes, time and head_dim whole."""
+  """The operands' spec: q's sharding of the batch and head axes, time and head_dim whole."""
   spec = tuple(getattr(sharding, "spec", ())) + (None,) * ndim
-  return PartitionSpec(*spec[:ndim - 2], None, None)
+  return PartitionSpec(*spec[:ndim - 3], None, spec[ndim - 2], None)
 
 
 def _shardings(mesh, spec: PartitionSpec, shapes):
-  # [..., T, K] operands take `spec`, the [..., T] log-sum-exp the same without its last axis
+  # [..., T, H, K] operands take `spec`, the [..., T, H] log-sum-exp the same without its last axis
   full = len(spec)
   return tuple(NamedSharding(mesh, spec if len(s.shape) == full else PartitionSpec(*spec[:-1]))
                for s in shapes)
 
 
 def _partitioned(name: str):
-  """The custom call under `custom_partitioning`: sharded over its leading (batch, head) axes it runs
-  on each device's own slices, where a bare custom call would be all-gathered to every device."""
+  """The custom call under `custom_partitioning`: sharded over its batch and head axes it runs on
+  each device's own slices, where a bare custom call would be all-gathered to every device."""
 
   @custom_partitioning
   def call(*args):
@@ -175,8 +176,9 @@ def _partitioned(name: str):
     return (mesh, functools.partial(_ffi, name), _shardings(mesh, spec, jax.tree.leaves(result_shape)),
             _shardings(mesh, spec, arg_shapes))
 
-  rule = {_FORWARD: "... t k, ... t k, ... t k -> ... t k, ... t",
-          _BACKWARD: "... t k, ... t k, ... t k, ... t k, ... t, ... t k -> ... t k, ... t k, ... t k"}[name]
+  x, lse = "... t h k", "... t h"
+  rule = {_FORWARD: f"{x}, {x}, {x} -> {x}, {lse}",
+          _BACKWARD: f"{x}, {x}, {x}, {x}, {lse}, {x} -> {x}, {x}, {x}"}[name]
   call.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                      need_replication_factors=("t", "k"))
 
@@ -208,29 +210,33 @@ def _run(name: str, *args):
 
 
 @jax.custom_vjp
-def causal_attention(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK):
-  """softmax(q·kᵀ / √K, causal) · v, as `llama.causal_attention`, by the fused CPU kernel."""
-  return _forward(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK)[0]
+def causal_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK):
+  """softmax(q·kᵀ / √K, causal) · v per head, by the fused CPU kernel, time before heads.
+
+  `llama.causal_attention` of the [B, H, T, K] transposes, transposed back: this layout is the
+  projections' own, so no operand or result is copied around the call.
+  """
+  return _forward(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK)[0]
 
 
 def _forward(q, k, v):
   load()
   check(q.dtype, q.shape[-1])
-  t = q.shape[-2]
+  t = q.shape[-3]
   # Padded keys sit after every real query, so the causal mask hides them; padded query rows are
   # cut from the output and get a zero cotangent.
   t_padded = -(-t // _ROWS) * _ROWS
   q, k, v = (_pad_time(x, t_padded) for x in (q, k, v))
   out, lse = (_vary_like(x, q) for x in _run(_FORWARD, q, k, v))
-  return out[..., :t, :], (q, k, v, out, lse)
+  return out[..., :t, :, :], (q, k, v, out, lse)
 
 
 def _backward(saved, d_out):
   q, k, v, out, lse = saved
-  t = d_out.shape[-2]
-  d_out = _pad_time(d_out, q.shape[-2])
+  t = d_out.shape[-3]
+  d_out = _pad_time(d_out, q.shape[-3])
   grads = _run(_BACKWARD, q, k, v, out, lse, d_out)
-  return tuple(_vary_like(g[..., :t, :], x) for g, x in zip(grads, (q, k, v)))
+  return tuple(_vary_like(g[..., :t, :, :], x) for g, x in zip(grads, (q, k, v)))
 
 
 causal_attention.defvjp(_forward, _backward)
