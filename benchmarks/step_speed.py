@@ -34,6 +34,10 @@ venv skips the peer with the reason in the JSON, as in CI), timed in the same ro
   (1,115,264 parameters: vocabulary 256, d_model 128, 4 layers, 4 heads of 32, SwiGLU width 512;
   8 fake devices × 4 × 128 = 4,096 tokens per step; benchmarks/peers/maxtext_step.py, on MaxText's
   own JAX, 0.12 on Python 3.12) and our data-parallel Trainer on the same shape, devices and tokens.
+- `diloco K=2 processes` (and with `attention=cpu_kernel`): our same DiLoCo laid out as torchft's,
+  one process per replica, each on its own core (peers/ours_diloco_processes.py: `jax.distributed`
+  on 127.0.0.1, the outer all-reduce through gloo), run as a peer subprocess: `torchft_ratio_processes`
+  (`_cpu_kernel`).
 `torchft_ratio` and `maxtext_ratio` = our tokens per CPU-second ÷ theirs (medians of per-round
 ratios; > 1: we are cheaper). Peer CPU-seconds are those of every peer process (torchft: both
 replicas and the lighthouse's process).
@@ -51,6 +55,7 @@ import pathlib
 import select
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -136,12 +141,17 @@ def _plain_setup(trainer):
   return {"run": run, "state": run(run((params, tx.init(params))))}
 
 
-def _diloco_setup(attention=None):
-  """Our DiLoCo: the Trainer's phase programs (inner steps, and the sync step every H), K devices."""
+def _diloco_config(attention=None):
   c = _config(None, attention)
   c.algorithm, c.num_replicas, c.diloco.sync_every = "diloco", _K, _H
   c.data.batch_size, c.mesh.replica, c.mesh.data = _DILOCO_BATCH, _K, 1
-  c.num_steps = 100_000  # the schedule's length only; steps are run by hand below
+  c.num_steps = 100_000  # the schedule's length only; steps are run by hand
+  return c
+
+
+def _diloco_setup(attention=None):
+  """Our DiLoCo: the Trainer's phase programs (inner steps, and the sync step every H), K devices."""
+  c = _diloco_config(attention)
   trainer = Trainer(c, pathlib.Path(tempfile.mkdtemp()) / "w", devices=jax.devices()[:_K])
   batch = jax.device_put(
       np.random.default_rng(0).integers(0, 256, (_K, _DILOCO_BATCH, _SEQ + 1), dtype=np.int32),
@@ -232,6 +242,13 @@ def _maxtext_pair(attention=None):
           "shape": shape}
 
 
+def _diloco_processes(attention=None):
+  """Our DiLoCo as torchft lays it out: K processes, a replica and a core each (peers/ours_...)."""
+  return Peer("ours, K processes", sys.executable, "ours_diloco_processes.py",
+              [f"--config_json={_diloco_config(attention).to_json()}", f"--replicas={_K}",
+               f"--sync_every={_H}"])
+
+
 def _torchft_peer(model_cfg):
   m = model_cfg
   return Peer("torchft", _TORCHFT_PYTHON.value, "torchft_diloco.py", [
@@ -294,6 +311,12 @@ def main(argv):
     steps[name], tokens[name], fpt[name] = _H, _K * _DILOCO_BATCH * _SEQ, fpt["trainer"]
   peers = {"torchft diloco K=2": _torchft_peer(model_cfg)}
   steps["torchft diloco K=2"] = _H
+  # ours again, run like a peer: one process per replica (not a peer: blue in the chart)
+  ours_as_peers = {f"diloco K=2 processes{suffix}": _diloco_processes("cpu_kernel" if suffix else None)
+                   for suffix in (("", _KERNEL) if _KERNEL else ("",))}
+  for name in ours_as_peers:
+    steps[name], tokens[name] = _H, _K * _DILOCO_BATCH * _SEQ
+  peers.update(ours_as_peers)
   maxtext_pair = _maxtext_pair()
   if maxtext_pair["setup"] is not None:
     setups["dp, MaxText shape"] = maxtext_pair["setup"]
@@ -345,8 +368,8 @@ def main(argv):
 
   per_round = lambda a, b: statistics.median(x / y for x, y in zip(cpu[a], cpu[b]))
   rates = {k: tokens[k] / statistics.median(v) for k, v in cpu.items()}
-  mfu_rounds = [mfu.cpu_mfu(tokens["trainer"] * fpt["trainer"], c, p)
-                for c, p in zip(cpu["trainer"], peaks)]
+  mfu_median = lambda name: statistics.median(mfu.cpu_mfu(tokens[name] * fpt[name], c, p)
+                                              for c, p in zip(cpu[name], peaks))
   peer_info = {}
   for name, peer in peers.items():
     peer_info[name] = ({"ran": True, **peer.ready} if peer.skipped is None
@@ -359,11 +382,16 @@ def main(argv):
       "tokens_per_cpu_second": rates,
       "overhead_vs_plain_jit": per_round("trainer", "plain jit"),
       "host_matmul_flops_per_cpu_second": statistics.median(peaks),
-      "mfu_small": statistics.median(mfu_rounds),
+      "mfu_small": mfu_median("trainer"),
+      "mfu_small_cpu_kernel": mfu_median(f"trainer{_KERNEL}") if _KERNEL else None,
       "torchft_ratio": _ratio(cpu, tokens, "diloco K=2", "torchft diloco K=2"),
       "maxtext_ratio": _ratio(cpu, tokens, "dp, MaxText shape", "maxtext"),
       # the same three with model.attention="cpu_kernel" (a documented option, not the default)
       "torchft_ratio_cpu_kernel": _ratio(cpu, tokens, f"diloco K=2{_KERNEL}", "torchft diloco K=2"),
+      # our DiLoCo with one process per replica, as torchft runs (peers/ours_diloco_processes.py)
+      "torchft_ratio_processes": _ratio(cpu, tokens, "diloco K=2 processes", "torchft diloco K=2"),
+      "torchft_ratio_processes_cpu_kernel": _ratio(cpu, tokens, f"diloco K=2 processes{_KERNEL}",
+                                                   "torchft diloco K=2"),
       "maxtext_ratio_cpu_kernel": _ratio(cpu, tokens, f"dp, MaxText shape{_KERNEL}", "maxtext"),
       "cpu_kernel_over_xla": (per_round(f"trainer{_KERNEL}", "trainer") if _KERNEL else None),
       "peers": peer_info,
@@ -377,7 +405,7 @@ def main(argv):
   out = pathlib.Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1))
-  _chart(rates, set(peers), out.with_suffix(".png"))
+  _chart(rates, set(peers) - set(ours_as_peers), out.with_suffix(".png"))
   print(f"{'setup':<28}{'CPU ms/step':>12}{'wall ms/step':>13}{'tokens/CPU-s':>14}")
   for k in cpu:
     print(f"{k:<28}{1e3 * result['cpu_seconds_per_step'][k]:>12.1f}"
@@ -387,7 +415,8 @@ def main(argv):
         f"CPU-second; torchft_ratio {result['torchft_ratio']}; maxtext_ratio {result['maxtext_ratio']}; "
         f"with model.attention=cpu_kernel: torchft_ratio {result['torchft_ratio_cpu_kernel']}, "
         f"maxtext_ratio {result['maxtext_ratio_cpu_kernel']}, step CPU-s {result['cpu_kernel_over_xla']} "
-        f"of the default's; wrote {out}")
+        f"of the default's; one process per replica: torchft_ratio {result['torchft_ratio_processes']}, "
+        f"with cpu_kernel {result['torchft_ratio_processes_cpu_kernel']}; wrote {out}")
 
 
 if __name__ == "__main__":
