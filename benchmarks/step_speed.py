@@ -87,6 +87,8 @@ _K, _H, _DILOCO_BATCH = 2, 10, 8
 _PEERS_DIR = pathlib.Path(__file__).parent / "peers"
 # Our setups again with model.attention="cpu_kernel" (name suffix); "" on a checkout without the key.
 _KERNEL = ", attention=cpu_kernel" if "attention" in config_lib.default_config().model else ""
+# Each setup name's suffix → its model.attention (None: the config's default).
+_ATTENTIONS = {"": None, **({_KERNEL: "cpu_kernel"} if _KERNEL else {})}
 # MaxText's CPU test shape (issue 20: 1,115,264 parameters, 4,096 tokens per step on 8 fake devices),
 # in our architecture's terms; head_dim = 128 / 4 = 32. MaxText builds the same tensors
 # (q, k, v, o, SwiGLU wi_0, wi_1, wo, two norms per layer, untied embedding and head).
@@ -242,9 +244,9 @@ def _maxtext_pair(attention=None):
           "shape": shape}
 
 
-def _diloco_processes(attention=None):
+def _diloco_processes(name, attention=None):
   """Our DiLoCo as torchft lays it out: K processes, a replica and a core each (peers/ours_...)."""
-  return Peer("ours, K processes", sys.executable, "ours_diloco_processes.py",
+  return Peer(name, sys.executable, "ours_diloco_processes.py",
               [f"--config_json={_diloco_config(attention).to_json()}", f"--replicas={_K}",
                f"--sync_every={_H}"])
 
@@ -305,15 +307,15 @@ def main(argv):
   tokens = {k: _BATCH * _SEQ for k in setups}
   fpt = {k: flops_per_token(model_cfg, _SEQ) for k in setups}
 
-  for suffix in ("", _KERNEL) if _KERNEL else ("",):
+  for suffix, attention in _ATTENTIONS.items():
     name = f"diloco K=2{suffix}"
-    setups[name] = _diloco_setup("cpu_kernel" if suffix else None)
+    setups[name] = _diloco_setup(attention)
     steps[name], tokens[name], fpt[name] = _H, _K * _DILOCO_BATCH * _SEQ, fpt["trainer"]
   peers = {"torchft diloco K=2": _torchft_peer(model_cfg)}
   steps["torchft diloco K=2"] = _H
   # ours again, run like a peer: one process per replica (not a peer: blue in the chart)
-  ours_as_peers = {f"diloco K=2 processes{suffix}": _diloco_processes("cpu_kernel" if suffix else None)
-                   for suffix in (("", _KERNEL) if _KERNEL else ("",))}
+  ours_as_peers = {f"diloco K=2 processes{suffix}": _diloco_processes(f"diloco K=2 processes{suffix}", attention)
+                   for suffix, attention in _ATTENTIONS.items()}
   for name in ours_as_peers:
     steps[name], tokens[name] = _H, _K * _DILOCO_BATCH * _SEQ
   peers.update(ours_as_peers)

@@ -43,7 +43,7 @@ class ModelConfig:
     attention: how causal attention is computed: "xla" (batched dots and a
       softmax, every backend), or "cpu_kernel" (one fused C++ kernel per
       direction, `models/cpu_attention.py`: CPU, float32, head_dim 16/32/64/128;
-      −10% CPU time per `small` step on one core, docs/performance.md). Same
+      0.89× the CPU time of the `small` step, docs/performance.md). Same
       arithmetic up to float32 rounding.
   """
 

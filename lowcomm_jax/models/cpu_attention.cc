@@ -10,11 +10,13 @@
 // held for that one slice ([T, T] each, in cache), never for the whole batch as XLA's batched
 // dots do. Slices are shared out over XLA's CPU thread pool.
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -26,11 +28,13 @@ namespace {
 constexpr int64_t kTile = 16;  // score columns per register tile (2 AVX2 vectors)
 constexpr int64_t kRows = 4;   // rows computed together, sharing each loaded tile
 
-// out[c * ldo + j] = x[j * ldx + c]: t rows of k to [k, ldo] (ldo >= t; columns t.. keep zeros)
+// out[c * ldo + j] = x[j * ldx + c]: t rows of k to [k, ldo], columns t.. ldo zero (ldo >= t)
 void Transpose(const float* __restrict x, int64_t t, int64_t ldx, int64_t k, int64_t ldo,
                float* __restrict out) {
   for (int64_t j = 0; j < t; ++j)
     for (int64_t c = 0; c < k; ++c) out[c * ldo + j] = x[j * ldx + c];
+  for (int64_t c = 0; c < k; ++c)
+    for (int64_t j = t; j < ldo; ++j) out[c * ldo + j] = 0.f;
 }
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, unaligned access
@@ -83,7 +87,7 @@ template <int64_t K>
 void ForwardOne(const float* __restrict q, const float* __restrict k, const float* __restrict v,
                 int64_t t, int64_t tp, int64_t ld, int64_t ls, float scale, float* __restrict o,
                 float* __restrict lse, float* __restrict kT, float* __restrict s) {
-  Transpose(k, t, ld, K, tp, kT);  // kT is [K, tp], columns t.. tp zero
+  Transpose(k, t, ld, K, tp, kT);
   for (int64_t i0 = 0; i0 < t; i0 += kRows) {
     const int64_t n = i0 + kRows;
     RowsTimes<K>(q + i0 * ld, ld, kT, tp, n, scale, s, tp);
@@ -165,6 +169,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
 // and its rows are H·K apart (lse H apart).
 struct Geometry {
   int64_t n, t, h;
+  int64_t t_tiles() const { return (t + kTile - 1) / kTile * kTile; }  // T rounded up to a tile
   int64_t slices() const { return n * h; }
   int64_t offset(int64_t s, int64_t k) const { return (s / h) * t * h * k + (s % h) * k; }
   int64_t lse_offset(int64_t s) const { return (s / h) * t * h + s % h; }
@@ -173,12 +178,13 @@ struct Geometry {
 template <int64_t K>
 void Forward(ffi::ThreadPool& pool, const float* q, const float* k, const float* v, Geometry g,
              float* o, float* lse) {
-  const int64_t t = g.t, tp = (t + kTile - 1) / kTile * kTile, ld = g.h * K;
+  const int64_t t = g.t, tp = g.t_tiles(), ld = g.h * K;
   const float scale = 1.f / std::sqrt(static_cast<float>(K));
   ParallelFor(pool, g.slices(), [=](int64_t s) {
+    // Per-thread scratch, every element written before it is read (no zero-fill per slice).
     thread_local std::vector<float> kT, rows;
-    kT.assign(K * tp, 0.f);
-    rows.assign(kRows * tp, 0.f);
+    kT.resize(K * tp);
+    rows.resize(kRows * tp);
     const int64_t x = g.offset(s, K);
     ForwardOne<K>(q + x, k + x, v + x, t, tp, ld, g.h, scale, o + x, lse + g.lse_offset(s),
                   kT.data(), rows.data());
@@ -189,12 +195,12 @@ template <int64_t K>
 void Backward(ffi::ThreadPool& pool, const float* q, const float* k, const float* v,
               const float* o, const float* lse, const float* d_o, Geometry g, float* dq,
               float* dk, float* dv) {
-  const int64_t t = g.t, tp = (t + kTile - 1) / kTile * kTile, ld = g.h * K;
+  const int64_t t = g.t, tp = g.t_tiles(), ld = g.h * K;
   const float scale = 1.f / std::sqrt(static_cast<float>(K));
   ParallelFor(pool, g.slices(), [=](int64_t s) {
     thread_local std::vector<float> kT, vT, p, ds;
-    kT.assign(K * tp, 0.f);
-    vT.assign(K * tp, 0.f);
+    kT.resize(K * tp);
+    vT.resize(K * tp);
     p.resize(t * tp);
     ds.resize(t * tp);
     const int64_t x = g.offset(s, K);
@@ -203,38 +209,37 @@ void Backward(ffi::ThreadPool& pool, const float* q, const float* k, const float
   });
 }
 
-// q's [N, T, H, K] (N: every leading axis), or false if T is not a multiple of kRows (the Python
-// side pads T; this guards the kernel's row blocks).
-bool Slices(const ffi::Buffer<ffi::F32>& q, Geometry& g) {
+// Reads q's [N, T, H, K] (N: every leading axis) and calls body(Geometry, K) with K a compile-time
+// head width (std::integral_constant), or returns the error naming what is not supported (the
+// Python side pads T to a multiple of kRows and checks the head width first; this guards the
+// kernel).
+template <typename Body>
+ffi::Error Dispatch(const ffi::Buffer<ffi::F32>& q, Body body) {
   auto d = q.dimensions();
-  if (d.size() < 3) return false;
   const int64_t r = d.size();
+  if (r < 3 || d[r - 3] % kRows)
+    return ffi::Error::InvalidArgument("attention: need [..., T, H, K] with T % 4 == 0");
+  Geometry g;
   g.t = d[r - 3];
   g.h = d[r - 2];
   g.n = static_cast<int64_t>(q.element_count()) / (g.t * g.h * d[r - 1]);
-  return g.t % kRows == 0;
-}
-
-#define LOWCOMM_DISPATCH_HEAD_DIM(kd, CALL)                                       \
-  switch (kd) {                                                                   \
-    case 16: CALL(16); break;                                                     \
-    case 32: CALL(32); break;                                                     \
-    case 64: CALL(64); break;                                                     \
-    case 128: CALL(128); break;                                                   \
-    default: return ffi::Error::InvalidArgument("attention: head_dim must be 16, 32, 64 or 128"); \
+  switch (d[r - 1]) {
+    case 16: body(g, std::integral_constant<int64_t, 16>{}); break;
+    case 32: body(g, std::integral_constant<int64_t, 32>{}); break;
+    case 64: body(g, std::integral_constant<int64_t, 64>{}); break;
+    case 128: body(g, std::integral_constant<int64_t, 128>{}); break;
+    default: return ffi::Error::InvalidArgument("attention: head_dim must be 16, 32, 64 or 128");
   }
+  return ffi::Error::Success();
+}
 
 ffi::Error FfiForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                       ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
                       ffi::ResultBuffer<ffi::F32> lse) {
-  Geometry g;
-  if (!Slices(q, g)) return ffi::Error::InvalidArgument("attention: need [..., T, H, K], T % 4 == 0");
-  const int64_t kd = q.dimensions().back();
-#define LOWCOMM_FORWARD(K_)                                                                 \
-  Forward<K_>(pool, q.typed_data(), k.typed_data(), v.typed_data(), g, o->typed_data(), \
-              lse->typed_data())
-  LOWCOMM_DISPATCH_HEAD_DIM(kd, LOWCOMM_FORWARD)
-  return ffi::Error::Success();
+  return Dispatch(q, [&](Geometry g, auto K) {
+    Forward<K()>(pool, q.typed_data(), k.typed_data(), v.typed_data(), g, o->typed_data(),
+                 lse->typed_data());
+  });
 }
 
 ffi::Error FfiBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -242,15 +247,11 @@ ffi::Error FfiBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_o,
                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                        ffi::ResultBuffer<ffi::F32> dv) {
-  Geometry g;
-  if (!Slices(q, g)) return ffi::Error::InvalidArgument("attention: need [..., T, H, K], T % 4 == 0");
-  const int64_t kd = q.dimensions().back();
-#define LOWCOMM_BACKWARD(K_)                                                               \
-  Backward<K_>(pool, q.typed_data(), k.typed_data(), v.typed_data(), o.typed_data(),      \
-               lse.typed_data(), d_o.typed_data(), g, dq->typed_data(), dk->typed_data(), \
-               dv->typed_data())
-  LOWCOMM_DISPATCH_HEAD_DIM(kd, LOWCOMM_BACKWARD)
-  return ffi::Error::Success();
+  return Dispatch(q, [&](Geometry g, auto K) {
+    Backward<K()>(pool, q.typed_data(), k.typed_data(), v.typed_data(), o.typed_data(),
+                  lse.typed_data(), d_o.typed_data(), g, dq->typed_data(), dk->typed_data(),
+                  dv->typed_data());
+  });
 }
 
 }  // namespace

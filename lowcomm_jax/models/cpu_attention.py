@@ -167,14 +167,13 @@ def _partitioned(name: str):
   def call(*args):
     return _ffi(name, *args)
 
-  def infer(mesh, arg_shapes, result_shape):
+  def infer(mesh, arg_shapes, result_shape, of_args=False):
     spec = _per_slice(arg_shapes[0].sharding, len(arg_shapes[0].shape))
-    return _shardings(mesh, spec, jax.tree.leaves(result_shape))
+    return _shardings(mesh, spec, arg_shapes if of_args else jax.tree.leaves(result_shape))
 
   def partition(mesh, arg_shapes, result_shape):
-    spec = _per_slice(arg_shapes[0].sharding, len(arg_shapes[0].shape))
-    return (mesh, functools.partial(_ffi, name), _shardings(mesh, spec, jax.tree.leaves(result_shape)),
-            _shardings(mesh, spec, arg_shapes))
+    return (mesh, functools.partial(_ffi, name), infer(mesh, arg_shapes, result_shape),
+            infer(mesh, arg_shapes, result_shape, of_args=True))
 
   x, lse = "... t h k", "... t h"
   rule = {_FORWARD: f"{x}, {x}, {x} -> {x}, {lse}",

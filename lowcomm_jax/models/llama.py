@@ -207,20 +207,18 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxTxD, cos, sin):
     dt = self.dtype
-    if self.attention == "cpu_kernel":  # the kernel reads and writes the projections' [B, T, H, K]
-      project_heads = lambda w: project("btd,dhk->bthk", x_BxTxD, w[...].astype(dt))
-      cos, sin = cos[None, :, None], sin[None, :, None]
-      q, k = (apply_rotary(project_heads(w), cos, sin) for w in (self.wq, self.wk))
-      out_BxTxHxK = cpu_attention.causal_attention(q, k, project_heads(self.wv))
-      return jnp.einsum("bthk,hkd->btd", out_BxTxHxK, self.wo[...].astype(dt))
-    # Projected straight into the [B, H, T, K] layout the attention matmuls batch over, so XLA
-    # does not transpose q, k, v (and their gradients) around them.
-    project_heads = lambda w: project("btd,dhk->bhtk", x_BxTxD, w[...].astype(dt))
-    cos, sin = cos[None, None], sin[None, None]
+    kernel = self.attention == "cpu_kernel"
+    # q, k, v are projected straight into the layout attention takes, so XLA transposes none of them
+    # (nor their gradients): the XLA path's batched matmuls batch over [B, H, T, K]; the CPU kernel
+    # reads the projections' own [B, T, H, K].
+    heads = "bthk" if kernel else "bhtk"
+    project_heads = lambda w: project(f"btd,dhk->{heads}", x_BxTxD, w[...].astype(dt))
+    cos, sin = (cos[None, :, None], sin[None, :, None]) if kernel else (cos[None, None], sin[None, None])
     q = apply_rotary(project_heads(self.wq), cos, sin)
     k = apply_rotary(project_heads(self.wk), cos, sin)
-    out_BxHxTxK = causal_attention(q, k, project_heads(self.wv))
-    return jnp.einsum("bhtk,hkd->btd", out_BxHxTxK, self.wo[...].astype(dt))
+    attend = cpu_attention.causal_attention if kernel else causal_attention
+    out = attend(q, k, project_heads(self.wv))
+    return jnp.einsum(f"{heads},hkd->btd", out, self.wo[...].astype(dt))
 
 
 @jax.custom_vjp
