@@ -57,8 +57,17 @@ def default_config() -> ml_collections.ConfigDict:
   ))
   c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
-      corpus="stdlib",  # stdlib | licenses | docstrings | debian:<source> | domain:<d> | domain_mix:<d>+<d>
-      seq_len=128,  # tokens per training sequence (bytes)
+      # stdlib | licenses | docstrings | debian:<source> | domain:<d> | domain_mix:<d>+<d>, or the
+      # user's files (lowcomm_jax.data.files, docs/data.md): text:<glob> | jsonl:<glob>:<field> |
+      # parquet:<glob>:<column> | hf:<save_to_disk folder>:<column> | tokens:<file.bin|file.npy>
+      corpus="stdlib",
+      # bytes (UTF-8 bytes, vocabulary 256) | a Hugging Face tokenizer.json or a folder holding one |
+      # a SentencePiece .model (lowcomm_jax.data.tokenizer); model.vocab_size follows it, padded
+      # to a multiple of 128. domain: and domain_mix: corpora are bytes only.
+      tokenizer="bytes",
+      doc_separator="",  # "" or a string that splits every document further (e.g. "\n\n\n")
+      doc_chars=0,  # >= 0; > 0 cuts documents into pieces of at most this many characters
+      seq_len=128,  # tokens per training sequence
       batch_size=16,  # global sequences per step (per replica for multi-replica algorithms)
       eval_permille=20,  # held-out documents, per mille (by a hash of the document id), in [1, 500]
   ))
@@ -215,6 +224,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   model_config.get_model_config(c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop,
                                 attention=c.model.attention)
   corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
+  _validate_tokenizer(c)
   checks.require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
   checks.require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
   checks.require(c.data.batch_size >= 1, "data.batch_size", ">= 1", c.data.batch_size)
@@ -249,6 +259,23 @@ def validate(c: ml_collections.ConfigDict) -> None:
   checks.require(c.nonfinite in ("raise", "skip"), "nonfinite", "raise or skip", c.nonfinite)
   _validate_gradients(c)
   algorithms.ALGORITHMS[c.algorithm].check_config(c)
+
+
+def _validate_tokenizer(c) -> None:
+  """data.tokenizer loads, fits the corpus (domains are bytes; pre-tokenized ids fit its vocabulary);
+  data.doc_chars and data.doc_separator have their types."""
+  from lowcomm_jax.data import files, pipeline, tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  checks.require(isinstance(c.data.doc_chars, int) and c.data.doc_chars >= 0, "data.doc_chars",
+                 "an integer >= 0 (0: documents are not cut by length)", c.data.doc_chars)
+  checks.require(isinstance(c.data.doc_separator, str), "data.doc_separator", "a string",
+                 c.data.doc_separator)
+  tok = tokenizer_lib.load_tokenizer(c.data.tokenizer)
+  if str(c.data.corpus).startswith(("domain:", "domain_mix:")):
+    checks.require(c.data.tokenizer == "bytes", "data.tokenizer",
+                   f"'bytes' with data.corpus={c.data.corpus!r} (domains are byte streams)",
+                   c.data.tokenizer)
+  if str(c.data.corpus).startswith("tokens:"):
+    pipeline.check_token_vocab(c.data.corpus, files.token_metadata(c.data.corpus)[1], tok)
 
 
 GRADIENTS = ("replicas", "skippipe", "pipeline")
@@ -300,9 +327,12 @@ def _validate_gradients(c) -> None:
 
 def model_config_of(c):
   """The model's shape: the preset, its width `model.d_ff`, layers = stages × layers per stage for
-  the pipeline and SkipPipe sources."""
+  the pipeline and SkipPipe sources, the vocabulary of `data.tokenizer` (padded to a multiple of 128;
+  256 for bytes)."""
+  from lowcomm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   preset = model_config.PRESETS.get(c.model.size)
-  changes = {}
+  changes = {"vocab_size": tokenizer_lib.model_vocab_size(
+      tokenizer_lib.load_tokenizer(c.data.tokenizer).vocab_size)}
   if c.gradients != "replicas":
     changes["num_layers"] = c.pipeline.num_stages * c.pipeline.layers_per_stage
   return model_config.get_model_config(

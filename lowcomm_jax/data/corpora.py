@@ -16,7 +16,8 @@ Corpora (each a deterministic list of `(doc_id, text)`):
 
 Debian-packaged corpora (novels, dictionaries, manuals) are fetched by
 `experiments/fetch_corpora.py` into a cache folder; see
-`lowcomm_jax.data.debian`.
+`lowcomm_jax.data.debian`. The user's own files (`text:`, `jsonl:`, `parquet:`, `hf:`, `tokens:`)
+are read by `lowcomm_jax.data.files`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import pathlib
 import re
 import sysconfig
 import zlib
+
+from lowcomm_jax.data import files
 
 Document = tuple[str, str]
 
@@ -108,8 +111,8 @@ CORPORA = {
     "docstrings": docstring_documents,
 }
 # Corpus names beyond CORPORA: a fetched Debian source, a domain (`lowcomm_jax.data.domains`, read
-# with its own splits by `pipeline.load_splits`) and a mix of domains' training text.
-CORPUS_PREFIXES = ("debian:", "domain:", "domain_mix:")
+# with its own splits by `pipeline.load_splits`), a mix of domains' training text, the user's files.
+CORPUS_PREFIXES = ("debian:", "domain:", "domain_mix:") + files.PREFIXES
 
 
 def is_corpus_name(name: str) -> bool:
@@ -117,9 +120,16 @@ def is_corpus_name(name: str) -> bool:
   return name in CORPORA or str(name).startswith(CORPUS_PREFIXES)
 
 
-@functools.lru_cache(maxsize=8)
 def load_documents(name: str) -> tuple[Document, ...]:
-  """Documents of a named corpus: one of CORPORA, `debian:<source>` once fetched, or `domain_mix:<a>+<b>`."""
+  """Documents of a named corpus: one of CORPORA, `debian:<source>` once fetched, `domain_mix:<a>+<b>`,
+  or the user's files (read each time: they may change)."""
+  if files.is_file_corpus(name):
+    return tuple(files.documents(name))
+  return _named_documents(name)
+
+
+@functools.lru_cache(maxsize=8)
+def _named_documents(name: str) -> tuple[Document, ...]:
   if name in CORPORA:
     return tuple(CORPORA[name]())
   if name.startswith("debian:"):
@@ -128,14 +138,17 @@ def load_documents(name: str) -> tuple[Document, ...]:
   if name.startswith("domain_mix:"):
     from lowcomm_jax.data import domains  # pylint: disable=g-import-not-at-top  (domains imports us)
     return tuple(domains.mix_documents(domains.mix_domains(name)))
-  raise ValueError(f"data.corpus must be one of {sorted(CORPORA)}, 'debian:<source>' or "
-                   f"'domain_mix:<domain>+...', got {name!r}")
+  raise ValueError(f"data.corpus must be one of {sorted(CORPORA)}, 'debian:<source>', "
+                   f"'domain_mix:<domain>+...' or {files.FORMS}, got {name!r}")
 
 
 def check_available(name: str) -> None:
   """Raises a ValueError naming `data.corpus`, the allowed values and the fetch command when the
   corpus is unknown or not fetched; reads nothing but names and marker files."""
   if name in CORPORA:
+    return
+  if files.is_file_corpus(name):
+    files.check(name)
     return
   kind, _, rest = str(name).partition(":")
   if kind == "debian":
@@ -157,7 +170,8 @@ def check_available(name: str) -> None:
       check_available(domains.DOMAINS[domain].corpus)
     return
   raise ValueError(f"data.corpus must be one of {sorted(CORPORA)}, 'debian:<source>', "
-                   f"'domain:<domain>' or 'domain_mix:<domain>+<domain>...', got {name!r}")
+                   f"'domain:<domain>', 'domain_mix:<domain>+<domain>...' or one of the file forms "
+                   f"{files.FORMS}, got {name!r}")
 
 
 def _files_of(name: str) -> list[tuple[str, int]]:
@@ -173,6 +187,8 @@ def _files_of(name: str) -> list[tuple[str, int]]:
             for package, root in _package_roots(("numpy", "scipy")) for p in _python_files(root)]
   if name in CORPORA:  # registered by a user at run time: its documents' ids and sizes
     return [(doc_id, len(text)) for doc_id, text in load_documents(name)]
+  if files.is_file_corpus(name):
+    return files.identity_files(name)
   kind, _, rest = name.partition(":")
   if kind in ("domain", "domain_mix"):
     from lowcomm_jax.data import domains  # pylint: disable=g-import-not-at-top
@@ -184,17 +200,24 @@ def _files_of(name: str) -> list[tuple[str, int]]:
                 if p.is_file() and not p.is_symlink())
 
 
-def corpus_identity(name: str) -> str:
+def corpus_identity(name: str, tokenizer: str = "bytes") -> str:
   """A hash of the list of files corpus `name` is read from and their sizes (of its documents, for a
-  corpus a user registered in CORPORA).
+  corpus a user registered in CORPORA), and of the tokenizer's files (none for bytes).
 
   It changes when the text may have changed (another Python's stdlib, another numpy, another Debian
   release of a package), so a run records it and a resume on other text is refused. Stat calls
   only: about 0.1 s for `stdlib`.
   """
   check_available(name)
-  from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
-  return _identity(name, str(debian.default_cache_dir()))
+  from lowcomm_jax.data import debian, tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  if files.is_file_corpus(name):  # the user's files may change between two starts: never cached
+    text = json.dumps(_files_of(name))
+  else:
+    text = _identity(name, str(debian.default_cache_dir()))
+  tokens = tokenizer_lib.identity(tokenizer)
+  if not tokens and not files.is_file_corpus(name):
+    return text  # as before tokenizers existed, so that those runs resume
+  return hashlib.sha256((text + "|" + tokens).encode()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=16)

@@ -12,47 +12,91 @@ addressable by index, so the iterator state is the grain iterator's
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import grain
 import numpy as np
 
 from lowcomm_jax.data import corpora
 from lowcomm_jax.data import domains
-from lowcomm_jax.data.tokenizer import ByteTokenizer
+from lowcomm_jax.data import files
+from lowcomm_jax.data import tokenizer as tokenizer_lib
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenSplits:
-  """Train and eval token streams of one corpus (uint8 byte tokens)."""
+  """Train and eval token streams of one corpus, and the eval text's UTF-8 bytes per token."""
 
   corpus: str
   train: np.ndarray
   eval: np.ndarray
+  bytes_per_token: float = 1.0
+
+  def bits_per_byte(self, loss: float) -> float:
+    """A loss in nats per token as bits per byte of the eval text, comparable across tokenizers."""
+    return loss / math.log(2) / self.bytes_per_token
 
 
 _SPLITS_CACHE: dict = {}
 
 
-def load_splits(corpus: str, eval_permille: int = 20) -> TokenSplits:
-  """Tokenizes a corpus and splits it by document into train and held-out eval text."""
+def splits_of(config) -> TokenSplits:
+  """`load_splits` with a run config's data section."""
+  d = config.data
+  return load_splits(d.corpus, d.eval_permille, d.tokenizer, d.doc_separator, d.doc_chars)
+
+
+def load_splits(corpus: str, eval_permille: int = 20, tokenizer: str = "bytes",
+                doc_separator: str = "", doc_chars: int = 0) -> TokenSplits:
+  """Tokenizes a corpus with `tokenizer` (`data.tokenizer`) and splits it into train and held-out
+  eval text.
+
+  Documents (cut at `doc_separator`, then into pieces of `doc_chars` characters, when given) go to
+  the eval text by a hash of their id, `eval_permille` per mille of them. When that leaves either
+  side empty (a corpus of one document, say) and for pre-tokenized `tokens:` corpora, the last
+  `eval_permille` per mille of the token stream is held out instead. `bytes_per_token` is the eval
+  text's UTF-8 bytes (a document separator counts one) over its tokens: one for bytes.
+  """
   if not 1 <= eval_permille <= 500:
     raise ValueError(f"data.eval_permille must be in [1, 500], got {eval_permille}")
-  key = (corpus, eval_permille)
-  if key not in _SPLITS_CACHE and corpus.startswith("domain:"):
+  key = (corpus, eval_permille, tokenizer, doc_separator, doc_chars,
+         corpora.corpus_identity(corpus, tokenizer) if files.is_file_corpus(corpus) else "")
+  if key in _SPLITS_CACHE:
+    return _SPLITS_CACHE[key]
+  tok = tokenizer_lib.load_tokenizer(tokenizer)
+  if corpus.startswith("domain:"):
     # A domain brings its own document-level splits; its validation split is the eval text.
     name = corpus.split(":", 1)[1]
-    _SPLITS_CACHE[key] = TokenSplits(corpus, np.array(domains.domain_bytes(name, "train")),
-                                     np.array(domains.domain_bytes(name, "validation")))
-  if key not in _SPLITS_CACHE:
-    docs = corpora.load_documents(corpus)
-    tok = ByteTokenizer()
+    train, held = (np.array(domains.domain_bytes(name, "train")),
+                   np.array(domains.domain_bytes(name, "validation")))
+  elif corpus.startswith("tokens:"):
+    ids, meta = files.read_tokens(corpus)
+    check_token_vocab(corpus, meta, tok)
+    train, held = tail_split(ids, eval_permille)
+  else:
+    docs = files.cut(corpora.load_documents(corpus), doc_separator, doc_chars)
     train = tok.encode_documents(t for d, t in docs if not corpora.is_eval_document(d, eval_permille))
     held = tok.encode_documents(t for d, t in docs if corpora.is_eval_document(d, eval_permille))
-    if not len(held) or not len(train):
-      raise ValueError(f"corpus {corpus!r} gave an empty split (train {len(train)}, eval {len(held)} "
-                       "tokens); change data.eval_permille")
-    _SPLITS_CACHE[key] = TokenSplits(corpus, train, held)
+    if not len(held) or not len(train):  # too few documents for a split by documents
+      train, held = tail_split(tok.encode_documents(t for _, t in docs), eval_permille)
+  _SPLITS_CACHE[key] = TokenSplits(corpus, train, held, tok.count_bytes(held) / max(len(held), 1))
   return _SPLITS_CACHE[key]
+
+
+def tail_split(stream: np.ndarray, eval_permille: int) -> tuple[np.ndarray, np.ndarray]:
+  """(train, eval): the last `eval_permille` per mille of a token stream held out (one token at
+  least)."""
+  cut = len(stream) - max(len(stream) * eval_permille // 1000, 1)
+  return stream[:cut], stream[cut:]
+
+
+def check_token_vocab(corpus: str, meta: dict, tok) -> None:
+  """Pre-tokenized ids must come from a vocabulary no larger than `data.tokenizer`'s."""
+  if int(meta["vocab_size"]) > tok.vocab_size:
+    raise ValueError(f"data.tokenizer={getattr(tok, 'spec', tok)!r} has {tok.vocab_size} tokens but "
+                     f"data.corpus={corpus!r} holds ids of a vocabulary of {meta['vocab_size']} (its "
+                     f"metadata names tokenizer {meta.get('tokenizer', '?')!r}); set data.tokenizer "
+                     "to that tokenizer")
 
 
 class _Windows:

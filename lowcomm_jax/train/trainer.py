@@ -67,7 +67,7 @@ class Trainer:
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     self.rules = sharding.rules_for(config.sharding.layout)
     # reliability: another config, another corpus, run files without config.json, a finished run
-    self.corpus_identity = corpora.corpus_identity(config.data.corpus)
+    self.corpus_identity = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
     self.run_state = workdir_lib.check_workdir(
         self.workdir, config_lib.fingerprint(config),
         config_lib.fingerprint(config_lib.default_config()), self.corpus_identity)
@@ -220,10 +220,15 @@ class Trainer:
   def eval_sharding(self) -> NamedSharding:
     return NamedSharding(self.mesh, P(mesh_lib.DATA, None))
 
-  def evaluate(self, eval_step, state, eval_batches) -> dict:
+  def evaluate(self, eval_step, state, eval_batches, splits=None) -> dict:
+    """Mean eval losses (nats per token) over `eval_batches`, and with `splits` the eval loss in
+    bits per byte of the eval text (`eval_bits_per_byte`, `pipeline.TokenSplits.bits_per_byte`)."""
     self._overlap.quiet()  # before dispatching: the evaluation's programs span every process
     losses = distributed.fetch([eval_step(state, b) for b in eval_batches])
-    return {k: float(np.mean([l[k] for l in losses])) for k in losses[0]}
+    means = {k: float(np.mean([l[k] for l in losses])) for k in losses[0]}
+    if splits is not None:
+      means["eval_bits_per_byte"] = splits.bits_per_byte(means["eval_loss"])
+    return means
 
   def data_iterators(self, tokens):
     """Iterators of the replicas this process feeds (all of them with a single process)."""
@@ -251,7 +256,7 @@ class Trainer:
     c = self.config
     if self.run_state == workdir_lib.COMPLETE:  # reliability: a finished run is left as it is
       return workdir_lib.report_complete(self.workdir)
-    splits = pipeline.load_splits(c.data.corpus, c.data.eval_permille)
+    splits = pipeline.splits_of(c)
     data_iters = self.data_iterators(splits.train)
     eval_batches = [distributed.replicated_array(b, self.eval_sharding())
                     for b in pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
@@ -345,7 +350,7 @@ class Trainer:
         behind.hold(step, step_metrics if log_now else {}, logged)
       if step % c.eval.every == 0 or step == c.num_steps:
         _, held = take_ready() or (step, {})  # evaluating waits for this step anyway
-        eval_losses = self.evaluate(eval_step, state, eval_batches)
+        eval_losses = self.evaluate(eval_step, state, eval_batches, splits)
         eval_loss = eval_losses["eval_loss"]
         writer.write(step, {**held, **eval_losses})
         throughput.restart()
@@ -374,7 +379,7 @@ class Trainer:
     self._overlap = overlap_lib.Inline()
     preemption.close()
     if eval_loss is None and start == stop == c.num_steps:  # reliability: killed before the summary
-      eval_losses = self.evaluate(eval_step, state, eval_batches)
+      eval_losses = self.evaluate(eval_step, state, eval_batches, splits)
       eval_loss = eval_losses["eval_loss"]
     ckpt.close()
     writer.close()
@@ -382,7 +387,8 @@ class Trainer:
 
     tokens_per_s = throughput.tokens_per_s
     summary = self._summary(stop, eval_loss, wall, tokens_per_s, sent_bytes, peak_sync_bytes, state)
-    summary.update(throughput.summary())
+    summary["final_eval_bits_per_byte"] = eval_losses.get("eval_bits_per_byte")
+    summary["eval_bytes_per_token"] = splits.bytes_per_token    summary.update(throughput.summary())
     if self.algorithm.eval_replicas:  # no global model: each replica's loss
       summary["final_eval_loss_replicas"] = [eval_losses.get(f"eval_loss_replica_{i}")
                                              for i in range(c.num_replicas)]
