@@ -388,7 +388,8 @@ class Trainer:
     tokens_per_s = throughput.tokens_per_s
     summary = self._summary(stop, eval_loss, wall, tokens_per_s, sent_bytes, peak_sync_bytes, state)
     summary["final_eval_bits_per_byte"] = eval_losses.get("eval_bits_per_byte")
-    summary["eval_bytes_per_token"] = splits.bytes_per_token    summary.update(throughput.summary())
+    summary["eval_bytes_per_token"] = splits.bytes_per_token
+    summary.update(throughput.summary())
     if self.algorithm.eval_replicas:  # no global model: each replica's loss
       summary["final_eval_loss_replicas"] = [eval_losses.get(f"eval_loss_replica_{i}")
                                              for i in range(c.num_replicas)]
