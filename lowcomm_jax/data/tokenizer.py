@@ -218,8 +218,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir) -> pathlib.Path:
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_dir) -> pathlib.Path:
-  """Trains a SentencePiece BPE model (byte fallback, so no text is unknown) with an eos piece;
-  writes and returns `out_dir/tokenizer.model`."""
+  """Trains a SentencePiece BPE model with an eos piece; writes and returns `out_dir/tokenizer.model`.
+
+  Text is kept as it is (no normalization, whitespace kept, no dummy prefix) and unseen characters
+  (newlines too: it trains on lines) fall back to bytes, so decode(encode(text)) == text.
+  """
   import sentencepiece  # pylint: disable=g-import-not-at-top
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -227,5 +230,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_dir) -> pathl
       sentence_iterator=iter(line for text in texts for line in text.splitlines() if line.strip()),
       model_prefix=str(out / "tokenizer"), vocab_size=vocab_size, model_type="bpe",
       byte_fallback=True, character_coverage=1.0, eos_id=2, bos_id=1, unk_id=0, pad_id=-1,
+      normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+      split_by_whitespace=True, allow_whitespace_only_pieces=True,
       num_threads=1, minloglevel=2)
   return out / "tokenizer.model"
