@@ -118,7 +118,39 @@ CONFIG_CASES = [
     ({**NOLOCO, "noloco.num_groupings": 0}, "noloco.num_groupings", ">= 1"),
     ({**NOLOCO, "noloco.codec": "fp3"}, "noloco.codec", "none or one of"),
     ({"init_from": "/nonexistent/run"}, "init_from", "checkpoints/ of a finished run"),
+    # the user's own data and tokenizers (files made by _data_files, relative to the test's folder)
+    ({"data.corpus": "text:data/nothing*.txt"}, "data.corpus", "matches no file"),
+    ({"data.corpus": "text:data/*.txt"}, "data.corpus", "data/empty.txt is empty"),
+    ({"data.corpus": "jsonl:data/docs.jsonl:text"}, "data.corpus", "line 2 has no text field 'text'"),
+    ({"data.corpus": "jsonl:data/docs.jsonl"}, "data.corpus", "'jsonl:<glob>:<field>'"),
+    ({"data.corpus": "tokens:data/short.bin"}, "data.corpus", "has 10 bytes, its metadata says 6"),
+    ({"data.corpus": "tokens:data/wide.bin"}, "data.tokenizer='bytes' has 256 tokens",
+     "a vocabulary of 5000"),
+    ({"data.corpus": "tokens:data/nometa.bin"}, "data.corpus", "no metadata"),
+    ({"data.corpus": "hf:data:text"}, "data.corpus", "not a folder written by datasets' save_to_disk"),
+    ({"data.tokenizer": "data/broken/tokenizer.json"}, "data.tokenizer",
+     "is not a Hugging Face tokenizer.json"),
+    ({"data.tokenizer": "data/broken.model"}, "data.tokenizer", "is not a SentencePiece model"),
+    ({"data.tokenizer": "data/no_such.json"}, "data.tokenizer", "no such file; allowed: 'bytes'"),
+    ({"data.doc_chars": -1}, "data.doc_chars", "an integer >= 0"),
 ]
+
+
+def _data_files(root):
+  """The malformed data the data.corpus and data.tokenizer cases above name."""
+  data = root / "data"
+  (data / "broken").mkdir(parents=True)
+  (data / "empty.txt").write_text("")
+  (data / "good.txt").write_text("some text\n")
+  (data / "docs.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')
+  (data / "short.bin").write_bytes(bytes(10))  # 5 uint16 ids, its metadata says 6
+  (data / "short.json").write_text('{"dtype": "uint16", "vocab_size": 256, "num_tokens": 6}')
+  (data / "wide.bin").write_bytes(bytes(12))
+  (data / "wide.json").write_text('{"dtype": "uint16", "vocab_size": 5000, "num_tokens": 6, '
+                                  '"tokenizer": "gpt2.json"}')
+  (data / "nometa.bin").write_bytes(bytes(12))
+  (data / "broken" / "tokenizer.json").write_text('{"model": {"type": "BPE"')
+  (data / "broken.model").write_bytes(b"not a protobuf")
 
 
 def _other_run(workdir, **changes):
@@ -189,6 +221,7 @@ def _attempt(config, workdir) -> str | None:
 def test_every_bad_input_is_refused_before_anything_is_written(tmp_path, monkeypatch):
   monkeypatch.setenv("LOWCOMM_CACHE", str(tmp_path / "empty_cache"))  # no Debian corpus fetched
   monkeypatch.chdir(tmp_path)  # an empty --workdir must not write into the current directory
+  _data_files(tmp_path)
   rows = []
   for i, (changes, option, allowed) in enumerate(CONFIG_CASES):
     root = tmp_path / f"config{i}"
