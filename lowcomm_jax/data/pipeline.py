@@ -38,6 +38,9 @@ class TokenSplits:
 
 
 _SPLITS_CACHE: dict = {}
+# Eval tokens decoded to count the eval text's bytes per token: enough for a stable average, few
+# enough that a large pre-tokenized corpus's eval split is not decoded whole.
+BYTES_COUNTED_TOKENS = 2_000_000
 
 
 def splits_of(config) -> TokenSplits:
@@ -55,7 +58,8 @@ def load_splits(corpus: str, eval_permille: int = 20, tokenizer: str = "bytes",
   the eval text by a hash of their id, `eval_permille` per mille of them. When that leaves either
   side empty (a corpus of one document, say) and for pre-tokenized `tokens:` corpora, the last
   `eval_permille` per mille of the token stream is held out instead. `bytes_per_token` is the eval
-  text's UTF-8 bytes (a document separator counts one) over its tokens: one for bytes.
+  text's UTF-8 bytes (a document separator counts one) over its tokens (its first
+  BYTES_COUNTED_TOKENS tokens when longer): one for bytes.
   """
   if not 1 <= eval_permille <= 500:
     raise ValueError(f"data.eval_permille must be in [1, 500], got {eval_permille}")
@@ -79,7 +83,8 @@ def load_splits(corpus: str, eval_permille: int = 20, tokenizer: str = "bytes",
     held = tok.encode_documents(t for d, t in docs if corpora.is_eval_document(d, eval_permille))
     if not len(held) or not len(train):  # too few documents for a split by documents
       train, held = tail_split(tok.encode_documents(t for _, t in docs), eval_permille)
-  _SPLITS_CACHE[key] = TokenSplits(corpus, train, held, tok.count_bytes(held) / max(len(held), 1))
+  counted = held[:BYTES_COUNTED_TOKENS]
+  _SPLITS_CACHE[key] = TokenSplits(corpus, train, held, tok.count_bytes(counted) / max(len(counted), 1))
   return _SPLITS_CACHE[key]
 
 
