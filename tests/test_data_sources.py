@@ -5,6 +5,7 @@ eval text's bytes, and a run trains and evaluates on them."""
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -181,6 +182,13 @@ def test_prepared_ids_are_the_tokenizers_stream_and_train_and_evaluate(tmp_path,
   assert result["eval_loss"] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
   other = evaluation.evaluate(tmp_path / "run", {"data.corpus": corpus, "data.seq_len": "16"})
   assert other["eval_tokens"] == 2 * 8 * 16 and other["corpus"] == corpus
+  for changes, message in [({"data.tokenizer": "bytes"}, "--config.data.tokenizer cannot change"),
+                           ({"data.seq_len": "4096"}, "data.seq_len must be <= 128"),
+                           ({"eval.num_batches": "many"},
+                            "--config.eval.num_batches='many' must be of type int"),
+                           ({"data.corpus": "text:nowhere/*.txt"}, "matches no file")]:
+    with pytest.raises(ValueError, match=re.escape(message)):
+      evaluation.run_config(tmp_path / "run", changes)
 
 
 def test_evaluate_refuses_in_one_line_and_reads_only(tmp_path):

@@ -29,9 +29,11 @@ def run_config(workdir, changes: dict | None = None):
   workdir = pathlib.Path(workdir)
   if not (workdir / "config.json").is_file():
     raise ValueError(f"--workdir={workdir} holds no config.json: not a run directory")
-  if not any((workdir / "checkpoints").glob("*")) if (workdir / "checkpoints").is_dir() else True:
+  checkpoints = workdir / "checkpoints"
+  if not checkpoints.is_dir() or not any(checkpoints.iterdir()):
     raise ValueError(f"--workdir={workdir} holds no checkpoint to evaluate")
   c = config_lib.load_run_config(workdir)
+  max_len = config_lib.model_config_of(c).max_seq_len  # the model's, before data.seq_len changes
   for key, value in (changes or {}).items():
     if key not in CHANGEABLE:
       raise ValueError(f"--config.{key} cannot change for an evaluation; allowed: "
@@ -39,11 +41,10 @@ def run_config(workdir, changes: dict | None = None):
     section, name = key.split(".")
     old = c[section][name]
     try:
-      c[section][name] = type(old)(value) if not isinstance(old, bool) else value in ("1", "true", True)
+      c[section][name] = type(old)(value)  # from the command line: a string
     except ValueError:
-      raise ValueError(f"--config.{key}={value!r} must be a {type(old).__name__}") from None
+      raise ValueError(f"--config.{key}={value!r} must be of type {type(old).__name__}") from None
   config_lib.validate(c)
-  max_len = config_lib.model_config_of(config_lib.load_run_config(workdir)).max_seq_len
   if c.data.seq_len > max_len:
     raise ValueError(f"--config.data.seq_len={c.data.seq_len}: the model's rotary table holds "
                      f"{max_len} positions; data.seq_len must be <= {max_len}")
