@@ -4,10 +4,13 @@ on any other configured data.
   python experiments/evaluate.py --workdir=runs/diloco
   python experiments/evaluate.py --workdir=runs/diloco --config.data.corpus=licenses \
       --config.eval.num_batches=32
+  python experiments/evaluate.py --workdir=runs/hdee/<expert run> \
+      --corpora=domain:austen,domain:gcide,domain:stdlib      # one line per domain
 
 Changeable: data.corpus, data.eval_permille, data.seq_len, data.doc_separator, data.doc_chars,
 eval.batch_size, eval.num_batches (the tokenizer and the model are the run's). Prints one JSON
-line; the workdir is only read. An HDEE run's experts are evaluated by experiments/hdee.py.
+line per corpus; the workdir is only read. An HDEE expert is one run: --corpora scores it per
+domain; the ensembles' per-domain table is experiments/hdee.py's.
 """
 
 import json
@@ -16,6 +19,8 @@ import sys
 from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A run directory with a checkpoint.", required=True)
+_CORPORA = flags.DEFINE_list("corpora", [], "data.corpus values to evaluate on, one after the other "
+                             "(default: the run's, or --config.data.corpus).")
 
 
 def main(argv):
@@ -28,10 +33,11 @@ def main(argv):
     changes[key] = value
   from lowcomm_jax.train import evaluation  # pylint: disable=g-import-not-at-top
   try:
-    result = evaluation.evaluate(_WORKDIR.value, changes)
+    results = evaluation.evaluate_corpora(_WORKDIR.value, _CORPORA.value, changes)
   except ValueError as error:
     sys.exit(f"ValueError: {error}")
-  print(json.dumps(result))
+  for result in results:
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

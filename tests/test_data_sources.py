@@ -177,8 +177,20 @@ def test_prepared_ids_are_the_tokenizers_stream_and_train_and_evaluate(tmp_path,
   # Near log(640) nats at the start: a model over the padded vocabulary.
   assert 4.0 < summary["final_eval_loss"] < math.log(640) + 0.5
   # Float32 means of 2 batches of 8·32 token losses of magnitude ~6: a few ulps of 6.
-  result = evaluation.evaluate(tmp_path / "run")
-  assert result["eval_loss"] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+  own, other = evaluation.evaluate_corpora(tmp_path / "run", [f"tokens:{out}", corpus])
+  assert own["eval_loss"] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+  # The same documents tokenized afresh, held out by document instead of the stream's tail.
+  held = [t for i, (_, t) in enumerate(licenses)
+          if corpora.is_eval_document(f"{tmp_path}/docs.jsonl:{i + 1}", 20)]
+  assert held and other["corpus"] == corpus and other["eval_tokens"] == 2 * 8 * 32
+  assert other["eval_bytes_per_token"] == pytest.approx(
+      sum(len(t.encode()) + 1 for t in held) / len(tok.encode_documents(held)), rel=1e-12)
+  # Other ids under the same name: the run is not resumed on them.
+  with open(out, "ab") as f:
+    expected[:5].tofile(f)
+  (tmp_path / "ids" / "docs.json").write_text(json.dumps({**meta, "num_tokens": len(expected) + 5}))
+  with pytest.raises(ValueError, match="was trained on another copy of data.corpus="):
+    Trainer(tiny_config(**changes), tmp_path / "run")
   other = evaluation.run_config(tmp_path / "run", {"data.corpus": corpus, "data.seq_len": "16"})
   assert other.data.corpus == corpus and other.data.seq_len == 16
   for changes, message in [({"data.tokenizer": "bytes"}, "--config.data.tokenizer cannot change"),

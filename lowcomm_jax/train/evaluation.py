@@ -9,6 +9,7 @@ tokenizer and the model may not, since the parameters are tied to them.
 from __future__ import annotations
 
 import pathlib
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -54,14 +55,26 @@ def run_config(workdir, changes: dict | None = None):
 def evaluate(workdir, changes: dict | None = None) -> dict:
   """{"eval_loss" (nats per token), "eval_bits_per_byte", "eval_tokens", ...} of the run's latest
   checkpoint on the (changed) data."""
-  c = run_config(workdir, changes)
-  splits = pipeline.splits_of(c)
-  batches = pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size, c.eval.num_batches)
+  return evaluate_corpora(workdir, [], changes)[0]
+
+
+def evaluate_corpora(workdir, corpora: Sequence[str], changes: dict | None = None) -> list[dict]:
+  """`evaluate` on each of `corpora` in turn (the run's own `data.corpus` when empty), the
+  checkpoint read once: e.g. an HDEE expert's run on every `domain:<d>`. All are checked before
+  any compute."""
+  configs = [run_config(workdir, {**(changes or {}), **({"data.corpus": corpus} if corpus else {})})
+             for corpus in (list(corpora) or [""])]
   model_cfg, params = checkpoint.read_eval_params(workdir)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0))), nnx.Param)
   loss_fn = jax.jit(lambda p, b: step_lib.lm_loss(graphdef, p, b))
-  loss = float(np.mean([float(loss_fn(params, b)) for b in batches]))
-  return {"workdir": str(workdir), "corpus": c.data.corpus, "tokenizer": c.data.tokenizer,
-          "eval_loss": loss, "eval_bits_per_byte": splits.bits_per_byte(loss),
-          "eval_bytes_per_token": splits.bytes_per_token,
-          "eval_tokens": int(batches.shape[0] * batches.shape[1] * c.data.seq_len)}
+  results = []
+  for c in configs:
+    splits = pipeline.splits_of(c)
+    batches = pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
+                                    c.eval.num_batches)
+    loss = float(np.mean([float(loss_fn(params, b)) for b in batches]))
+    results.append({"workdir": str(workdir), "corpus": c.data.corpus, "tokenizer": c.data.tokenizer,
+                    "eval_loss": loss, "eval_bits_per_byte": splits.bits_per_byte(loss),
+                    "eval_bytes_per_token": splits.bytes_per_token,
+                    "eval_tokens": int(batches.shape[0] * batches.shape[1] * c.data.seq_len)})
+  return results
