@@ -97,6 +97,18 @@ def test_every_file_source_gives_the_documents_written(tmp_path, licenses):
     ids = [d for d, _ in corpora.load_documents(spec)]
     assert len(set(ids)) == len(ids), spec
     # The identity follows the files: a changed file is another corpus.
+  # Pre-tokenized ids: a .npy of uint32 and a raw .bin of uint16, each with its metadata.
+  ids = np.arange(70_000, 70_100, dtype=np.uint32)
+  np.save(tmp_path / "ids.npy", ids)
+  (tmp_path / "ids.json").write_text(json.dumps({"dtype": "uint32", "vocab_size": 70_100,
+                                                 "num_tokens": 100, "tokenizer": "t.json"}))
+  (ids - 69_950).astype(np.uint16).tofile(tmp_path / "small.bin")
+  (tmp_path / "small.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 200,
+                                                   "num_tokens": 100}))
+  for name, expected in [("ids.npy", ids), ("small.bin", ids - 69_950)]:
+    corpora.check_available(f"tokens:{tmp_path}/{name}")
+    got, _ = files.read_tokens(f"tokens:{tmp_path}/{name}")
+    np.testing.assert_array_equal(got, expected)
   spec = f"jsonl:{tmp_path}/*.jsonl:text"
   before = corpora.corpus_identity(spec)
   with open(tmp_path / "a.jsonl", "a") as f:
@@ -106,10 +118,10 @@ def test_every_file_source_gives_the_documents_written(tmp_path, licenses):
 
 def test_documents_are_cut_at_a_separator_and_a_length():
   docs = [("a", "one\n\n\ntwo three\n\n\n"), ("b", "four")]
-  assert files.cut(docs, "\n\n\n") == [("a#0", "one"), ("a#1", "two three"), ("b#0", "four")]
-  assert files.cut(docs, "", 4) == [("a#0", "one\n"), ("a#1", "\n\ntw"), ("a#2", "o th"),
+  assert list(files.cut(docs, "\n\n\n")) == [("a#0", "one"), ("a#1", "two three"), ("b#0", "four")]
+  assert list(files.cut(docs, "", 4)) == [("a#0", "one\n"), ("a#1", "\n\ntw"), ("a#2", "o th"),
                                      ("a#3", "ree\n"), ("b#0", "four")]
-  assert files.cut(docs) == docs
+  assert list(files.cut(docs)) == docs
 
 
 def test_a_single_document_file_holds_out_the_tail_of_its_stream(tmp_path, licenses):

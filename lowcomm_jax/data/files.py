@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import pathlib
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -179,11 +180,19 @@ def _read_arrow(path: pathlib.Path):
 
 def documents(name: str) -> list[tuple[str, str]]:
   """(doc_id, text) of a text, jsonl, parquet or hf corpus, in file order."""
+  docs = list(iter_documents(name))
+  if not docs:
+    raise ValueError(f"data.corpus={name!r} holds no documents")
+  return docs
+
+
+def iter_documents(name: str) -> Iterator[tuple[str, str]]:
+  """`documents`, one file at a time (a Parquet or Arrow file is read whole): for corpora larger
+  than memory, as experiments/prepare_data.py reads them."""
   kind, rest, field = _parse(name)
-  docs = []
   if kind == "text":
     for path in _matches(name, rest):
-      docs.append((str(path), path.read_text(encoding="utf-8", errors="replace")))
+      yield str(path), path.read_text(encoding="utf-8", errors="replace")
   elif kind == "jsonl":
     for path in _matches(name, rest):
       with open(path, encoding="utf-8", errors="replace") as lines:
@@ -196,7 +205,7 @@ def documents(name: str) -> list[tuple[str, str]]:
             raise ValueError(f"data.corpus={name!r}: {path} line {number} is not JSON ({error})") from None
           if not isinstance(record, dict) or not isinstance(record.get(field), str):
             raise ValueError(f"data.corpus={name!r}: {path} line {number} has no text field {field!r}")
-          docs.append((f"{path}:{number}", record[field]))
+          yield f"{path}:{number}", record[field]
   elif kind == "parquet":
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
     for path in _matches(name, rest):
@@ -204,16 +213,13 @@ def documents(name: str) -> list[tuple[str, str]]:
       if field not in schema.names:
         raise ValueError(f"data.corpus={name!r}: {path} has no column {field!r}; it has {schema.names}")
       texts = _arrow_column(name, pq.read_table(path, columns=[field]), path, field)
-      docs.extend((f"{path}:{i}", t) for i, t in enumerate(texts))
+      yield from ((f"{path}:{i}", t) for i, t in enumerate(texts))
   elif kind == "hf":
     for path in _hf_arrow_files(name, rest):
       texts = _arrow_column(name, _read_arrow(path), path, field)
-      docs.extend((f"{path}:{i}", t) for i, t in enumerate(texts))
+      yield from ((f"{path}:{i}", t) for i, t in enumerate(texts))
   else:
     raise ValueError(f"data.corpus={name!r} holds token ids, not documents")
-  if not docs:
-    raise ValueError(f"data.corpus={name!r} holds no documents")
-  return docs
 
 
 def read_tokens(name: str) -> tuple[np.ndarray, dict]:
@@ -224,16 +230,16 @@ def read_tokens(name: str) -> tuple[np.ndarray, dict]:
   return np.memmap(path, dtype=meta["dtype"], mode="r"), meta
 
 
-def cut(docs, separator: str = "", max_chars: int = 0) -> list[tuple[str, str]]:
+def cut(docs: Iterable[tuple[str, str]], separator: str = "", max_chars: int = 0
+        ) -> Iterator[tuple[str, str]]:
   """Documents split at `separator` (when given), then into pieces of at most `max_chars`
   characters (when > 0); piece k of document d is `d#k`. Empty pieces are dropped."""
   if not separator and max_chars <= 0:
-    return list(docs)
-  out = []
+    yield from docs
+    return
   for doc_id, text in docs:
     parts = text.split(separator) if separator else [text]
     pieces = [p[i:i + max_chars] for p in parts for i in range(0, len(p), max_chars)] \
         if max_chars > 0 else parts
     pieces = [p for p in pieces if p.strip()]
-    out.extend((f"{doc_id}#{k}", p) for k, p in enumerate(pieces))
-  return out
+    yield from ((f"{doc_id}#{k}", p) for k, p in enumerate(pieces))

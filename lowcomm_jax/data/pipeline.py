@@ -78,7 +78,7 @@ def load_splits(corpus: str, eval_permille: int = 20, tokenizer: str = "bytes",
     check_token_vocab(corpus, meta, tok)
     train, held = tail_split(ids, eval_permille)
   else:
-    docs = files.cut(corpora.load_documents(corpus), doc_separator, doc_chars)
+    docs = list(files.cut(corpora.load_documents(corpus), doc_separator, doc_chars))
     train = tok.encode_documents(t for d, t in docs if not corpora.is_eval_document(d, eval_permille))
     held = tok.encode_documents(t for d, t in docs if corpora.is_eval_document(d, eval_permille))
     if not len(held) or not len(train):  # too few documents for a split by documents

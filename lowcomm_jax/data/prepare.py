@@ -9,6 +9,7 @@ the same `data.tokenizer`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -35,34 +36,55 @@ def token_dtype(vocab_size: int) -> str:
   return "uint16" if vocab_size <= 65_536 else "uint32"
 
 
+def _chunks(docs, size: int):
+  chunk = []
+  for _, text in docs:
+    chunk.append(text)
+    if len(chunk) == size:
+      yield chunk
+      chunk = []
+  if chunk:
+    yield chunk
+
+
 def prepare(corpus: str, tokenizer: str, out, workers: int = 0, chunk_documents: int = 64,
             doc_separator: str = "", doc_chars: int = 0, progress: bool = True) -> dict:
   """Writes `out` (.bin) and its metadata JSON for `corpus` tokenized by `tokenizer`; returns the
-  metadata. `workers` processes (0: one per CPU core); documents cut as `load_splits` cuts them."""
+  metadata. `workers` processes (0: one per CPU core); documents cut as `load_splits` cuts them.
+  The user's files are read one at a time and at most 4 chunks per worker are in flight, so a
+  corpus larger than memory streams through."""
   corpora.check_available(corpus)
-  if files.is_file_corpus(corpus) and corpus.startswith("tokens:"):
+  if corpus.startswith("tokens:"):
     raise ValueError(f"--corpus={corpus!r} is already tokenized")
   tok = tokenizer_lib.load_tokenizer(tokenizer)
   out = pathlib.Path(out)
   if out.suffix != ".bin":
     raise ValueError(f"--out={out} must end in .bin (its metadata goes to {out.with_suffix('.json')})")
-  docs = files.cut(corpora.load_documents(corpus), doc_separator, doc_chars)
+  source = files.iter_documents(corpus) if files.is_file_corpus(corpus) else corpora.load_documents(corpus)
+  chunks = _chunks(files.cut(source, doc_separator, doc_chars), chunk_documents)
   dtype = token_dtype(tok.vocab_size)
-  chunks = [[t for _, t in docs[i:i + chunk_documents]] for i in range(0, len(docs), chunk_documents)]
   workers = workers or os.cpu_count() or 1
   out.parent.mkdir(parents=True, exist_ok=True)
-  count = 0
+  count = documents = 0
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  bar = tqdm(total=len(docs), unit="doc", disable=not progress, desc=f"tokenizing {corpus}")
+  bar = tqdm(unit="doc", disable=not progress, desc=f"tokenizing {corpus}")
   # spawn: the parent may hold JAX's threads (a notebook), which a forked child must not inherit.
   context = multiprocessing.get_context("spawn")
   with open(out, "wb") as sink, context.Pool(workers, _start_worker, (tokenizer,)) as pool:
-    for chunk, ids in zip(chunks, pool.imap(_encode_chunk, chunks)):
-      ids.astype(dtype).tofile(sink)
-      count += len(ids)
-      bar.update(len(chunk))
+    while True:
+      window = list(itertools.islice(chunks, 4 * workers))  # Pool.imap would read all input at once
+      if not window:
+        break
+      for chunk, ids in zip(window, pool.imap(_encode_chunk, window)):
+        ids.astype(dtype).tofile(sink)
+        count += len(ids)
+        documents += len(chunk)
+        bar.update(len(chunk))
   bar.close()
+  if not documents:
+    out.unlink()
+    raise ValueError(f"--corpus={corpus!r} holds no documents")
   meta = {"dtype": dtype, "vocab_size": tok.vocab_size, "tokenizer": tokenizer,
-          "num_tokens": count, "eos_id": int(tok.eos_id), "corpus": corpus, "documents": len(docs)}
+          "num_tokens": count, "eos_id": int(tok.eos_id), "corpus": corpus, "documents": documents}
   out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
   return meta
