@@ -9,10 +9,8 @@ its own data shard and its own AdamW state; evaluation uses the global (outer) p
 Variants (`--config=experiments/configs/diloco.py:<variant>`):
 - default / small: the `small` model (1.35M parameters), M = 2, H = 50, 600 steps of 16 × 128
   tokens per replica, outer Nesterov lr 0.7, momentum 0.9; each worker sends 4 bytes per parameter
-  per sync (a float32 ring all-reduce at M = 2), 12 syncs. This variant's loss and time were not
-  measured yet; the measured neighbour is benchmarks/convergence.py's "diloco M=2 H=50" (400 steps
-  of 8 × 128 per replica): eval loss 2.200 nats/byte against 1.916 for data-parallel, about
-  3 minutes on a 2-core CPU.
+  per sync (a float32 ring all-reduce at M = 2), 12 syncs. Expected: final eval loss 1.88
+  nats/byte; 28 minutes on a heavily loaded 2-core CPU (5.0 CPU-minutes).
 - tiny: the `tiny` model, M = 2, H = 10, 200 steps: eval loss 3.07 in 28 s (measured).
 """
 

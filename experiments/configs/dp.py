@@ -6,7 +6,7 @@ Variants (`--config=experiments/configs/dp.py:<variant>`):
 - default: the `small` model (1.35M parameters), 600 steps of 16 × 128 tokens (1.2M bytes).
   Expected on a 2-core CPU: final eval loss 1.73 nats/byte, below the bigram cross-entropy of the
   eval text estimated from the training text (2.52 nats/byte) and its unigram entropy (3.24);
-  about 4 minutes (222 s measured with the machine shared, 359 s under heavy load).
+  about 4 minutes.
 - tiny: the `tiny` model, 200 steps, for tests and a first look (well under a minute).
 """
 

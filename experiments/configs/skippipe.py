@@ -15,7 +15,7 @@ Variants (`--config=experiments/configs/skippipe.py:<variant>`):
 - full: every micro-batch through all 6 stages in order (the full pipeline), same data and init.
 - quick / quick_full: 12 steps of 10 micro-batches of 2 sequences, for a smoke run.
 `python experiments/skippipe.py --workdir=DIR` runs skip and full and the half-model test; measured
-(200 steps, 2 CPU cores, `benchmarks/results/skippipe_training.json`): see the README's SkipPipe section.
+(200 steps, 2 CPU cores, `benchmarks/results/skippipe_training.json`): see docs/skippipe.md.
 """
 
 from lowcomm_jax import config as config_lib

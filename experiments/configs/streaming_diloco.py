@@ -13,13 +13,13 @@ their paths (first full match wins): `--config.diloco.fragment_rules="blocks/att
 Variants (`--config=experiments/configs/streaming_diloco.py:<variant>`):
 - default / small: the `small` model (6 layers), M = 2, H = 60, P = 3 (+1 non-block fragment),
   τ = 1, α = 0.5, 600 steps of 16 × 128 tokens per replica; peak bytes per sync 0.32 of DiLoCo's
-  (the largest fragment: 2 of the 6 blocks). This variant's loss and time were not measured yet;
-  the measured neighbour is benchmarks/convergence.py's "streaming M=2 H=60 P=3 τ=1 α=0.5" (400
-  steps of 8 × 128 per replica): eval loss 2.093 nats/byte against 1.916 for data-parallel and
-  2.178 for DiLoCo, about 3 minutes on a 2-core CPU.
+  (the largest fragment: 2 of the 6 blocks), 53.5 MB sent per worker in all. Expected: final eval
+  loss 1.71 nats/byte; 8.5 minutes on a heavily loaded 2-core CPU (4.8 CPU-minutes).
 - fp4: the same with outer gradients sent as e3m0 (4-bit float, absmax scale per 1024 values):
-  7.9× fewer bits; in the same benchmark eval loss 2.170 (+3.7% over float32).
-- tiny: the `tiny` model (2 layers), M = 2, H = 12, P = 2 (+1), τ = 1, α = 0.5, 200 steps.
+  7.9× fewer bits (6.7 MB per worker in all). Expected: final eval loss 1.69 nats/byte; 26 minutes
+  on a heavily loaded 2-core CPU (5.1 CPU-minutes).
+- tiny: the `tiny` model (2 layers), M = 2, H = 12, P = 2 (+1), τ = 1, α = 0.5, 200 steps: final
+  eval loss 2.67 in about 20 s.
 """
 
 from lowcomm_jax import config as config_lib

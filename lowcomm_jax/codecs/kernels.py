@@ -5,8 +5,8 @@ codes and scales (or back), so one grid axis over rows is all that is needed
 and a block never straddles two grid steps. The rows are padded to a multiple
 of ``rows_per_step`` with zero blocks and the padding is sliced off after.
 
-Interpret mode on CPU costs about 12 ms per grid step, so the default tile is
-large (about 2^18 values); tests pass a small ``rows_per_step`` to exercise
+Interpret mode on CPU has a large fixed cost per grid step, so the default tile
+is large (about 2^18 values); tests pass a small ``rows_per_step`` to exercise
 several steps.
 """
 

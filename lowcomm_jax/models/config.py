@@ -35,7 +35,7 @@ class ModelConfig:
     layer_loop: how the forward runs the stacked blocks: "scan" (one `lax.scan`
       body, compile time independent of depth), "unroll" (a Python loop over
       static slices: on CPU XLA then neither zero-fills nor copies the stacked
-      per-layer activation and gradient buffers, −15 to −20% CPU time per step,
+      per-layer activation and gradient buffers, so a step costs less CPU time,
       docs/performance.md), or "auto": unroll on CPU up to
       `UNROLL_MAX_LAYERS` layers, scan otherwise and on GPU/TPU (unmeasured
       here; scan is what MaxText defaults to there). A `path` forward always
@@ -43,7 +43,7 @@ class ModelConfig:
     attention: how causal attention is computed: "xla" (batched dots and a
       softmax, every backend), or "cpu_kernel" (one fused C++ kernel per
       direction, `models/cpu_attention.py`: CPU, float32, head_dim 16/32/64/128;
-      0.89× the CPU time of the `small` step, docs/performance.md). Same
+      less CPU time per step, docs/performance.md). Same
       arithmetic up to float32 rounding.
   """
 

@@ -2,8 +2,8 @@
 
 XLA:CPU runs `llama.causal_attention` as batched dots with the softmax between them, and writes the
 whole [B, H, T, S] probability tensor (and its gradient) to memory between them, with transposed
-copies of k and v for the dots; on the `small` model that is a quarter of a training step's CPU
-time, twice what torch's fused CPU attention costs (docs/performance.md, "Fifth pass"). This
+copies of k and v for the dots; on the `small` model that is a large share of a training step's CPU
+time, more than torch's fused CPU attention costs (docs/performance.md, "Fifth pass"). This
 module runs the same function as two custom calls (XLA FFI, `cpu_attention.cc`), forward and
 backward, each working one (batch, head) slice at a time in cache:
 
