@@ -29,6 +29,7 @@ DILOCO = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 4}
 STREAMING = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 6,
              "diloco.num_fragments": 2, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5}
 NOLOCO = {"algorithm": "noloco", "num_replicas": 2, "noloco.sync_every": 4, "mesh.data": 1}
+SKIPPIPE = {"gradients": "skippipe", "pipeline.num_stages": 6}
 
 # (config changes, the option the message must name, the allowed values it must state)
 CONFIG_CASES = [
@@ -118,6 +119,24 @@ CONFIG_CASES = [
     ({**NOLOCO, "noloco.num_groupings": 0}, "noloco.num_groupings", ">= 1"),
     ({**NOLOCO, "noloco.codec": "fp3"}, "noloco.codec", "none or one of"),
     ({"init_from": "/nonexistent/run"}, "init_from", "checkpoints/ of a finished run"),
+    # issue 30, item 9: accepted before (a section the algorithm does not read was not checked)
+    ({**DILOCO, "diloco.codec_rounding": "up"}, "diloco.codec_rounding", "nearest, stochastic"),
+    ({"diloco.codec_rounding": "up"}, "diloco.codec_rounding", "nearest, stochastic"),
+    ({"mesh.stage": 2}, "mesh.stage", "1 unless gradients=pipeline"),
+    ({**DILOCO, "noloco.gamma": -1.0}, "noloco.gamma", ">= 0"),
+    ({"noloco.outer_momentum": -0.5}, "noloco.outer_momentum", "[0, 1)"),
+    ({"noloco.num_groupings": 0}, "noloco.num_groupings", ">= 1"),
+    ({"diloco.merge_alpha": 2.0}, "diloco.merge_alpha", "[0, 1]"),
+    ({"diloco.overlap_steps": -1}, "diloco.overlap_steps", ">= 0"),
+    ({"outer_optimizer.momentum": -0.1}, "outer_optimizer.momentum", "[0, 1)"),
+    # item 10: refused without naming the option, or only once compute had begun
+    ({**SKIPPIPE, "skippipe.topology": "reference_data"}, "skippipe.topology", "'gcp_12_regions'"),
+    ({**SKIPPIPE, "skippipe.placement_seed": -1}, "skippipe.placement_seed", "[0, 4294967296)"),
+    ({**SKIPPIPE, "skippipe.path_length": 0}, "skippipe.path_length", "an integer >= 1"),
+    ({**SKIPPIPE, "skippipe.path_length": 7}, "skippipe.path_length", "gcp_12_regions has 6 stages"),
+    ({"pipeline.routing_seed": -1}, "pipeline.routing_seed", "[0, 4294967296)"),
+    ({**STREAMING, "diloco.num_fragments": 1, "diloco.sync_every": 4,
+      "diloco.fragment_rules": "blocks/.*:0"}, "diloco.fragment_rules", "must cover every parameter"),
 ]
 
 
