@@ -1,13 +1,13 @@
 """The run configuration: every key with its default and meaning, and its validation.
 
-Experiment files in `experiments/configs/` start from `default_config()` and
-change values; they cannot add keys (`lock_config=True`), so a misspelt key
-is an error at the command line. `validate` checks values before any compute and before anything
-is written: one ValueError naming the option and its allowed values (each key's comment below gives
-its range); the sections an algorithm reads are checked by that algorithm's `check_config`
-(`lowcomm_jax.train.algorithms.ALGORITHMS`), and every section's values are range-checked whichever
-algorithm and gradient source run (a `noloco.gamma` of -1 is refused in a DiLoCo run too). A run's fingerprint (every key but RUNTIME_KEYS) must
-match to resume it.
+Experiment files in `experiments/configs/` start from `default_config()` and change values; they
+cannot add keys (`lock_config=True`), so a misspelt key is an error at the command line, where
+`lowcomm_jax.cli` names it in one line with the closest keys. `validate` checks values before any
+compute and before anything is written: one ValueError naming the option and its allowed values
+(each key's comment below gives its range); the sections an algorithm reads are checked by that
+algorithm's `check_config` (`lowcomm_jax.train.algorithms.ALGORITHMS`), and every section's values
+are range-checked whichever algorithm and gradient source run (a `noloco.gamma` of -1 is refused in
+a DiLoCo run too). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def default_config() -> ml_collections.ConfigDict:
       outer_learning_rate=0.7,  # β: step along the group-mean outer gradient, > 0
       outer_momentum=0.5,  # α: heavy-ball momentum of δ, in [0, 1)
       gamma=0.7,  # γ: pull of φ_i toward its group's mean slow weights, >= 0
-      num_groupings=16,  # random partitions drawn from `seed`; bounds the compiled programs
+      num_groupings=16,  # >= 1: random partitions drawn from `seed` (one outer program switches among them)
       codec="none",  # none (float32) | a diloco.codec name: the outer gradients' wire format
       codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2
   ))
