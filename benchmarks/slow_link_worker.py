@@ -10,10 +10,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
-from absl import app  # pylint: disable=wrong-import-position
-
 import train as train_script  # pylint: disable=wrong-import-position
-from lowcomm_jax import distributed, train  # pylint: disable=wrong-import-position
+from lowcomm_jax import cli, distributed, train  # pylint: disable=wrong-import-position
 
 
 class TimedTrainer(train.Trainer):
@@ -33,4 +31,4 @@ class TimedTrainer(train.Trainer):
 
 if __name__ == "__main__":
   train.Trainer = TimedTrainer  # train.py's main builds `lowcomm_jax.train.Trainer`
-  app.run(train_script.main)
+  cli.run(train_script.main)

@@ -24,6 +24,7 @@ import time
 from absl import app
 from absl import flags
 
+from lowcomm_jax import cli
 from lowcomm_jax.data import debian
 from lowcomm_jax.hdee import domains
 
@@ -86,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -17,7 +17,9 @@ command that fetches them (experiments/fetch_corpora.py, about 10 s).
 
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from lowcomm_jax import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder of all runs and results.", required=True)
 _STEPS = flags.DEFINE_integer("steps_per_domain", 100,
@@ -62,4 +64,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

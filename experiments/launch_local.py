@@ -37,6 +37,8 @@ import time
 
 from absl import app, flags
 
+from lowcomm_jax import cli
+
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start (>= 1).")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 1, "Fake CPU devices in each process.")
 _TAIL = flags.DEFINE_integer("tail_lines", 20, "Lines of each process shown when one fails.")
@@ -202,4 +204,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -15,4 +15,4 @@ if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import train  # pylint: disable=g-import-not-at-top
   train.flags.mark_flag_as_required("config")
-  train.app.run(train.main)
+  train.cli.run(train.main)

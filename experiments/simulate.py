@@ -14,7 +14,9 @@ lowcomm_jax/sim/utilization.py. Pure Python, a few seconds on one CPU core.
 import json
 import os
 
-from absl import app, flags
+from absl import flags
+
+from lowcomm_jax import cli
 
 _OUT_DIR = flags.DEFINE_string("out_dir", "runs/simulate", "Where to write the plot and JSON.")
 _TARGET_CU = flags.DEFINE_float("target_cu", 0.95, "Compute utilization to reach, in (0, 1).")
@@ -86,4 +88,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

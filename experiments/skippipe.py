@@ -21,7 +21,9 @@ import json
 import pathlib
 import time
 
-from absl import app, flags
+from absl import flags
+
+from lowcomm_jax import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for metrics.json.", required=True)
 _STEPS = flags.DEFINE_integer("steps", 200, "Optimizer steps of each run.")
@@ -160,4 +162,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -14,8 +14,10 @@ TPU pod slice JAX reads those from the environment (see the README's "Multi-host
 
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
+
+from lowcomm_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).",
                                           lock_config=True)
@@ -41,11 +43,9 @@ def main(argv):
   from lowcomm_jax import config as config_lib, distributed  # after flag parsing
   config = _CONFIG.value
   from lowcomm_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  try:  # bad values fail before any process waits for another, in one line
-    config_lib.validate(config)
-    workdir_lib.check_path(_WORKDIR.value)
-  except ValueError as error:
-    sys.exit(f"ValueError: {error}")
+  # Bad values fail before any process waits for another, in one line (cli.run shows the ValueError).
+  config_lib.validate(config)
+  workdir_lib.check_path(_WORKDIR.value)
   distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
                          _PROCESS_ID.value, config.distributed.timeout_seconds,
                          config.distributed.init_timeout_seconds, _BIND.value)
@@ -58,10 +58,11 @@ def main(argv):
     print(stopped, flush=True)
     sys.exit(distributed.PREEMPTED_EXIT_CODE)
   except ValueError as error:
-    # A refused start (config, workdir, data checks: nothing written) is one line, no traceback.
+    # A refused start (config, workdir, data checks: nothing written) is one line (cli.run); once
+    # the run has begun it is no input of the user's but a failure to trace back.
     if trainer is None or not (trainer.resuming or (trainer.workdir / "config.json").exists()):
-      sys.exit(f"ValueError: {error}")
-    raise
+      raise
+    raise RuntimeError(f"the run in {_WORKDIR.value} failed: {error}") from error
   if not distributed.is_primary() or summary.get("complete_before_start"):
     return
   if summary["steps"] < config.num_steps:  # stopped early (stop_at_step): no summary.json yet
@@ -76,4 +77,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  cli.run(main)

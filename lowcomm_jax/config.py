@@ -1,12 +1,13 @@
 """The run configuration: every key with its default and meaning, and its validation.
 
-Experiment files in `experiments/configs/` start from `default_config()` and
-change values; they cannot add keys (`lock_config=True`), so a misspelt key
-is an error at the command line. `validate` checks values before any compute and before anything
-is written: one ValueError naming the option and its allowed values (each key's comment below gives
-its range); the sections an algorithm reads are checked by that algorithm's `check_config`
-(`lowcomm_jax.train.algorithms.ALGORITHMS`). A run's fingerprint (every key but RUNTIME_KEYS) must
-match to resume it.
+Experiment files in `experiments/configs/` start from `default_config()` and change values; they
+cannot add keys (`lock_config=True`), so a misspelt key is an error at the command line, where
+`lowcomm_jax.cli` names it in one line with the closest keys. `validate` checks values before any
+compute and before anything is written: one ValueError naming the option and its allowed values
+(each key's comment below gives its range); the sections an algorithm reads are checked by that
+algorithm's `check_config` (`lowcomm_jax.train.algorithms.ALGORITHMS`), and every section's values
+are range-checked whichever algorithm and gradient source run (a `noloco.gamma` of -1 is refused in
+a DiLoCo run too). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def default_config() -> ml_collections.ConfigDict:
       outer_learning_rate=0.7,  # β: step along the group-mean outer gradient, > 0
       outer_momentum=0.5,  # α: heavy-ball momentum of δ, in [0, 1)
       gamma=0.7,  # γ: pull of φ_i toward its group's mean slow weights, >= 0
-      num_groupings=16,  # random partitions drawn from `seed`; bounds the compiled programs
+      num_groupings=16,  # >= 1: random partitions drawn from `seed` (one outer program switches among them)
       codec="none",  # none (float32) | a diloco.codec name: the outer gradients' wire format
       codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2
   ))
@@ -139,16 +140,17 @@ def default_config() -> ml_collections.ConfigDict:
       order="gpipe",  # tick order: gpipe | 1f1b
       slots_per_step=2,  # K: micro-batches each replica starts per step (data.batch_size / K each)
       num_routings=4,  # random routings compiled; step t uses entry (t − 1) mod this
-      routing_seed=0,
+      routing_seed=0,  # seeds the random routings, in [0, 2**32)
   ))
   c.skippipe = ml_collections.ConfigDict(dict(  # gradients=skippipe (docs/algorithms.md §3.4)
       paths="",  # stage paths, one per micro-batch, e.g. "0-1-2,0-2-1"; "" plans them on `topology`
-      topology="gcp_12_regions",  # a lowcomm_jax.skippipe.topology preset for the scheduler
-      path_length=4,  # k: stages per path counting stage 0
-      microbatches_per_data_node=2,
-      placement_seed=0,
+      topology="gcp_12_regions",  # the scheduler's cluster: gcp_12_regions | gcp_42_nodes | homogeneous
+      path_length=4,  # k: stages per path counting stage 0, in [1, the topology's stages]
+      microbatches_per_data_node=2,  # >= 1
+      placement_seed=0,  # seeds the placement search, in [0, 2**32)
   ))
-  c.mesh = ml_collections.ConfigDict(dict(replica=1, data=-1, tensor=1, stage=1))  # -1: fill
+  # -1: fill. stage > 1 only with gradients=pipeline (mesh.stage = pipeline.num_stages).
+  c.mesh = ml_collections.ConfigDict(dict(replica=1, data=-1, tensor=1, stage=1))
   c.sharding = ml_collections.ConfigDict(dict(
       layout="replicated",  # replicated | fsdp | tensor | fsdp_tensor
   ))
@@ -259,6 +261,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   checks.require(c.nonfinite in ("raise", "skip"), "nonfinite", "raise or skip", c.nonfinite)
   _validate_gradients(c)
   algorithms.ALGORITHMS[c.algorithm].check_config(c)
+  algorithms.check_every_section(c)
 
 
 def _validate_tokenizer(c) -> None:
@@ -283,11 +286,12 @@ GRADIENTS = ("replicas", "skippipe", "pipeline")
 
 def _validate_gradients(c) -> None:
   checks.require(c.gradients in GRADIENTS, "gradients", f"one of {GRADIENTS}", c.gradients)
+  _validate_stage_sections(c)
   if c.gradients == "replicas":
+    checks.require(c.mesh.stage == 1, "mesh.stage", "1 unless gradients=pipeline (only the pipeline "
+                   "runs stages on devices; other axes would compute every step again)", c.mesh.stage)
     return
   p = c.pipeline
-  checks.require(p.num_stages >= 1, "pipeline.num_stages", ">= 1", p.num_stages)
-  checks.require(p.layers_per_stage >= 1, "pipeline.layers_per_stage", ">= 1", p.layers_per_stage)
   checks.require(c.diloco.num_fragments == 1, "diloco.num_fragments",
                  f"1 with gradients={c.gradients} (fragments are cut by layer, stages too)",
                  c.diloco.num_fragments)
@@ -306,16 +310,12 @@ def _validate_gradients(c) -> None:
                      f"a multiple of the {len(paths)} skippipe.paths (one micro-batch each)", c.data.batch_size)
     else:
       from lowcomm_jax.skippipe import topology  # pylint: disable=g-import-not-at-top
-      checks.require(callable(getattr(topology, c.skippipe.topology, None)), "skippipe.topology",
-                     "a preset of lowcomm_jax.skippipe.topology such as gcp_12_regions", c.skippipe.topology)
+      stages = len(topology.PRESETS[c.skippipe.topology]().stage_sizes)
+      checks.integer(c, "skippipe.path_length", 1, stages + 1,
+                     f" (stages per path counting stage 0; {c.skippipe.topology} has {stages} stages)")
     return
-  from lowcomm_jax.parallel import ticks  # pylint: disable=g-import-not-at-top
-  checks.require(p.routing in ("random", "fixed"), "pipeline.routing", "random or fixed", p.routing)
-  checks.require(p.order in ticks.ORDERS, "pipeline.order", f"one of {ticks.ORDERS}", p.order)
-  checks.require(p.slots_per_step >= 1 and c.data.batch_size % p.slots_per_step == 0,
-                 "pipeline.slots_per_step", f">= 1 and a divisor of data.batch_size={c.data.batch_size}",
-                 p.slots_per_step)
-  checks.require(p.num_routings >= 1, "pipeline.num_routings", ">= 1", p.num_routings)
+  checks.require(c.data.batch_size % p.slots_per_step == 0, "pipeline.slots_per_step",
+                 f"a divisor of data.batch_size={c.data.batch_size}", p.slots_per_step)
   checks.require(c.mesh.stage == p.num_stages, "mesh.stage",
                  f"pipeline.num_stages={p.num_stages} with gradients=pipeline", c.mesh.stage)
   checks.require(c.mesh.replica == c.num_replicas, "mesh.replica",
@@ -323,6 +323,26 @@ def _validate_gradients(c) -> None:
                  c.mesh.replica)
   checks.require(c.mesh.data == 1 and c.mesh.tensor == 1, "mesh.data and mesh.tensor",
                  "1 with gradients=pipeline", (c.mesh.data, c.mesh.tensor))
+
+
+def _validate_stage_sections(c) -> None:
+  """The `pipeline` and `skippipe` values that are wrong whatever the gradient source."""
+  from lowcomm_jax.parallel import ticks  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.skippipe import topology  # pylint: disable=g-import-not-at-top
+  p = c.pipeline
+  checks.integer(c, "pipeline.num_stages", 1)
+  checks.integer(c, "pipeline.layers_per_stage", 1)
+  checks.require(p.routing in ("random", "fixed"), "pipeline.routing", "random or fixed", p.routing)
+  checks.require(p.order in ticks.ORDERS, "pipeline.order", f"one of {ticks.ORDERS}", p.order)
+  checks.integer(c, "pipeline.slots_per_step", 1)
+  checks.integer(c, "pipeline.num_routings", 1)
+  checks.integer(c, "pipeline.routing_seed", 0, 2**32, " (it seeds the random routings)")
+  presets = tuple(topology.PRESETS)
+  checks.require(c.skippipe.topology in presets, "skippipe.topology",
+                 f"a preset of lowcomm_jax.skippipe.topology: one of {presets}", c.skippipe.topology)
+  checks.integer(c, "skippipe.path_length", 1, note=" (stages per path counting stage 0)")
+  checks.integer(c, "skippipe.microbatches_per_data_node", 1)
+  checks.integer(c, "skippipe.placement_seed", 0, 2**32, " (it seeds the placement search)")
 
 
 def model_config_of(c):

@@ -79,3 +79,38 @@ def collective_depends_on_compute(hlo_text: str) -> list[bool]:
       stack.extend(ops)
     results.append(depends)
   return results
+
+
+def _collectives_under(computations, name, seen) -> list[str]:
+  """The collective lines of computation `name` and of every computation it calls."""
+  if name in seen or name not in computations:
+    return []
+  seen.add(name)
+  lines = []
+  for op, _, called, text in computations[name].values():
+    if op in COLLECTIVE_OPS:
+      lines.append(text.strip())
+    for c in called:
+      lines.extend(_collectives_under(computations, c, seen))
+  return lines
+
+
+def conditional_branch_collectives(hlo_text: str) -> list[list[list[str]]]:
+  """For each `conditional` instruction: per branch, the collective lines that branch runs.
+
+  A conditional runs one branch, so collectives found here run only when their branch is taken
+  (a `select` between branches would run them all: those appear outside any conditional).
+  """
+  computations, _ = _parse(hlo_text)
+  return [[_collectives_under(computations, branch, set()) for branch in called]
+          for comp in computations.values() for op, _, called, _ in comp.values()
+          if op == "conditional"]
+
+
+def collectives_outside_conditionals(hlo_text: str) -> list[str]:
+  """The collective lines that run whatever branch a conditional takes (every program run)."""
+  computations, entry = _parse(hlo_text)
+  inside = {line for branches in conditional_branch_collectives(hlo_text)
+            for branch in branches for line in branch}
+  return [line for line in _collectives_under(computations, entry, set()) if line not in inside]
+

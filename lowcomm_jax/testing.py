@@ -346,3 +346,45 @@ def streaming_config(**changes):
           "diloco.num_fragments": 2, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5}
   base.update(changes)
   return tiny_config(**base)
+
+
+# -- float32 tolerances from what is summed (tests/test_model.py and every float32 comparison) ----
+
+FLOAT32_ROUNDOFF = 2.0**-24  # u: float32's unit roundoff
+
+
+def sum_error_bound(abs_sum, length: int, dtype=np.float32):
+  """Largest |a − b| between two evaluations of one sum of `length` terms in any order.
+
+  Each evaluation is within γ_n·Σ|term| of the exact sum (γ_n = n·u / (1 − n·u), Higham's bound for
+  a recursive sum or dot product of n terms, u the unit roundoff: any order, any blocking, FMA or
+  not), so two of them differ by at most 2·γ_n·Σ|term|. `abs_sum` is Σ|term| (an array: one bound
+  per element). Independent of the CPU: it holds for every order a vectorized kernel may pick.
+  """
+  u = float(np.finfo(dtype).eps) / 2
+  n = max(int(length), 1)
+  if n * u >= 1:
+    raise ValueError(f"a sum of {n} terms has no useful {np.dtype(dtype).name} error bound")
+  return 2 * (n * u / (1 - n * u)) * np.asarray(abs_sum, np.float64)
+
+
+def einsum_error_bound(spec: str, *operands):
+  """`sum_error_bound` of each element of `jnp.einsum(spec, *operands)`: Σ|a|·|b| over its
+  contracted indices (computed in float64), their count the sum's length."""
+  inputs, output = spec.replace(" ", "").split("->")
+  sizes = {}
+  for letters, x in zip(inputs.split(","), operands):
+    sizes.update(zip(letters, np.shape(x)))
+  length = math.prod(sizes[c] for c in sizes if c not in output)
+  magnitude = np.einsum(spec, *(np.abs(np.asarray(x, np.float64)) for x in operands))
+  return sum_error_bound(magnitude, length)
+
+
+def assert_within(actual, expected, bound, what: str = "") -> None:
+  """|actual − expected| ≤ bound elementwise (bound from `sum_error_bound`/`einsum_error_bound`)."""
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  excess = np.abs(actual - expected) - np.broadcast_to(bound, actual.shape)
+  worst = np.unravel_index(np.argmax(excess), excess.shape) if excess.size else ()
+  assert actual.shape == expected.shape and (excess.size == 0 or excess[worst] <= 0), (
+      f"{what}: |difference| over the float32 bound by {excess[worst]:.3g} at {worst}"
+      if excess.size else f"{what}: shapes {actual.shape} and {expected.shape}")

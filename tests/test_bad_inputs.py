@@ -29,6 +29,7 @@ DILOCO = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 4}
 STREAMING = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 6,
              "diloco.num_fragments": 2, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5}
 NOLOCO = {"algorithm": "noloco", "num_replicas": 2, "noloco.sync_every": 4, "mesh.data": 1}
+SKIPPIPE = {"gradients": "skippipe", "pipeline.num_stages": 6}
 
 # (config changes, the option the message must name, the allowed values it must state)
 CONFIG_CASES = [
@@ -133,6 +134,24 @@ CONFIG_CASES = [
     ({"data.tokenizer": "data/broken.model"}, "data.tokenizer", "is not a SentencePiece model"),
     ({"data.tokenizer": "data/no_such.json"}, "data.tokenizer", "no such file; allowed: 'bytes'"),
     ({"data.doc_chars": -1}, "data.doc_chars", "an integer >= 0"),
+    # a section the algorithm does not read is checked all the same
+    ({**DILOCO, "diloco.codec_rounding": "up"}, "diloco.codec_rounding", "nearest, stochastic"),
+    ({"diloco.codec_rounding": "up"}, "diloco.codec_rounding", "nearest, stochastic"),
+    ({"mesh.stage": 2}, "mesh.stage", "1 unless gradients=pipeline"),
+    ({**DILOCO, "noloco.gamma": -1.0}, "noloco.gamma", ">= 0"),
+    ({"noloco.outer_momentum": -0.5}, "noloco.outer_momentum", "[0, 1)"),
+    ({"noloco.num_groupings": 0}, "noloco.num_groupings", ">= 1"),
+    ({"diloco.merge_alpha": 2.0}, "diloco.merge_alpha", "[0, 1]"),
+    ({"diloco.overlap_steps": -1}, "diloco.overlap_steps", ">= 0"),
+    ({"outer_optimizer.momentum": -0.1}, "outer_optimizer.momentum", "[0, 1)"),
+    # options whose refusal must name them, before compute
+    ({**SKIPPIPE, "skippipe.topology": "reference_data"}, "skippipe.topology", "'gcp_12_regions'"),
+    ({**SKIPPIPE, "skippipe.placement_seed": -1}, "skippipe.placement_seed", "[0, 4294967296)"),
+    ({**SKIPPIPE, "skippipe.path_length": 0}, "skippipe.path_length", "an integer >= 1"),
+    ({**SKIPPIPE, "skippipe.path_length": 7}, "skippipe.path_length", "gcp_12_regions has 6 stages"),
+    ({"pipeline.routing_seed": -1}, "pipeline.routing_seed", "[0, 4294967296)"),
+    ({**STREAMING, "diloco.num_fragments": 1, "diloco.sync_every": 4,
+      "diloco.fragment_rules": "blocks/.*:0"}, "diloco.fragment_rules", "must cover every parameter"),
 ]
 
 
@@ -251,17 +270,70 @@ def test_the_binary_refuses_in_one_line_without_a_traceback(tmp_path):
   (tmp_path / "file").write_text("notes\n")
   (tmp_path / "broken").mkdir()
   (tmp_path / "broken" / "config.json").write_text("{")
-  for workdir, expected in [("", "--workdir must name a directory"),
-                            (tmp_path / "file", "is a file"),
-                            (tmp_path / "broken", "config.json that cannot be read")]:
+  tiny = f"--config={CONFIGS / 'dp.py'}:tiny"
+  for flags, expected in [
+      ([tiny, "--workdir="], "--workdir must name a directory"),
+      ([tiny, f"--workdir={tmp_path / 'file'}"], "is a file"),
+      ([tiny, f"--workdir={tmp_path / 'broken'}"], "config.json that cannot be read"),
+      # issue 30, item 10: a 53-line absl traceback before
+      ([tiny, f"--workdir={tmp_path / 'run'}", "--config.num_step=10"],
+       "--config.num_step: the config has no key 'num_step'; did you mean --config.num_steps"),
+      ([f"--config={CONFIGS}", f"--workdir={tmp_path / 'run'}"], "is a folder")]:
     before = tree_hash(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "train.py"), f"--config={CONFIGS / 'dp.py'}:tiny",
-         f"--workdir={workdir}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "train.py"), *flags],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert expected in proc.stderr and proc.stderr.startswith("ValueError: ")
     assert "Traceback" not in proc.stderr
     assert tree_hash(tmp_path) == before
+
+
+# Mistakes on an experiments/ binary's command line (lowcomm_jax.cli): (flags after the binary's
+# name, what its one line must say). {configs}: experiments/configs, {root}: the repository.
+FLAG_CASES = [
+    (["--config={configs}/dp.py:tiny", "--config.num_step=10"],
+     "--config.num_step: the config has no key 'num_step'; did you mean --config.num_steps"),
+    (["--config={configs}/dp.py:tiny", "--config.optimizer.learnin_rate=0.1"],
+     "did you mean --config.optimizer.learning_rate"),
+    (["--config={configs}/dp.py:tiny", "--config.noprogress_bar"], "did you mean --config.progress_bar"),
+    (["--config={configs}/dp.py:tiny", "--config.num_steps=abc"], "--config.num_steps=abc"),
+    (["--config={configs}/dp.py:tiny", "--bogus=1"], "Unknown command line flag 'bogus'"),
+    (["--config="], "--config must be a config file path[:variant]"),
+    (["--config={configs}"], "is a folder; give a config file"),
+    (["--config={configs}/no_such_file.py"], "no such file"),
+    (["--config={root}/README.md"], "is not a config file that Python runs (SyntaxError"),
+    (["--config={root}/lowcomm_jax/checks.py"], "defines no get_config()"),
+    (["--config={configs}/dp.py:huge"], "get_config('huge')"),
+]
+
+
+def _parse_as_train_py(argv):
+  """cli.parse_flags of `argv` with flags defined as experiments/train.py does, apart from absl's FLAGS."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax import cli  # pylint: disable=g-import-not-at-top
+  argv = ["train.py", *argv]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True,
+                                  flag_values=flag_values, sys_argv=argv)
+  flags.DEFINE_string("workdir", "run", "Run directory.", flag_values=flag_values)
+  cli.parse_flags(argv, flag_values)
+  return flag_values
+
+
+@pytest.mark.parametrize("argv,expected", FLAG_CASES)
+def test_command_line_mistakes_are_one_line_naming_the_flag(argv, expected):
+  with pytest.raises(SystemExit) as stop:
+    _parse_as_train_py([a.format(configs=CONFIGS, root=ROOT) for a in argv])
+  message = stop.value.code
+  assert isinstance(message, str) and message.startswith("ValueError: ") and "\n" not in message
+  assert expected in message, message
+
+
+def test_a_correct_command_line_parses_as_before():
+  parsed = _parse_as_train_py([f"--config={CONFIGS}/dp.py:tiny", "--config.num_steps=7",
+                               "--noconfig.progress_bar", "--workdir=w"])
+  assert (parsed.config.num_steps, parsed.config.progress_bar, parsed.workdir) == (7, False, "w")
 
 
 def test_hdee_refuses_with_the_fetch_command_when_corpora_are_missing(tmp_path):

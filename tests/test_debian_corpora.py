@@ -5,8 +5,10 @@ so only the first run on a machine downloads (about 6 MB here, a few seconds).
 """
 
 import os
+import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -85,3 +87,66 @@ def test_missing_package_lists_without_root_is_a_clear_error(monkeypatch):
   monkeypatch.setattr(debian.os, "geteuid", lambda: 1000)
   with pytest.raises(debian.FetchError, match=r"needs root\. Run 'sudo apt-get update'"):
     debian._apt_update_if_possible(["dict-gcide"], "E: Unable to locate package dict-gcide")
+
+
+def _built_deb(tmp_path, text: str):
+  """A real .deb (dpkg-deb -b) holding usr/share/doc/fake/text.txt."""
+  root = tmp_path / f"pkg_{text}"
+  (root / "DEBIAN").mkdir(parents=True)
+  (root / "DEBIAN" / "control").write_text(
+      "Package: fake\nVersion: 1.0\nArchitecture: all\nMaintainer: tests <t@example.org>\n"
+      "Description: a corpus of one file\n")
+  (root / "usr/share/doc/fake").mkdir(parents=True)
+  (root / "usr/share/doc/fake/text.txt").write_text(text)
+  deb = tmp_path / f"fake_{text}.deb"
+  subprocess.run(["dpkg-deb", "--root-owner-group", "-b", str(root), str(deb)], check=True,
+                 capture_output=True)
+  return deb
+
+
+def test_a_fetch_replaces_the_source_whole_or_not_at_all_one_fetcher_at_a_time(tmp_path):
+  """Two runs (or test sessions) fetching at once, and a fetch that dies half-way, never leave a
+  half-extracted source where readers look (they used to: `FileNotFoundError ... reboot.2.gz`)."""
+  if not shutil.which("dpkg-deb"):
+    pytest.skip("dpkg-deb is not installed")
+  read = lambda src: [("text", (src / "root/usr/share/doc/fake/text.txt").read_text())]
+  cache = tmp_path / "cache"
+  seen = {}
+
+  def render(src):  # runs after extraction, before the source is in place
+    seen["visible"] = (cache / "fake").exists()
+    if seen.get("fail"):
+      raise debian.FetchError("render failed")
+
+  source = debian.Source("fake", ("fake",), "one file", "none", "tests", read, render)
+  first = _built_deb(tmp_path, "first")
+  source.fetch(cache, debs={"fake": first})
+  assert seen["visible"] is False and source.documents(cache) == [("text", "first")]
+
+  # A forced fetch that fails half-way keeps the complete copy and leaves nothing behind.
+  seen["fail"] = True
+  with pytest.raises(debian.FetchError, match="render failed"):
+    source.fetch(cache, force=True, debs={"fake": _built_deb(tmp_path, "second")})
+  assert source.documents(cache) == [("text", "first")]
+  assert sorted(p.name for p in cache.iterdir()) == [".fake.lock", "fake"]
+
+  # While one fetch runs, a second waits for it and then finds the source fetched (it used to
+  # remove the first one's half-built folder and extract its own over it).
+  seen["fail"], second_done = False, []
+
+  def slow_render(src):
+    render(src)
+    second = threading.Thread(target=lambda: second_done.append(source.fetch(cache)))
+    second.start()
+    second.join(timeout=0.5)
+    seen["second_waited"] = second.is_alive()  # blocked on the lock this fetch holds
+    seen["second"] = second
+
+  slow = debian.Source("fake", ("fake",), "one file", "none", "tests", read, slow_render)
+  shutil.rmtree(cache / "fake")
+  record = slow.fetch(cache, debs={"fake": _built_deb(tmp_path, "third")})
+  seen["second"].join(timeout=30)
+  assert seen["second_waited"] and second_done == [record]
+  assert source.documents(cache) == [("text", "third")]
+  assert sorted(p.name for p in cache.iterdir()) == [".fake.lock", "fake"]
+

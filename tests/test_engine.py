@@ -121,7 +121,10 @@ def test_one_device_equals_the_mesh(case, tmp_path):
 def test_ledger_bytes_equal_the_collectives_of_the_compiled_program(case, tmp_path):
   # One replica per device and nothing else on the mesh, so every collective is the engine's.
   on_mesh = {} if case.startswith("pipeline") else {"mesh.replica": engine_config(case).num_replicas}
-  trainer = Trainer(engine_config(case, **on_mesh), tmp_path)
+  # NoLoCo's outer program holds one exchange per grouping, of which one runs: with one grouping
+  # the program's collectives are the step's (test_noloco_trainer checks each branch's against it).
+  one_grouping = {"noloco.num_groupings": 1} if case.endswith("noloco") else {}
+  trainer = Trainer(engine_config(case, **on_mesh, **one_grouping), tmp_path)
   state = trainer.init_state()
   for step in (1, ENGINE_CASES[case]["sync"]):
     route = trainer.source.route_at(step)

@@ -165,7 +165,7 @@ def test_parse_rules():
      r"diloco.sync_every \(H=5\) must be divisible by the number of fragments \(P=2"),
     ({"diloco.fragment_rules": "blocks/.*:0,.*:1", "diloco.num_fragments": 2},
      r"diloco.num_fragments must be 1 when diloco.fragment_rules is set"),
-    ({"diloco.fragment_rules": "attn.*:0,.*:1"}, r"diloco fragment rules \['attn.\*'\] match no parameter"),
+    ({"diloco.fragment_rules": "attn.*:0,.*:1"}, r"diloco.fragment_rules: the rules \['attn.\*'\] match no parameter"),
     ({"diloco.fragment_rules": ".*:0", "algorithm": "diloco"}, r"1/0/0/'' for algorithm=diloco"),
 ])
 def test_bad_fragment_rules_are_named_before_compute(tmp_path, changes, message):

@@ -6,7 +6,7 @@ import pytest
 
 from lowcomm_jax import codecs, config as config_lib, hlo
 from lowcomm_jax.train import Trainer
-from lowcomm_jax.testing import read_metrics, tiny_config
+from lowcomm_jax.testing import collective_bytes, read_metrics, tiny_config
 
 M, H = 4, 5
 
@@ -51,21 +51,37 @@ def test_replica_per_device_equals_simulated_replicas_and_logs_spread_and_replic
   assert a["bytes_sent_per_worker"]["peak_per_sync"] == 2 * 4 * n
 
 
-def test_compiled_steps_have_no_all_reduce_only_peer_permutations(tmp_path):
-  trainer = Trainer(noloco_config(**{"mesh.replica": M}), tmp_path, devices=jax.devices()[:M])
+def _pairs(lines) -> set:
+  """The (source, target) device pairs of collective-permute lines."""
+  pairs = set()
+  for line in lines:
+    for pair in line.split("source_target_pairs={")[1].split("}}")[0].strip("{}").split("},{"):
+      pairs.add(tuple(map(int, pair.split(","))))
+  return pairs
+
+
+def test_one_outer_program_runs_only_its_groupings_permutations(tmp_path):
+  groupings = 3
+  trainer = Trainer(noloco_config(**{"mesh.replica": M, "noloco.num_groupings": groupings}), tmp_path,
+                    devices=jax.devices()[:M])
   state = trainer.init_state()
   local, _ = trainer.program(trainer.algorithm.phase_at(1), state)
   assert collective_kinds(local) == set()
+  # Every outer step runs the same program: its grouping is picked inside it, from the step count.
+  assert len({trainer.algorithm.phase_at(H * k) for k in range(1, 4 * groupings)}) == 1
   sync, entries = trainer.program(trainer.algorithm.phase_at(H), state)
-  assert collective_kinds(sync) and collective_kinds(sync) <= {"collective-permute",
-                                                               "collective-permute-start"}
-  # Every permutation pairs devices of one group of the step's grouping, in both directions.
-  groups = {frozenset(map(int, g)) for g in trainer.algorithm.tx.groups_at(H)}
-  for line in hlo.collectives(sync.as_text()):
-    pairs = line.split("source_target_pairs={")[1].split("}}")[0].strip("{}").split("},{")
-    for pair in pairs:
-      src, dst = map(int, pair.split(","))
-      assert frozenset((src, dst)) in groups
+  text = sync.as_text()
+  # No collective runs on every outer step (no all-reduce over the replicas, nor any other): all are
+  # inside one conditional with a branch per grouping, each branch exchanging within its groups only.
+  assert hlo.collectives_outside_conditionals(text) == []
+  [branches] = [b for b in hlo.conditional_branch_collectives(text) if any(b)]
+  assert len(branches) == groupings
+  for grouping, lines in zip(trainer.algorithm.tx.pool, branches):
+    assert {line.split("=")[1].split("(")[0].split()[-1] for line in lines} <= {
+        "collective-permute", "collective-permute-start"}
+    assert _pairs(lines) == {(int(a), int(b)) for g in grouping for a in g for b in g if a != b}
+    # The ledger records the bytes of one branch, which are every branch's.
+    assert sum(map(collective_bytes, lines)) == sum(e.payload_bytes for e in entries)
   assert [(e.name, e.sent_bytes) for e in entries] == [
       ("noloco slow weights", 4 * trainer.num_params), ("noloco outer gradient", 4 * trainer.num_params)]
   # The virtual clock sees one pairwise exchange of both tensors per outer step, blocking the next step.

@@ -206,7 +206,7 @@ def test_regex_fragment_table():
   tx = lowcomm_jax.optim.StreamingDiLoCo(optax.sgd(0.1), optax.sgd(1.0),
                                          schedule_lib.make_schedule(3, 6), lambda p: frag_lib.rule_fragments(p, rules))
   run_replicas(tx, params, xs, loss_fn)
-  with pytest.raises(ValueError, match=r"rules \['emb.*'\] match no parameter"):
+  with pytest.raises(ValueError, match=r"diloco.fragment_rules: the rules \['emb.*'\] match no parameter"):
     frag_lib.rule_fragments(params, [("emb.*", 0), (".*", 1)])
-  with pytest.raises(ValueError, match=r"leave parameters uncovered: \['head'\]"):
+  with pytest.raises(ValueError, match=r"diloco.fragment_rules must cover every parameter, these match no rule: \['head'\]"):
     frag_lib.rule_fragments(params, [("blocks/.*", 0)])

@@ -70,3 +70,9 @@ def record(name: str, kind: str, payload_bytes: int, sent_bytes: float, num_work
   if ledger is not None:
     ledger.entries.append(Entry(name, kind, int(payload_bytes), float(sent_bytes), int(num_workers),
                                 int(repeats)))
+
+
+def add(entries) -> None:
+  """Adds `Entry`s recorded elsewhere (one traced branch of several alike) to the active ledger."""
+  for e in entries:
+    record(e.name, e.kind, e.payload_bytes, e.sent_bytes, e.num_workers, e.repeats)

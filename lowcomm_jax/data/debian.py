@@ -8,8 +8,10 @@ scripture, dictionaries, glossaries, manuals and man pages. `fetch` runs
 whose text needs decoding (the KJV Bible's compressed data file, read by the
 package's own ``bible`` program; Austen's R data; roff man pages, stripped of
 markup in Python) is decoded once at fetch time into ``<cache_dir>/<source>/text``.
-A marker file ``fetched.json`` is written last, so a half-finished fetch is never
-taken for a finished one.
+A source is built in a temporary folder beside its own, with the marker file
+``fetched.json`` written last, then renamed into place: readers see a complete source or none,
+and two processes fetching at once (two runs, two test sessions) take turns on a lock file
+instead of extracting over each other.
 
 Readers turn a fetched source into documents, ``(doc_id, text)`` pairs in a
 deterministic order (sorted paths, file order within a file).
@@ -39,7 +41,9 @@ Sources and their licences (from each package's ``copyright`` file):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import pathlib
@@ -167,6 +171,17 @@ def download_packages(packages: Sequence[str], work: pathlib.Path) -> dict[str, 
   return debs
 
 
+@contextlib.contextmanager
+def _exclusive(lock_path: pathlib.Path):
+  """Holds an exclusive lock on `lock_path` (released by the kernel if the process dies)."""
+  with open(lock_path, "a+b") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _extract(deb: pathlib.Path, root: pathlib.Path) -> None:
   result = run_command(["dpkg-deb", "-x", str(deb), str(root)])
   if result.returncode != 0:
@@ -231,21 +246,34 @@ class Source:
     folder = self.folder(cache_dir)
     if self.is_fetched(cache_dir) and not force:
       return json.loads((folder / _MARKER).read_text())
-    if folder.exists():
-      shutil.rmtree(folder)  # A half-finished or outdated earlier fetch.
-    folder.mkdir(parents=True)
-    with tempfile.TemporaryDirectory(dir=folder) as work:
-      if debs is None or not set(self.packages) <= set(debs):
-        debs = download_packages(self.packages, pathlib.Path(work))
-      for package in self.packages:
-        _extract(debs[package], folder / "root")
-      deb_sizes = {package: debs[package].stat().st_size for package in self.packages}
-    if self.render is not None:
-      self.render(folder)
-    record = {"source": self.name, "format": _CACHE_FORMAT, "deb_bytes": deb_sizes,
-              "disk_bytes": sum(p.stat().st_size for p in folder.rglob("*")
-                                if p.is_file() and not p.is_symlink())}
-    (folder / _MARKER).write_text(json.dumps(record, indent=1))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # One fetcher of this source at a time (two runs started together wait for the first), and
+    # the folder appears complete or not at all: built under a temporary name, then renamed, so
+    # a reader never sees a half-extracted source, even from a process killed mid-fetch.
+    with _exclusive(folder.parent / f".{self.name}.lock"):
+      if self.is_fetched(cache_dir) and not force:  # fetched while this process waited
+        return json.loads((folder / _MARKER).read_text())
+      partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{self.name}.partial-", dir=folder.parent))
+      try:
+        with tempfile.TemporaryDirectory(dir=partial) as work:
+          if debs is None or not set(self.packages) <= set(debs):
+            debs = download_packages(self.packages, pathlib.Path(work))
+          for package in self.packages:
+            _extract(debs[package], partial / "root")
+          deb_sizes = {package: debs[package].stat().st_size for package in self.packages}
+        if self.render is not None:
+          self.render(partial)
+        record = {"source": self.name, "format": _CACHE_FORMAT, "deb_bytes": deb_sizes,
+                  "disk_bytes": sum(p.stat().st_size for p in partial.rglob("*")
+                                    if p.is_file() and not p.is_symlink())}
+        (partial / _MARKER).write_text(json.dumps(record, indent=1))
+        if folder.exists():  # a half-finished or outdated earlier fetch: set aside, then removed
+          stale = pathlib.Path(tempfile.mkdtemp(prefix=f".{self.name}.stale-", dir=folder.parent))
+          os.replace(folder, stale / self.name)
+          shutil.rmtree(stale, ignore_errors=True)
+        os.replace(partial, folder)
+      finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return record
 
   def documents(self, cache_dir: str | os.PathLike | None = None) -> Documents:

@@ -206,11 +206,14 @@ def rule_fragments(params, rules) -> tuple[Fragment, ...]:
       unmatched.append(path)
   idle = [rules[i][0] for i, u in enumerate(used) if not u]
   if idle:
-    raise ValueError(f"diloco fragment rules {idle} match no parameter")
+    raise ValueError(f"diloco.fragment_rules: the rules {idle} match no parameter; every rule must "
+                     "match at least one parameter path")
   if unmatched:
-    raise ValueError(f"diloco fragment rules leave parameters uncovered: {unmatched}")
+    raise ValueError(f"diloco.fragment_rules must cover every parameter, these match no rule: "
+                     f"{unmatched}; a last rule '.*:<index>' takes the rest")
   count = max(leaves) + 1
   missing = [i for i in range(count) if i not in leaves]
   if missing:
-    raise ValueError(f"diloco fragment rules give no parameter to fragments {missing}")
+    raise ValueError(f"diloco.fragment_rules give no parameter to fragments {missing}; every index "
+                     "0..F-1 must get at least one")
   return tuple(Fragment(f"rule fragment {i}", tuple(leaves[i])) for i in range(count))

@@ -12,8 +12,10 @@ and Δ_j = φ_j − θ_j with static permutations (`lax.ppermute`), and each rep
 group of all M replicas and γ = 0 this is DiLoCo with heavy-ball outer momentum.
 
 Groupings come from a pool of `num_groupings` random partitions drawn from the seed; outer step k
-uses pool entry hash(seed, k) (`grouping_index`), so groupings vary from step to step, are reproducible, and a run
-compiles at most `num_groupings` + 1 programs whatever its length.
+uses pool entry hash(seed, k) (`grouping_index`), so groupings vary from step to step and are
+reproducible. A run compiles two programs whatever its length and pool size: the inner step, and
+the outer step, which picks its grouping's exchange with `lax.switch` on an index computed from the
+step count (not mapped over replicas), so only the taken grouping's permutations run.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ class NoLoCoState(NamedTuple):
 
 
 class NoLoCoPhase(NamedTuple):
-  """A step's program: `grouping` is the pool index of the outer step's partition, or None."""
+  """A step's program: `outer` when an outer step follows the inner one (its grouping is read
+  from the step count inside the program)."""
 
-  grouping: int | None = None
+  outer: bool = False
 
 
 def groupings(num_replicas: int, group_size: int, num_groupings: int, seed: int) -> np.ndarray:
@@ -84,14 +87,13 @@ class NoLoCo:
     return ((mixed >> 7) % len(self.pool)).astype(jnp.int32)
 
   def phase_at(self, step: int) -> NoLoCoPhase:
-    if step % self.sync_every:
-      return NoLoCoPhase()
-    return NoLoCoPhase(self.grouping_index(step // self.sync_every - 1))
+    return NoLoCoPhase(outer=step % self.sync_every == 0)
 
   def groups_at(self, step: int) -> np.ndarray | None:
     """The groups of the outer step taken after inner step `step` (1-based), or None."""
-    phase = self.phase_at(step)
-    return None if phase.grouping is None else self.pool[phase.grouping]
+    if step % self.sync_every:
+      return None
+    return self.pool[self.grouping_index(step // self.sync_every - 1)]
 
   def init(self, params) -> NoLoCoState:
     slow = jax.tree.map(lambda x: x.astype(jnp.float32), params)
@@ -114,24 +116,46 @@ class NoLoCo:
   def update(self, grads, state: NoLoCoState, params, phase=None, **extra_args):
     """`extra_args` go to the inner optimizer (e.g. `value=` for `optax.polyak_sgd`)."""
     if phase is not None:
-      return self._apply(NoLoCoPhase(*phase).grouping, grads, state, params, **extra_args)
-    s = state.count + 1
-    k = jnp.maximum(s // self.sync_every - 1, 0)
-    branch = jnp.where(s % self.sync_every == 0, 1 + self.grouping_index(k), 0)
-    branches = [functools.partial(self._apply, None, **extra_args)] + [
-        functools.partial(self._apply, g, **extra_args) for g in range(len(self.pool))]
-    return jax.lax.switch(branch, branches, grads, state, params)
+      return self._apply(NoLoCoPhase(*phase).outer, grads, state, params, **extra_args)
+    # The step count is the same on every replica (not mapped), so this stays a conditional.
+    outer = (state.count + 1) % self.sync_every == 0
+    branches = [functools.partial(self._apply, o, **extra_args) for o in (False, True)]
+    return jax.lax.switch(outer.astype(jnp.int32), branches, grads, state, params)
 
-  def _apply(self, grouping, grads, state: NoLoCoState, params, **extra_args):
+  def _group_means(self, outer_step, slow, delta):
+    """The group means of φ and Δ under outer step `outer_step`'s grouping (traced int).
+
+    One `lax.switch` branch per pool entry, each with its own static permutations; the index is
+    computed from the unmapped step count, so it is the same on every replica and only the taken
+    branch's collectives run (a batched index would turn the switch into a select that runs them
+    all). Every branch moves the same bytes, so the ledger records one branch's entries.
+    """
+    recorded = []
+
+    def exchange(groups, slow, delta):
+      with comm.Ledger().recording() as branch_ledger:
+        means = (comm.group_mean(slow, self.axis_name, groups, name="noloco slow weights"),
+                 comm.group_mean(delta, self.axis_name, groups, name="noloco outer gradient",
+                                 codec=self.codec))
+      recorded.append(branch_ledger.entries)
+      return means
+
+    branches = [functools.partial(exchange, groups) for groups in self.pool]
+    if len(branches) == 1:
+      means = branches[0](slow, delta)
+    else:
+      means = jax.lax.switch(self.grouping_index(outer_step), branches, slow, delta)
+    comm.ledger.add(recorded[0])
+    return means
+
+  def _apply(self, outer: bool, grads, state: NoLoCoState, params, **extra_args):
     inner_updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
     local = optax.apply_updates(params, inner_updates)
     slow, momentum, refused = state.slow, state.momentum, state.refused
-    if grouping is not None:
+    if outer:
       delta = jax.tree.map(lambda s, l: s - l.astype(jnp.float32), slow, local)
-      groups = self.pool[grouping]
-      group_slow = comm.group_mean(slow, self.axis_name, groups, name="noloco slow weights")
-      group_delta = comm.group_mean(delta, self.axis_name, groups, name="noloco outer gradient",
-                                    codec=self.codec)
+      outer_step = jnp.maximum((state.count + 1) // self.sync_every - 1, 0)
+      group_slow, group_delta = self._group_means(outer_step, slow, delta)
       momentum = jax.tree.map(
           lambda d, gd, s, gs: self.momentum * d - self.learning_rate * gd - self.gamma * (s - gs),
           momentum, group_delta, slow, group_slow)

@@ -202,7 +202,7 @@ class NoLoCoAlgorithm(_Phased):
     return self.tx.eval_params(state)
 
   def checks_refusals(self, phase) -> bool:
-    return phase.grouping is not None
+    return phase.outer
 
   def refused(self, state):
     return state.refused
@@ -211,7 +211,7 @@ class NoLoCoAlgorithm(_Phased):
     return [f"the slow weights of replica {i}" for i in range(self.num_replicas)]
 
   def diagnostics(self, state, phase) -> dict:
-    return {} if phase.grouping is None else {"weight_spread": weight_spread(state.slow)}
+    return {"weight_spread": weight_spread(state.slow)} if phase.outer else {}
 
   def final_diagnostics(self, state) -> dict:
     return {"final_weight_spread": weight_spread(state.slow)}
@@ -220,5 +220,5 @@ class NoLoCoAlgorithm(_Phased):
     """The pairwise exchange blocks the step after its outer step."""
     return [clock.CommEvent(step - 1, step, e.payload_bytes, "gossip", e.num_workers)
             for step in range(1, num_steps)
-            if self.phase_at(step).grouping is not None
+            if self.phase_at(step).outer
             for e in entries_of(self.phase_at(step))]

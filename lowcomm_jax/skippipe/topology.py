@@ -307,3 +307,7 @@ def random_heterogeneous(seed: int, stage_sizes=(4, 3, 3, 3), *,
       dp_bytes=float(DP_BYTES_PER_STAGE_1_5B), layers_per_stage=layers_per_stage,
       regions=tuple(f"region-{r}" for r in range(num_regions)),
       node_region=node_region)
+
+
+# The presets `skippipe.topology` may name: clusters built without arguments.
+PRESETS = {"gcp_12_regions": gcp_12_regions, "gcp_42_nodes": gcp_42_nodes, "homogeneous": homogeneous}

@@ -86,10 +86,16 @@ def _check_noloco(c) -> None:
                  f"1 (replicas simulated on shared devices) or num_replicas={c.num_replicas} "
                  "(one replica per device group) for algorithm=noloco", c.mesh.replica)
   checks.sync_every(n.sync_every, "noloco.sync_every", num_steps=c.num_steps)
+  _check_noloco_values(c)
+
+
+def _check_noloco_values(c) -> None:
+  """The `noloco` section's values that are wrong whatever the rest of the config says."""
   checks.number(c, "noloco.outer_learning_rate", 0, low_open=True)
   checks.number(c, "noloco.outer_momentum", 0, 1)
   checks.number(c, "noloco.gamma", 0)
-  checks.require(n.num_groupings >= 1, "noloco.num_groupings", ">= 1", n.num_groupings)
+  checks.integer(c, "noloco.group_size", 2)
+  checks.integer(c, "noloco.num_groupings", 1)
   _check_codec(c, "noloco")
 
 
@@ -120,19 +126,44 @@ def _check_streaming_diloco(c) -> None:
   checks.sync_every(d.sync_every, num_steps=c.num_steps, num_fragments=num_rows if d.staggered else 1)
   schedule.make_schedule(num_rows, d.sync_every, d.overlap_steps, d.merge_alpha, d.staggered,
                          d.overlap_anchor)
+  _check_diloco_values(c)
+  checks.require(not d.error_feedback or d.codec != "none", "diloco.error_feedback",
+                 "False unless diloco.codec is set", d.error_feedback)
+  _check_outer_optimizer(c)
+
+
+def _check_diloco_values(c) -> None:
+  """The `diloco` section's values that are wrong whatever the rest of the config says."""
+  d = c.diloco
   _check_codec(c, "diloco")
-  if d.codec != "none":
-    checks.require(d.codec_rounding in codec_base.ROUNDING_MODES, "diloco.codec_rounding",
-                   f"one of {', '.join(codec_base.ROUNDING_MODES)}", d.codec_rounding)
+  checks.require(d.codec_rounding in codec_base.ROUNDING_MODES, "diloco.codec_rounding",
+                 f"one of {', '.join(codec_base.ROUNDING_MODES)}", d.codec_rounding)
   checks.require(d.overlap_executor in overlap.OVERLAP_EXECUTORS, "diloco.overlap_executor",
                  f"one of {', '.join(overlap.OVERLAP_EXECUTORS)}", d.overlap_executor)
   checks.require(d.codec_kernels in codecs.KERNEL_MODES, "diloco.codec_kernels",
                  f"one of {codecs.KERNEL_MODES}", d.codec_kernels)
-  checks.require(not d.error_feedback or d.codec != "none", "diloco.error_feedback",
-                 "False unless diloco.codec is set", d.error_feedback)
+  checks.require(d.overlap_anchor in schedule.OVERLAP_ANCHORS, "diloco.overlap_anchor",
+                 f"one of {schedule.OVERLAP_ANCHORS}", d.overlap_anchor)
+  checks.integer(c, "diloco.num_fragments", 1)
+  checks.integer(c, "diloco.overlap_steps", 0)
+  checks.number(c, "diloco.merge_alpha", 0, 1, high_open=False)
+
+
+def _check_outer_optimizer(c) -> None:
   make_outer_optimizer(c.outer_optimizer)  # its name
   checks.number(c, "outer_optimizer.learning_rate", 0, low_open=True)
   checks.number(c, "outer_optimizer.momentum", 0, 1)
+
+
+def check_every_section(c: ml_collections.ConfigDict) -> None:
+  """The values of every algorithm's section, read or not by the config's algorithm.
+
+  A value that no algorithm accepts (`noloco.gamma=-1` in a DiLoCo run, `diloco.codec_rounding=up`
+  without a codec) is a mistake in the command line or the config file, not a harmless leftover.
+  """
+  _check_diloco_values(c)
+  _check_noloco_values(c)
+  _check_outer_optimizer(c)
 
 
 def _check_diloco(c) -> None:

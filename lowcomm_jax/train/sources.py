@@ -257,7 +257,7 @@ def stage_paths_of(config) -> np.ndarray:
   s = config.skippipe
   if s.paths:
     return training.check_stage_paths(parse_paths(s.paths), config.pipeline.num_stages)
-  topo = getattr(topology, s.topology)()
+  topo = topology.PRESETS[s.topology]()
   placed = placement.optimize_placement(topo, seed=s.placement_seed)
   skip = paths.SkipConfig(path_length=s.path_length, microbatches_per_data_node=s.microbatches_per_data_node)
   planned = training.check_stage_paths(scheduler.skippipe_schedule(topo, placed, skip).stage_paths(),
