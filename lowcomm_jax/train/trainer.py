@@ -285,7 +285,8 @@ class Trainer:
                                       enabled=distributed.is_primary())
     tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
     flops_per_token = model_config.flops_per_token(self.model_cfg, c.data.seq_len)
-    peak = mfu_lib.run_peak(c.hardware.peak_flops_per_device, self.mesh.devices.size)
+    peak = mfu_lib.run_peak(c.hardware.peak_flops_per_device, self.mesh.devices.size,
+                            self.mesh.devices.flat)
     eval_loss, eval_losses = None, {}
     throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start)
     # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
