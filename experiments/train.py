@@ -46,9 +46,12 @@ def main(argv):
     workdir_lib.check_path(_WORKDIR.value)
   except ValueError as error:
     sys.exit(f"ValueError: {error}")
-  distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
-                         _PROCESS_ID.value, config.distributed.timeout_seconds,
-                         config.distributed.init_timeout_seconds, _BIND.value)
+  try:  # bad flags, an unreachable coordinator, a failed join: one line naming the flag
+    distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
+                           _PROCESS_ID.value, config.distributed.timeout_seconds,
+                           config.distributed.init_timeout_seconds, _BIND.value)
+  except (ValueError, RuntimeError) as error:
+    sys.exit(f"{type(error).__name__}: {error}")
   from lowcomm_jax import train  # pylint: disable=g-import-not-at-top
   trainer = None
   try:
