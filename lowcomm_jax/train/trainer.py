@@ -113,10 +113,10 @@ class Trainer:
     return jax.jit(self._init_fn, out_shardings=self.state_shardings(abstract))(params)
 
   def _params_from(self, workdir: pathlib.Path):
-    model_cfg, params = checkpoint.read_eval_params(workdir)
+    model_cfg, params = checkpoint.restore_eval_params(workdir)  # sharded as that run had them
     if model_cfg != self.model_cfg:
       raise ValueError(f"init_from={str(workdir)!r} has model {model_cfg}, this run {self.model_cfg}")
-    return jax.tree.map(distributed.replicated_array, params, self.param_shardings)
+    return jax.device_put(params, self.param_shardings)  # resharded device to device
 
   def restore_latest(self) -> step_lib.TrainState:
     """The train state of this workdir's latest checkpoint."""
