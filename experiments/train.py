@@ -23,8 +23,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 _DISTRIBUTED = flags.DEFINE_enum(
     "distributed", "auto", ["auto", "on", "off"],
     "Multi-process runtime: on always joins (JAX detects TPU pod slices, SLURM, Open MPI when the "
-    "flags below are not given); auto joins when they are given, JAX_COORDINATOR_ADDRESS is set or "
-    "SLURM/Open MPI report several tasks; off runs one process.")
+    "flags below are not given); auto joins when they are given, JAX_COORDINATOR_ADDRESS is set, "
+    "SLURM/Open MPI report several tasks or this host is one of a multi-host TPU pod slice; off runs "
+    "one process. One process per node (SLURM, Open MPI) uses every local GPU (docs/clusters.md).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0's coordinator (all processes the same).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in the run.")
