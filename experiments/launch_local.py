@@ -99,23 +99,25 @@ def split_gpus(gpus: str, num_processes: int) -> list[str]:
   return [",".join(ids[i * per:(i + 1) * per]) for i in range(num_processes)]
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Runs a command (argv[2:]) as this same process (exec) after asking Linux for SIGTERM when the
+# launcher (pid argv[1]) ends: prctl(PR_SET_PDEATHSIG) survives the exec. A launcher already gone
+# by then means SIGTERM now. Done in the child rather than in a preexec_fn, which is not safe while
+# the launcher's output threads run.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
+if os.getppid() != int(sys.argv[1]):
+  os.kill(os.getpid(), signal.SIGTERM)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
-def _parent_death_signal():
-  """A preexec_fn that makes the child get SIGTERM when the launcher ends (Linux), else None."""
+def die_with_launcher(command: list[str]) -> list[str]:
+  """`command`, made to get SIGTERM when this process ends, SIGKILL included (Linux; elsewhere
+  unchanged, and the watchdog alone stops it)."""
   if not sys.platform.startswith("linux"):
-    return None
-  import ctypes  # pylint: disable=g-import-not-at-top
-  prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork: only a call after it
-  parent = os.getpid()
-
-  def set_signal():
-    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the launcher ended before the signal was set
-      os.kill(os.getpid(), signal.SIGTERM)
-
-  return set_signal
+    return command
+  return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
 # The watchdog: a separate process, so it outlives a launcher killed by SIGKILL. It polls its
@@ -123,18 +125,18 @@ def _parent_death_signal():
 _WATCHDOG = """
 import os, signal, sys, time
 launcher, grace, pids = int(sys.argv[1]), float(sys.argv[2]), [int(p) for p in sys.argv[3:]]
-def alive(pid):
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except FileNotFoundError:
-    return False
-  except OSError:
+def alive(pid):  # a zombie (ended, not yet reaped) is not alive
+  if os.path.isdir("/proc"):
     try:
-      os.kill(pid, 0)
-      return True
+      with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
       return False
+  try:
+    os.kill(pid, 0)
+    return True
+  except OSError:
+    return False
 def signal_all(signum):
   for pid in pids:
     try:
@@ -180,8 +182,7 @@ class Process:
     self.lines = collections.deque(maxlen=tail)
     self.silent_peers: set[int] = set()  # processes this one's runtime reported without heartbeat
     self.popen = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, errors="replace",
-                                  preexec_fn=_parent_death_signal())
+                                  stderr=subprocess.STDOUT, text=True, errors="replace")
     self.thread = threading.Thread(target=self._pump, daemon=True)
     self.thread.start()
 
@@ -247,7 +248,8 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
     for i in range(num_processes):
       command = [sys.executable, str(script), *train_args, f"--coordinator_address={address}",
                  f"--num_processes={num_processes}", f"--process_id={i}"]
-      processes.append(Process(i, wrap(i, command), child_env(devices, blocks[i]), tail, lock))
+      processes.append(Process(i, die_with_launcher(wrap(i, command)), child_env(devices, blocks[i]),
+                               tail, lock))
       with lock:
         gpu_note = f" on GPU {blocks[i]}" if blocks[i] is not None else ""
         print(f"launch_local: process {i} is pid {processes[-1].popen.pid}{gpu_note}", flush=True)

@@ -68,20 +68,26 @@ def test_processes_die_when_the_launcher_is_killed(tmp_path):
     launcher.kill()
 
 
-# A parent that starts a worker WITHOUT the parent-death signal and the launcher's watchdog for it.
+# A parent that starts a worker and one of the launcher's two guards: the watchdog alone (as on a
+# system without a parent-death signal), or the parent-death signal alone.
 _PARENT = """
 import subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 import launch_local
-worker = subprocess.Popen([sys.executable, "-c", sys.argv[2]], stdout=subprocess.DEVNULL)
-launch_local.start_watchdog([worker.pid], grace_seconds=5.0)
+worker, guard = [sys.executable, "-c", sys.argv[2]], sys.argv[3]
+if guard == "signal":
+  worker = launch_local.die_with_launcher(worker)
+worker = subprocess.Popen(worker, stdout=subprocess.DEVNULL)
+if guard == "watchdog":
+  launch_local.start_watchdog([worker.pid], grace_seconds=5.0)
 print(worker.pid, flush=True)
 time.sleep(600)
 """
 
 
-def test_the_watchdog_stops_orphans_where_no_parent_death_signal_is_set():
-  parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(ROOT / "experiments"), _WORKER],
+@pytest.mark.parametrize("guard", ["watchdog", "signal"])
+def test_each_guard_alone_stops_the_orphans(guard):
+  parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(ROOT / "experiments"), _WORKER, guard],
                             stdout=subprocess.PIPE, text=True)
   pid = None
   try:
@@ -91,7 +97,7 @@ def test_the_watchdog_stops_orphans_where_no_parent_death_signal_is_set():
     parent.kill()
     parent.wait(timeout=30)
     _wait_gone([pid], 20)
-    assert _gone(pid), "the worker outlived its parent by 20 s"
+    assert _gone(pid), f"the worker outlived its parent by 20 s with the {guard} alone"
   finally:
     if pid is not None:
       _kill_all([pid])
