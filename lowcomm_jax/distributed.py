@@ -8,6 +8,10 @@ is what the algorithm sends over `replica` (DiLoCo's outer all-reduce), plus the
 gathers of logged metrics and data positions below. CPU collectives go through gloo; GPUs use
 NCCL and TPUs ICI/DCN, chosen by JAX, never a transport of ours.
 
+Who joins and with which devices (`initialize_arguments`, docs/clusters.md): explicit flags, SLURM,
+Open MPI or a multi-host TPU pod slice; with one process per node each process uses every local
+accelerator (JAX's own detection would give it only the one numbered by its local rank).
+
 A process that stops answering is found by the runtime's heartbeats: after
 `distributed.timeout_seconds` without one, every other process stops with an error naming it
 (see `initialize`), instead of waiting in a collective forever.
