@@ -31,6 +31,8 @@ import os
 import re
 import signal
 import socket
+import sys
+import threading
 import time
 import weakref
 
@@ -281,6 +283,15 @@ def initialize(mode: str = "auto", coordinator_address: str | None = None,
   if address is not None and arguments["process_id"] not in (None, 0):
     wait_for_coordinator(address, init_timeout_seconds, flag)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # JAX's runtime aborts the process (a C++ check failure) when not every process registered in
+  # time; it is given a margin, and a watcher ends the process first with one line that says why.
+  joined = _exit_unless_joined(
+      init_timeout_seconds,
+      f"RuntimeError: not every one of the {arguments['num_processes'] or 'expected'} processes "
+      f"joined through the coordinator at {address} ({flag}) within "
+      f"distributed.init_timeout_seconds={init_timeout_seconds} s; start them all (the same "
+      "--num_processes, each its own --process_id) or raise distributed.init_timeout_seconds")
+  arguments["initialization_timeout"] = int(init_timeout_seconds) + _JOIN_MARGIN_SECONDS
   try:
     jax.distributed.initialize(**arguments)
   except Exception as error:  # pylint: disable=broad-except
@@ -288,7 +299,27 @@ def initialize(mode: str = "auto", coordinator_address: str | None = None,
     raise RuntimeError(f"could not join the run through the coordinator at {address} ({flag}) "
                        f"within distributed.init_timeout_seconds={init_timeout_seconds}: "
                        f"{first}") from error
+  finally:
+    joined.set()
   return jax.process_count() > 1
+
+
+_JOIN_MARGIN_SECONDS = 30  # JAX's own deadline comes this much after ours
+
+
+def _exit_unless_joined(seconds: float, message: str) -> threading.Event:
+  """An event to set once joined; unless it is set within `seconds`, the process prints `message`
+  to stderr and exits with status 1 (the runtime would abort it a little later anyway)."""
+  joined = threading.Event()
+
+  def watch():
+    if not joined.wait(seconds):
+      sys.stderr.write(message + "\n")
+      sys.stderr.flush()
+      os._exit(1)  # pylint: disable=protected-access
+
+  threading.Thread(target=watch, name="lowcomm_jax join deadline", daemon=True).start()
+  return joined
 
 
 # The exit status of a run stopped by a preemption notice after saving (128 + SIGTERM, as a shell

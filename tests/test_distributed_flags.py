@@ -164,6 +164,12 @@ def test_an_unreachable_coordinator_is_named_within_the_timeout(monkeypatch):
       "--config.distributed.init_timeout_seconds=2"],
      "RuntimeError: no coordinator answered at 127.0.0.1:PORT (--coordinator_address) within "
      "distributed.init_timeout_seconds=2 s"),
+    # process 0 alone: the runtime would abort it (a C++ check failure, status 134)
+    (["--coordinator_address=127.0.0.1:PORT", "--num_processes=2", "--process_id=0",
+      "--config.distributed.init_timeout_seconds=2"],
+     "RuntimeError: not every one of the 2 processes joined through the coordinator at "
+     "127.0.0.1:PORT (--coordinator_address) within distributed.init_timeout_seconds=2 s; start "
+     "them all"),
 ])
 def test_the_binary_reports_distributed_errors_in_one_line(tmp_path, flags, line):
   port = str(_closed_port())
@@ -173,4 +179,5 @@ def test_the_binary_reports_distributed_errors_in_one_line(tmp_path, flags, line
       capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert proc.stderr.strip().splitlines()[-1].startswith(line.replace("PORT", port)), proc.stderr[-2000:]
-  assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+  assert "Traceback" not in proc.stderr and "Check failure" not in proc.stderr
+  assert not (tmp_path / "run").exists()
