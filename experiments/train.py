@@ -25,8 +25,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 _DISTRIBUTED = flags.DEFINE_enum(
     "distributed", "auto", ["auto", "on", "off"],
     "Multi-process runtime: on always joins (JAX detects TPU pod slices, SLURM, Open MPI when the "
-    "flags below are not given); auto joins when they are given, JAX_COORDINATOR_ADDRESS is set or "
-    "SLURM/Open MPI report several tasks; off runs one process.")
+    "flags below are not given); auto joins when they are given, JAX_COORDINATOR_ADDRESS is set, "
+    "SLURM/Open MPI report several tasks or this host is one of a multi-host TPU pod slice; off runs "
+    "one process. One process per node (SLURM, Open MPI) uses every local GPU (docs/clusters.md).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0's coordinator (all processes the same).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in the run.")
@@ -46,9 +47,12 @@ def main(argv):
   # Bad values fail before any process waits for another, in one line (cli.run shows the ValueError).
   config_lib.validate(config)
   workdir_lib.check_path(_WORKDIR.value)
-  distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
-                         _PROCESS_ID.value, config.distributed.timeout_seconds,
-                         config.distributed.init_timeout_seconds, _BIND.value)
+  try:  # bad flags, an unreachable coordinator, a failed join: one line naming the flag
+    distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
+                           _PROCESS_ID.value, config.distributed.timeout_seconds,
+                           config.distributed.init_timeout_seconds, _BIND.value)
+  except RuntimeError as error:
+    sys.exit(f"RuntimeError: {error}")
   from lowcomm_jax import train  # pylint: disable=g-import-not-at-top
   trainer = None
   try:

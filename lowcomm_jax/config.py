@@ -160,7 +160,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.stop_at_step = -1  # stop (with a checkpoint) after this step; -1 runs to num_steps
   c.progress_bar = True  # a tqdm bar on a terminal; plain log lines otherwise
   c.hardware = ml_collections.ConfigDict(dict(
-      peak_flops_per_device=0.0,  # for MFU (train/mfu.py), >= 0; 0 measures the host's float32 matmul (CPU: per CPU-second)
+      peak_flops_per_device=0.0,  # for MFU (train/mfu.py), >= 0; 0: the chip's bf16 datasheet peak by device_kind (mfu.BF16_PEAKS), else the host's measured float32 matmul (CPU: per CPU-second)
       step_seconds=0.0,  # compute seconds per step for the virtual clock, >= 0; 0: as measured
   ))
   # Virtual clock: "" (off), a preset (datacenter, cross_region, internet, home) or

@@ -390,6 +390,14 @@ def test_sync_every_knows_the_run_length_and_the_fragments():
 
 @pytest.mark.parametrize("bind,message", [
     ("127.0.0.1", "--coordinator_bind_address must be host:port"),
+    ("::1", "--coordinator_bind_address must be host:port .*an IPv6 address goes in brackets"),
+    ("::1:1234", "--coordinator_bind_address .*an IPv6 address goes in brackets"),
+    ("[::1]", "--coordinator_bind_address must be host:port"),
+    ("[not-ipv6]:1234", "--coordinator_bind_address .*'not-ipv6' in brackets is not an IPv6 address"),
+    ("127.0.0.1:0", r"--coordinator_bind_address must be host:port with a port in 1\.\.65535"),
+    ("127.0.0.1:65536", r"--coordinator_bind_address must be host:port with a port in 1\.\.65535"),
+    ("127.0.0.1:http", r"--coordinator_bind_address must be host:port with a port in 1\.\.65535"),
+    ("bad host:1234", "--coordinator_bind_address .*'bad host' is not a host name or address"),
 ])
 def test_bad_bind_address_is_named(bind, message):
   with pytest.raises(ValueError, match=message):

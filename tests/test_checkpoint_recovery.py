@@ -170,3 +170,29 @@ def test_init_from_starts_from_the_evaluated_parameters_of_the_latest_checkpoint
     for a, b in zip(leaves, jax.tree.leaves(evaluated), strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert not (tmp_path / "next").exists()  # reading another run writes nothing
+
+
+def test_init_from_restores_sharded_onto_the_mesh(tmp_path):
+  """A 2-replica DiLoCo run with FSDP parameters (mesh 2 × 4) starts a dp run laid out over 8
+  devices: the state is restored in the first run's layout, never gathered on one device, and the
+  new run's parameters are its own shardings with the evaluated values."""
+  first = Trainer(tiny_config(**{"algorithm": "diloco", "num_replicas": 2, "mesh.replica": 2,
+                                 "diloco.sync_every": 2, "sharding.layout": "fsdp", "num_steps": 2,
+                                 "checkpoint.every": 2, "eval.num_batches": 1}), tmp_path / "first")
+  first.run()
+  evaluated = jax.device_get(first.algorithm.eval_params(first.final_state.params,
+                                                         first.final_state.opt_state))
+  _, restored = checkpoint.restore_eval_params(tmp_path / "first")
+  for leaf, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(first.param_shardings),
+                            strict=True):
+    assert leaf.sharding == expected  # the first run's layout: its mesh, embed over `data`
+  embedding = max(jax.tree.leaves(restored), key=lambda x: x.size)
+  assert len(embedding.sharding.device_set) == 8
+  assert max(s.data.size for s in embedding.addressable_shards) == embedding.size // 4  # FSDP over 4
+  follow_up = Trainer(tiny_config(**{"sharding.layout": "fsdp", "init_from": str(tmp_path / "first")}),
+                      tmp_path / "next")
+  initial = follow_up.init_params()
+  for leaf, sharding, expected in zip(jax.tree.leaves(initial), jax.tree.leaves(follow_up.param_shardings),
+                                      jax.tree.leaves(evaluated), strict=True):
+    assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    np.testing.assert_array_equal(np.asarray(leaf), expected)

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -30,6 +31,32 @@ def test_declared_peak_counts_once_per_device_on_the_wall_clock():
   peak = mfu.run_peak(1e9, 4)
   assert peak.clock == "wall" and peak.flops_per_second == 4e9
   assert peak.mfu(flops=1000 * 2e6, wall_seconds=1.0, cpu_seconds=123.0) == 0.5
+
+
+@pytest.mark.parametrize("kind,peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("TPU v4", 275e12), ("TPU v5 lite", 197e12),
+    ("TPU v5", 459e12), ("TPU v5p", 459e12), ("TPU v6 lite", 918e12), ("Tesla T4", None),
+])
+def test_datasheet_peak_by_device_kind(kind, peak):
+  assert mfu.datasheet_peak(kind) == peak
+
+
+def _devices(platform, *kinds):
+  return [types.SimpleNamespace(platform=platform, device_kind=k) for k in kinds]
+
+
+def test_accelerator_peak_from_the_table_unless_declared():
+  h100 = _devices("gpu", *["NVIDIA H100 80GB HBM3"] * 8)
+  peak = mfu.run_peak(0.0, 8, h100)
+  assert peak.clock == "wall" and peak.flops_per_second == 8 * 989e12
+  assert mfu.run_peak(5e14, 8, h100).flops_per_second == 8 * 5e14  # the config key overrides
+  # An unknown chip, or chips of two kinds, fall back to the measured matmul on the wall clock.
+  for devices in (_devices("gpu", "Tesla T4"), _devices("gpu", "NVIDIA H100 PCIe", "NVIDIA A100")):
+    fallback = mfu.run_peak(0.0, len(devices), devices)
+    assert fallback.clock == "wall" and fallback.flops_per_second == mfu.host_peak().flops_per_second
+  cpu = mfu.run_peak(0.0, 8, _devices("cpu", *["cpu"] * 8))  # CPU keeps the CPU-second peak
+  assert cpu.clock == "cpu" and cpu.flops_per_cpu_second == mfu.host_peak().flops_per_cpu_second
 
 
 def test_cpu_mfu_is_flops_per_cpu_second_over_the_matmuls():

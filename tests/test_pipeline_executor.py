@@ -221,3 +221,33 @@ def test_grid_optimizer_noloco_pairs_replicas_within_each_stage():
   want = optax.apply_updates(params_R, updates)
   for g, w in zip(jax.tree.leaves(stages.from_grid(new_grid)), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("platform,cached", [("cpu", False), ("gpu", True), ("tpu", True)])
+def test_the_pipeline_bypasses_the_persistent_compilation_cache_only_on_cpu(tmp_path, platform, cached):
+  """The CPU workaround (a cached pipeline program segfaults when loaded back on XLA:CPU) must not
+  cost accelerators their compilation cache: there the program is written to it."""
+  from jax._src import compilation_cache
+  before = {name: getattr(jax.config, name) for name in (
+      "jax_compilation_cache_dir", "jax_enable_compilation_cache",
+      "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")}
+  cache = tmp_path / "cache"
+  try:
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()
+    source = types.SimpleNamespace(mesh=types.SimpleNamespace(
+        devices=np.array([types.SimpleNamespace(platform=platform)])))
+    lowered = jax.jit(lambda x: x * 3.0 + float(len(platform))).lower(jnp.ones(7))  # a new program
+    entries = lambda: set(cache.iterdir()) if cache.exists() else set()
+    before_compile = entries()
+    compiled = sources.PipelineGradients.compile(source, lowered)
+    assert bool(entries() - before_compile) == cached
+    assert compilation_cache.is_persistent_cache_enabled()  # left as it was
+    np.testing.assert_array_equal(compiled(np.ones(7, np.float32)), np.full(7, 3.0 + len(platform)))
+  finally:
+    for name, value in before.items():
+      jax.config.update(name, value)
+    compilation_cache.reset_cache()

@@ -157,38 +157,52 @@ class Checkpointer:
     self.manager.close()
 
 
-def read_eval_params(workdir) -> tuple:
-  """(model config, evaluated parameters as host arrays) of the latest intact checkpoint of a run.
+def restore_eval_params(workdir) -> tuple:
+  """(model config, evaluated parameters) of the latest intact checkpoint of a run, as sharded
+  global arrays.
 
   The evaluated parameters are what the run evaluates: replica 0's (DiLoCo after its last outer
   step: all replicas equal), the global φ, or NoLoCo's mean slow weights (`eval_params`). Reads the
-  run's config.json and checkpoints only, on this process's first device.
+  run's config.json and checkpoints only. The train state is restored laid out as that run laid
+  it out (its mesh over this job's devices, its sharding layout), so no device holds more of it
+  than the run's own devices did, and the parameters come out sharded by the run's layout.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax import config as config_lib, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax import config as config_lib, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train import algorithms, sources, step as step_lib  # pylint: disable=g-import-not-at-top
   workdir = pathlib.Path(workdir)
   c = config_lib.load_run_config(workdir)
   model_cfg = config_lib.model_config_of(c)
-  graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0))),
-                                        nnx.Param)
+  abstract_model = nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0)))
+  graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   abstract_params = abstract_params.to_pure_dict()
   algorithm = algorithms.make_algorithm(c, c.num_replicas, abstract_params)
+  mesh = mesh_lib.make_mesh(c.mesh.to_dict())
   # The run's own gradient source knows its state's layout (stacked replicas, or the pipeline grid).
-  source = sources.make_source(c, graphdef, model_cfg, algorithm, mesh_lib.make_mesh(c.mesh.to_dict()))
+  source = sources.make_source(c, graphdef, model_cfg, algorithm, mesh)
+  param_specs = sharding.param_specs(llama.logical_axes(abstract_model), abstract_params,
+                                     sharding.rules_for(c.sharding.layout), mesh)
 
   def init(params):
     params_r, opt_state = source.init(params)
     return step_lib.TrainState(params_r, opt_state, jax.numpy.zeros((), jax.numpy.int32))
 
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                          jax.eval_shape(init, abstract_params))
+  abstract_state = jax.eval_shape(init, abstract_params)
+  shardings = source.state_shardings(abstract_state, param_specs, abstract_params)
+  template = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                          abstract_state, shardings)
   ckpt = Checkpointer(workdir, c.checkpoint.keep)
   restored = ckpt.restore_latest(template)
   ckpt.close()
   if restored is None:
     raise ValueError(f"init_from={str(workdir)!r} has no intact checkpoint to start from")
-  state = restored[1]
-  return model_cfg, jax.device_get(jax.jit(source.eval_params)(state))
+  evaluate = jax.jit(source.eval_params, out_shardings=sharding.named(mesh, param_specs))
+  return model_cfg, evaluate(restored[1])
+
+
+def read_eval_params(workdir) -> tuple:
+  """(model config, evaluated parameters as host arrays) of the latest intact checkpoint of a run
+  (`restore_eval_params`); every process must call it together."""
+  model_cfg, params = restore_eval_params(workdir)
+  return model_cfg, distributed.fetch(params)

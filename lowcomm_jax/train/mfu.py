@@ -18,12 +18,15 @@ One definition for the Trainer and every benchmark (`RunPeak.mfu`, `cpu_mfu`):
   wall-clock form divided a step's wall time under one load by a peak measured once at start
   under another, and logged MFU > 1. It is 1 for a step that does only that matmul, and below 1
   for one that moves data, waits on the Python loop, or idles threads.
-- On accelerators with a datasheet peak (`hardware.peak_flops_per_device` > 0), per wall-second:
+- On accelerators, per wall-second:
 
     MFU = (F / T) / (peak per device · devices)
 
-  T: wall seconds. An accelerator without a declared peak divides by the same matmul's measured
-  wall-clock rate on every local device × processes (its CPU-seconds do not count device work).
+  T: wall seconds; the peak per device is `hardware.peak_flops_per_device` when set (> 0), else
+  the chip's dense bfloat16 datasheet peak looked up by its `device_kind` in `BF16_PEAKS`
+  (`datasheet_peak`). An accelerator the table does not know divides by the same matmul's
+  measured wall-clock rate on every local device × processes (its CPU-seconds do not count device
+  work); set `hardware.peak_flops_per_device` for it.
 
 The peak is that of the whole host, not one device's times the device count: XLA's CPU backend
 runs every (fake) device of a process on one shared pool of threads, so one device's matmul
@@ -39,6 +42,31 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+
+# Dense (no structured sparsity) bfloat16 matmul FLOP/s per JAX device, from the vendors'
+# datasheets, keyed by a lower-case substring of `jax.Device.device_kind`; the first match wins, so
+# a variant comes before its family. On every TPU listed one JAX device is one chip.
+BF16_PEAKS: tuple[tuple[str, float], ...] = (
+    ("h100 pcie", 756e12),  # NVIDIA H100 PCIe
+    ("h100 nvl", 835e12),  # NVIDIA H100 NVL
+    ("h100", 989e12),  # NVIDIA H100 SXM ("NVIDIA H100 80GB HBM3")
+    ("h200", 989e12),  # NVIDIA H200 SXM
+    ("a100", 312e12),  # NVIDIA A100, SXM and PCIe, 40 and 80 GB
+    ("tpu v4", 275e12),  # TPU v4 ("TPU v4")
+    ("tpu v5 lite", 197e12),  # TPU v5e ("TPU v5 lite")
+    ("tpu v5e", 197e12),
+    ("tpu v5p", 459e12),
+    ("tpu v5", 459e12),  # TPU v5p reports "TPU v5"
+    ("tpu v6 lite", 918e12),  # TPU v6e, Trillium ("TPU v6 lite")
+    ("tpu v6e", 918e12),
+)
+
+
+def datasheet_peak(device_kind: str) -> float | None:
+  """The dense bfloat16 peak FLOP/s of one device of this `device_kind` (`BF16_PEAKS`), or None."""
+  kind = device_kind.lower()
+  return next((peak for key, peak in BF16_PEAKS if key in kind), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +130,21 @@ class RunPeak:
     return flops / wall_seconds / self.flops_per_second
 
 
-def run_peak(peak_flops_per_device: float, num_devices: int) -> RunPeak:
-  """The run's peak: a declared per-device peak × devices (accelerators whose datasheet peak is
-  known, wall clock); on CPU the measured host matmul in CPU-seconds; on an accelerator without a
-  declared peak, the measured host matmul per wall-second × processes."""
+def run_peak(peak_flops_per_device: float, num_devices: int, devices=None) -> RunPeak:
+  """The run's peak, on the wall clock unless on CPU: a declared per-device peak × devices; else,
+  on an accelerator whose `device_kind` is in `BF16_PEAKS`, its datasheet peak × devices; on CPU
+  the measured host matmul in CPU-seconds; on another accelerator, the measured host matmul per
+  wall-second × processes. `devices`: the run's devices (default every device)."""
   processes = jax.process_count()
   if peak_flops_per_device > 0:
     return RunPeak("wall", peak_flops_per_device * num_devices, processes=processes)
+  devices = list(devices if devices is not None else jax.devices())
+  if devices[0].platform != "cpu":
+    known = {datasheet_peak(d.device_kind) for d in devices}
+    if len(known) == 1 and None not in known:  # one known chip throughout
+      return RunPeak("wall", known.pop() * num_devices, processes=processes)
   measured = host_peak()
-  if jax.default_backend() == "cpu":
+  if devices[0].platform == "cpu":
     return RunPeak("cpu", measured.flops_per_cpu_second * usable_cores() * processes,
                    measured.flops_per_cpu_second, processes)
   return RunPeak("wall", measured.flops_per_second * processes, processes=processes)

@@ -180,13 +180,14 @@ class PipelineGradients:
             for step in range(1, num_steps + 1) for e in entries_at(step)
             if e.kind == "ppermute" and e.name.startswith("pipeline") for _ in range(e.repeats)]
 
-  @staticmethod
-  def compile(lowered):
-    """Compiles without the persistent compilation cache: on CPU (jax 0.10.2) this step's program
-    (pipeline permutes and NoLoCo's permutes in one shard_map'd program), loaded back from the cache,
-    segfaults on its first run; compiled fresh it runs and matches the former pipeline loop."""
+  def compile(self, lowered):
+    """Compiles without the persistent compilation cache on CPU: there (jax 0.10.2) this step's
+    program (pipeline permutes and NoLoCo's permutes in one shard_map'd program), loaded back from
+    the cache, segfaults on its first run; compiled fresh it runs and matches the former pipeline
+    loop. Other backends keep the cache (their compiles are the slow ones)."""
     from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
-    if not compilation_cache.is_persistent_cache_enabled():
+    on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+    if not on_cpu or not compilation_cache.is_persistent_cache_enabled():
       return lowered.compile()
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()

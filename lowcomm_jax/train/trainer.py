@@ -113,10 +113,10 @@ class Trainer:
     return jax.jit(self._init_fn, out_shardings=self.state_shardings(abstract))(params)
 
   def _params_from(self, workdir: pathlib.Path):
-    model_cfg, params = checkpoint.read_eval_params(workdir)
+    model_cfg, params = checkpoint.restore_eval_params(workdir)  # sharded as that run had them
     if model_cfg != self.model_cfg:
       raise ValueError(f"init_from={str(workdir)!r} has model {model_cfg}, this run {self.model_cfg}")
-    return jax.tree.map(distributed.replicated_array, params, self.param_shardings)
+    return jax.device_put(params, self.param_shardings)  # resharded device to device
 
   def restore_latest(self) -> step_lib.TrainState:
     """The train state of this workdir's latest checkpoint."""
@@ -290,7 +290,8 @@ class Trainer:
                                       enabled=distributed.is_primary())
     tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
     flops_per_token = model_config.flops_per_token(self.model_cfg, c.data.seq_len)
-    peak = mfu_lib.run_peak(c.hardware.peak_flops_per_device, self.mesh.devices.size)
+    peak = mfu_lib.run_peak(c.hardware.peak_flops_per_device, self.mesh.devices.size,
+                            self.mesh.devices.flat)
     eval_loss, eval_losses = None, {}
     throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start)
     # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
