@@ -25,3 +25,17 @@ class ByteTokenizer:
       parts.append(self.encode(text.replace("\x00", "")))
       parts.append(np.array([DOC_SEPARATOR], np.uint8))
     return np.concatenate(parts) if parts else np.zeros((0,), np.uint8)
+
+  def files(self) -> list:
+    """Files that define the tokenizer (to copy next to an exported model): none for bytes."""
+    return []
+
+
+TOKENIZERS = ("bytes",)
+
+
+def load_tokenizer(spec: str = "bytes") -> ByteTokenizer:
+  """The tokenizer `data.tokenizer` names: "bytes" (UTF-8 bytes, vocabulary 256)."""
+  if spec != "bytes":
+    raise ValueError(f"data.tokenizer must be one of {TOKENIZERS}, got {spec!r}")
+  return ByteTokenizer()
