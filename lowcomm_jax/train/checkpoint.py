@@ -157,19 +157,29 @@ class Checkpointer:
     self.manager.close()
 
 
-def read_eval_params(workdir) -> tuple:
+def read_eval_params(workdir, replica: int | None = None, option: str = "init_from") -> tuple:
   """(model config, evaluated parameters as host arrays) of the latest intact checkpoint of a run.
 
   The evaluated parameters are what the run evaluates: replica 0's (DiLoCo after its last outer
-  step: all replicas equal), the global φ, or NoLoCo's mean slow weights (`eval_params`). Reads the
-  run's config.json and checkpoints only, on this process's first device.
+  step: all replicas equal), the global φ, or NoLoCo's mean slow weights (`eval_params`); with
+  `replica`, that replica's own current parameters θ_i instead. Reads the run's config.json and
+  checkpoints only, on this process's first device, and writes nothing. `option` names the flag or
+  key that gave `workdir` in the errors.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from lowcomm_jax import config as config_lib, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train import algorithms, sources, step as step_lib  # pylint: disable=g-import-not-at-top
   workdir = pathlib.Path(workdir)
-  c = config_lib.load_run_config(workdir)
+  if not (workdir / "config.json").is_file() or not (workdir / "checkpoints").is_dir():
+    raise ValueError(f"{option}={str(workdir)!r} holds no config.json and checkpoints/ of a run")
+  try:
+    c = config_lib.load_run_config(workdir)
+  except (ValueError, KeyError, TypeError) as error:
+    raise ValueError(f"{option}={str(workdir)!r} has a config.json that cannot be read ({error})") from None
+  if replica is not None and not 0 <= replica < c.num_replicas:
+    raise ValueError(f"--replica must be in [0, {c.num_replicas}) for this run of {c.num_replicas} "
+                     f"replicas, got {replica}")
   model_cfg = config_lib.model_config_of(c)
   graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0))),
                                         nnx.Param)
@@ -189,6 +199,25 @@ def read_eval_params(workdir) -> tuple:
   restored = ckpt.restore_latest(template)
   ckpt.close()
   if restored is None:
-    raise ValueError(f"init_from={str(workdir)!r} has no intact checkpoint to start from")
+    raise ValueError(f"{option}={str(workdir)!r} has no intact checkpoint to read")
   state = restored[1]
-  return model_cfg, jax.device_get(jax.jit(source.eval_params)(state))
+  if replica is not None:
+    read = lambda state: jax.tree.map(lambda x: x[replica], source.replica_params(state.params))
+  else:
+    read = source.eval_params
+  return model_cfg, jax.device_get(jax.jit(read)(state))
+
+
+def provide_cpu_devices(workdir) -> None:
+  """Before JAX starts its backends: as many CPU devices as the run's mesh fixes, so that a run
+  trained on a mesh of N devices can be read back by a one-process tool on a CPU host (on GPU/TPU
+  hosts the setting changes nothing). An explicit XLA_FLAGS device count is left as it is."""
+  import math  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  try:
+    mesh = json.loads((pathlib.Path(workdir) / "config.json").read_text())["config"]["mesh"]
+    needed = math.prod(max(int(n), 1) for n in mesh.values())
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    return  # read_eval_params names what is wrong with the workdir
+  if needed > 1 and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", needed)
