@@ -118,6 +118,15 @@ CONFIG_CASES = [
     ({**NOLOCO, "noloco.num_groupings": 0}, "noloco.num_groupings", ">= 1"),
     ({**NOLOCO, "noloco.codec": "fp3"}, "noloco.codec", "none or one of"),
     ({"init_from": "/nonexistent/run"}, "init_from", "checkpoints/ of a finished run"),
+    # gradient accumulation: micro-batches of equal size, each laid out over the data axis
+    ({"optimizer.accumulation_steps": 3}, "optimizer.accumulation_steps", "a divisor of data.batch_size=8"),
+    ({"optimizer.accumulation_steps": 0}, "optimizer.accumulation_steps", "an integer >= 1"),
+    ({"optimizer.accumulation_steps": 2}, "optimizer.accumulation_steps=2", "a multiple of 8"),
+    ({"gradients": "pipeline", "optimizer.accumulation_steps": 2}, "optimizer.accumulation_steps",
+     "1 with gradients=pipeline"),
+    ({"gradients": "skippipe", "pipeline.num_stages": 4, "skippipe.paths": "0-1-2,0-2-3,0-3-1,0-1-3",
+      "mesh.data": 1, "optimizer.accumulation_steps": 4}, "optimizer.accumulation_steps",
+     "a multiple of the 4 skippipe.paths"),
 ]
 
 

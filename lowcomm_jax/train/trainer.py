@@ -53,6 +53,12 @@ class Trainer:
     if config.data.batch_size % data_ways:
       raise ValueError(f"data.batch_size={config.data.batch_size} is not divisible by the mesh's "
                        f"data axis ({data_ways}); choose a multiple of {data_ways} or change mesh.data")
+    micro = config.data.batch_size // config.optimizer.accumulation_steps
+    if micro % data_ways:
+      raise ValueError(f"optimizer.accumulation_steps={config.optimizer.accumulation_steps} leaves "
+                       f"micro-batches of {micro} rows, not divisible by the mesh's data axis "
+                       f"({data_ways}); choose accumulation_steps so that data.batch_size / "
+                       f"accumulation_steps is a multiple of {data_ways}")
     if config.eval.batch_size % data_ways:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the mesh's "
                        f"data axis ({data_ways})")
