@@ -2,7 +2,9 @@
 forward, experiments/generate.py, and the Hugging Face Llama export (`models.hf_llama`,
 experiments/export.py) against a numpy Llama written from that format's definition."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -106,10 +108,27 @@ NOLOCO = {"algorithm": "noloco", "num_replicas": 2, "noloco.sync_every": 2, "mes
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def started(tmp_path_factory):
+  """(workdir, what the run printed)."""
   workdir = tmp_path_factory.mktemp("noloco") / "run"
-  Trainer(tiny_config(**NOLOCO), workdir).run()
-  return workdir
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    Trainer(tiny_config(**NOLOCO), workdir).run()
+  return workdir, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def run(started):
+  return started[0]
+
+
+def test_the_run_starts_with_its_startup_line(started):
+  workdir, printed = started
+  first = printed.splitlines()[0]
+  assert first.startswith("model tiny (2 layers, d_model 32, ")
+  assert "| mesh replica=1 data=1 tensor=1 stage=1 on 1 cpu device |" in first
+  assert "| 512 tokens per step (2 replicas × 8 sequences × 32 tokens) |" in first
+  assert first.endswith(f"| algorithm noloco, gradients replicas | workdir {workdir.absolute()}")
 
 
 def _binary(name, *args, cwd):
