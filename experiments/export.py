@@ -24,16 +24,11 @@ _REPLICA = flags.DEFINE_integer("replica", None, "Export this replica's own weig
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  from lowcomm_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
-  checkpoint.provide_cpu_devices(_WORKDIR.value)
-  from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.models import hf_llama  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
   try:
     hf_llama.check_out_dir(_OUT.value, _WORKDIR.value)
-    model_cfg, params = checkpoint.read_eval_params(_WORKDIR.value, _REPLICA.value, "--workdir")
-    run_config = config_lib.load_run_config(_WORKDIR.value)
-    tokenizer = tokenizer_lib.load_tokenizer(run_config.data.get("tokenizer", "bytes"))
+    model_cfg, params, tokenizer = checkpoint.read_model(_WORKDIR.value, _REPLICA.value)
   except ValueError as error:
     sys.exit(f"ValueError: {error}")
   written = hf_llama.write_folder(_OUT.value, model_cfg, params, tokenizer)

@@ -29,20 +29,15 @@ _REPLICA = flags.DEFINE_integer("replica", None, "Sample from this replica's own
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  from lowcomm_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
-  checkpoint.provide_cpu_devices(_WORKDIR.value)
-  from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.models import decode  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.models import decode  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
   try:
     sampling = decode.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
     decode.check_sampling(sampling)
     if _NUM.value < 1:
       raise ValueError(f"--num_samples must be an integer >= 1, got {_NUM.value}")
-    model_cfg, params = checkpoint.read_eval_params(_WORKDIR.value, _REPLICA.value, "--workdir")
-    run_config = config_lib.load_run_config(_WORKDIR.value)
-    tokenizer = tokenizer_lib.load_tokenizer(run_config.data.get("tokenizer", "bytes"))
+    model_cfg, params, tokenizer = checkpoint.read_model(_WORKDIR.value, _REPLICA.value)
     prompt = np.asarray(tokenizer.encode(_PROMPT.value), np.int32)
     decode.check_length(model_cfg, len(prompt), _MAX_NEW.value)
   except ValueError as error:

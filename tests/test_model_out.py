@@ -216,7 +216,7 @@ def test_export_gives_the_same_logits_in_a_numpy_llama(run, exported):
 
 def test_export_reads_back_to_the_same_parameters(run, exported):
   model_cfg, params = checkpoint.read_eval_params(run)
-  read_cfg, read_params = hf_llama.read_folder(exported, max_seq_len=model_cfg.max_seq_len)
+  read_cfg, read_params = hf_llama.read_folder(exported)
   assert read_cfg == model_cfg
   jax.tree.map(np.testing.assert_array_equal, read_params, jax.tree.map(np.asarray, params))
 

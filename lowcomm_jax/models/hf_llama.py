@@ -60,7 +60,7 @@ def hf_config(cfg: ModelConfig) -> dict:
   }
 
 
-def model_config_of(hf: dict, **overrides) -> ModelConfig:
+def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
   """Our ModelConfig of a Llama config.json (the shape; compute settings from `overrides`)."""
   if hf.get("num_key_value_heads", hf["num_attention_heads"]) != hf["num_attention_heads"]:
     raise ValueError("grouped-query attention (num_key_value_heads < num_attention_heads) is not "
@@ -178,5 +178,5 @@ def read_folder(folder, **overrides) -> tuple[ModelConfig, dict]:
   """(our ModelConfig, our parameters) of a Llama folder (config.json + model.safetensors)."""
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   folder = pathlib.Path(folder)
-  cfg = model_config_of(json.loads((folder / "config.json").read_text()), **overrides)
+  cfg = model_config_from_hf(json.loads((folder / "config.json").read_text()), **overrides)
   return cfg, from_hf(load_file(str(folder / WEIGHTS_FILE)), cfg)

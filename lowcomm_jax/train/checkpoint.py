@@ -221,3 +221,16 @@ def provide_cpu_devices(workdir) -> None:
     return  # read_eval_params names what is wrong with the workdir
   if needed > 1 and "device_count" not in os.environ.get("XLA_FLAGS", ""):
     jax.config.update("jax_num_cpu_devices", needed)
+
+
+def read_model(workdir, replica: int | None = None) -> tuple:
+  """(model config, parameters, tokenizer) of a run, for the tools that take its model out
+  (`experiments/generate.py`, `export.py`, given the run as --workdir): `read_eval_params` and the
+  run's `data.tokenizer`. Called before anything else uses a device, it first provides the CPU
+  devices the run's mesh needs (`provide_cpu_devices`)."""
+  provide_cpu_devices(workdir)
+  from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  model_cfg, params = read_eval_params(workdir, replica, "--workdir")
+  spec = config_lib.load_run_config(workdir).data.get("tokenizer", "bytes")
+  return model_cfg, params, tokenizer_lib.load_tokenizer(spec)
