@@ -220,7 +220,10 @@ def provide_cpu_devices(workdir) -> None:
   except (OSError, ValueError, KeyError, TypeError, AttributeError):
     return  # read_eval_params names what is wrong with the workdir
   if needed > 1 and "device_count" not in os.environ.get("XLA_FLAGS", ""):
-    jax.config.update("jax_num_cpu_devices", needed)
+    try:
+      jax.config.update("jax_num_cpu_devices", needed)
+    except RuntimeError:  # JAX already started: its devices stay; a mesh too large is refused, named
+      pass
 
 
 def read_model(workdir, replica: int | None = None) -> tuple:
