@@ -26,8 +26,9 @@ def test_micro_batches_give_the_gradient_of_the_whole_batch():
   for k in (4,):
     acc_loss, acc_grads = jax.jit(step_lib.accumulate(loss_and_grads, k))(params, batch)
     # The loss and each gradient entry are means over n = 8·32 token terms, summed in another
-    # order (per micro-batch, then over micro-batches): within n·ε of the terms' magnitude, which
-    # is at most the largest entry of the leaf times n / n (every token term is bounded by it).
+    # order (per micro-batch, then over micro-batches): they differ by at most n·ε times the
+    # terms' scale, for which each leaf's largest entry stands (entries near zero by cancellation
+    # get the leaf's scale, not their own).
     n = batch.shape[0] * (batch.shape[1] - 1)
     np.testing.assert_allclose(acc_loss, loss, rtol=n * EPS)
     for got, want in zip(jax.tree.leaves(acc_grads), jax.tree.leaves(grads)):
