@@ -82,6 +82,11 @@ def default_config() -> ml_collections.ConfigDict:
       b2=0.95,  # Adam's β2, in [0, 1)
       momentum=0.0,  # sgd only, in [0, 1)
       grad_clip=1.0,  # global-norm clip, >= 0; 0 disables
+      # k: each replica's batch (data.batch_size rows) taken as k micro-batches of batch_size / k
+      # rows, one after another inside the step, their gradients averaged (train.step.accumulate):
+      # the same step as one batch, with 1/k of the activation memory. A divisor of data.batch_size;
+      # gradients=pipeline splits batches with pipeline.slots_per_step instead (1 there).
+      accumulation_steps=1,
   ))
   c.diloco = ml_collections.ConfigDict(dict(
       sync_every=50,  # H: inner steps between two syncs of a fragment, at most num_steps
@@ -241,6 +246,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for key in ("optimizer.b1", "optimizer.b2", "optimizer.momentum"):
     checks.number(c, key, 0, 1)
   checks.number(c, "optimizer.grad_clip", 0)
+  checks.integer(c, "optimizer.accumulation_steps", 1)
+  checks.require(c.data.batch_size % c.optimizer.accumulation_steps == 0, "optimizer.accumulation_steps",
+                 f"a divisor of data.batch_size={c.data.batch_size} (micro-batches of equal size)",
+                 c.optimizer.accumulation_steps)
   sharding.rules_for(c.sharding.layout)
   for key in ("eval.every", "eval.batch_size", "eval.num_batches", "checkpoint.every",
               "checkpoint.keep", "log_every"):
@@ -308,12 +317,19 @@ def _validate_gradients(c) -> None:
                          f"{p.num_stages}: {error}") from None
       checks.require(c.data.batch_size % len(paths) == 0, "data.batch_size",
                      f"a multiple of the {len(paths)} skippipe.paths (one micro-batch each)", c.data.batch_size)
+      checks.require(c.data.batch_size // c.optimizer.accumulation_steps % len(paths) == 0,
+                     "optimizer.accumulation_steps",
+                     f"a divisor of data.batch_size={c.data.batch_size} that leaves a multiple of the "
+                     f"{len(paths)} skippipe.paths in each micro-batch", c.optimizer.accumulation_steps)
     else:
       from lowcomm_jax.skippipe import topology  # pylint: disable=g-import-not-at-top
       stages = len(topology.PRESETS[c.skippipe.topology]().stage_sizes)
       checks.integer(c, "skippipe.path_length", 1, stages + 1,
                      f" (stages per path counting stage 0; {c.skippipe.topology} has {stages} stages)")
     return
+  checks.require(c.optimizer.accumulation_steps == 1, "optimizer.accumulation_steps",
+                 "1 with gradients=pipeline (its batches are split into micro-batches by "
+                 "pipeline.slots_per_step)", c.optimizer.accumulation_steps)
   checks.require(c.data.batch_size % p.slots_per_step == 0, "pipeline.slots_per_step",
                  f"a divisor of data.batch_size={c.data.batch_size}", p.slots_per_step)
   checks.require(c.mesh.stage == p.num_stages, "mesh.stage",

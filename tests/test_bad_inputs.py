@@ -152,6 +152,15 @@ CONFIG_CASES = [
     ({"pipeline.routing_seed": -1}, "pipeline.routing_seed", "[0, 4294967296)"),
     ({**STREAMING, "diloco.num_fragments": 1, "diloco.sync_every": 4,
       "diloco.fragment_rules": "blocks/.*:0"}, "diloco.fragment_rules", "must cover every parameter"),
+    # gradient accumulation: micro-batches of equal size, each laid out over the data axis
+    ({"optimizer.accumulation_steps": 3}, "optimizer.accumulation_steps", "a divisor of data.batch_size=8"),
+    ({"optimizer.accumulation_steps": 0}, "optimizer.accumulation_steps", "an integer >= 1"),
+    ({"optimizer.accumulation_steps": 2}, "optimizer.accumulation_steps=2", "a multiple of 8"),
+    ({"gradients": "pipeline", "optimizer.accumulation_steps": 2}, "optimizer.accumulation_steps",
+     "1 with gradients=pipeline"),
+    ({"gradients": "skippipe", "pipeline.num_stages": 4, "skippipe.paths": "0-1-2,0-2-3,0-3-1,0-1-3",
+      "mesh.data": 1, "optimizer.accumulation_steps": 4}, "optimizer.accumulation_steps",
+     "a multiple of the 4 skippipe.paths"),
 ]
 
 

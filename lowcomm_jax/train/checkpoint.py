@@ -157,22 +157,32 @@ class Checkpointer:
     self.manager.close()
 
 
-def restore_eval_params(workdir) -> tuple:
+def restore_eval_params(workdir, replica: int | None = None, option: str = "init_from") -> tuple:
   """(model config, evaluated parameters) of the latest intact checkpoint of a run, as sharded
   global arrays.
 
   The evaluated parameters are what the run evaluates: replica 0's (DiLoCo after its last outer
-  step: all replicas equal), the global φ, or NoLoCo's mean slow weights (`eval_params`). Reads the
-  run's config.json and checkpoints only. The train state is restored laid out as that run laid
-  it out (its mesh over this job's devices, its sharding layout), so no device holds more of it
-  than the run's own devices did, and the parameters come out sharded by the run's layout.
+  step: all replicas equal), the global φ, or NoLoCo's mean slow weights (`eval_params`); with
+  `replica`, that replica's own current parameters θ_i instead. Reads the run's config.json and
+  checkpoints only, and writes nothing. The train state is restored laid out as that run laid it
+  out (its mesh over this job's devices, its sharding layout), so no device holds more of it than
+  the run's own devices did, and the parameters come out sharded by the run's layout. `option`
+  names the flag or key that gave `workdir` in the errors.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from lowcomm_jax import config as config_lib, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train import algorithms, sources, step as step_lib  # pylint: disable=g-import-not-at-top
   workdir = pathlib.Path(workdir)
-  c = config_lib.load_run_config(workdir)
+  if not (workdir / "config.json").is_file() or not (workdir / "checkpoints").is_dir():
+    raise ValueError(f"{option}={str(workdir)!r} holds no config.json and checkpoints/ of a run")
+  try:
+    c = config_lib.load_run_config(workdir)
+  except (ValueError, KeyError, TypeError) as error:
+    raise ValueError(f"{option}={str(workdir)!r} has a config.json that cannot be read ({error})") from None
+  if replica is not None and not 0 <= replica < c.num_replicas:
+    raise ValueError(f"--replica must be in [0, {c.num_replicas}) for this run of {c.num_replicas} "
+                     f"replicas, got {replica}")
   model_cfg = config_lib.model_config_of(c)
   abstract_model = nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
@@ -196,13 +206,16 @@ def restore_eval_params(workdir) -> tuple:
   restored = ckpt.restore_latest(template)
   ckpt.close()
   if restored is None:
-    raise ValueError(f"init_from={str(workdir)!r} has no intact checkpoint to start from")
+    raise ValueError(f"{option}={str(workdir)!r} has no intact checkpoint to read")
+  if replica is not None:
+    read = lambda state: jax.tree.map(lambda x: x[replica], source.replica_params(state.params))
+    return model_cfg, jax.jit(read)(restored[1])
   evaluate = jax.jit(source.eval_params, out_shardings=sharding.named(mesh, param_specs))
   return model_cfg, evaluate(restored[1])
 
 
-def read_eval_params(workdir) -> tuple:
+def read_eval_params(workdir, replica: int | None = None, option: str = "init_from") -> tuple:
   """(model config, evaluated parameters as host arrays) of the latest intact checkpoint of a run
   (`restore_eval_params`); every process must call it together."""
-  model_cfg, params = restore_eval_params(workdir)
+  model_cfg, params = restore_eval_params(workdir, replica, option)
   return model_cfg, distributed.fetch(params)

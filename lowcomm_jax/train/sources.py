@@ -42,10 +42,10 @@ class ReplicaGradients:
 
   name = "replicas"
 
-  def __init__(self, graphdef, algorithm, mesh, loss_and_grads=None):
+  def __init__(self, graphdef, algorithm, mesh, loss_and_grads=None, accumulation_steps: int = 1):
     self.graphdef, self.algorithm, self.mesh = graphdef, algorithm, mesh
-    self.loss_and_grads = loss_and_grads or jax.value_and_grad(
-        lambda p, batch: step_lib.lm_loss(graphdef, p, batch))
+    self.loss_and_grads = step_lib.accumulate(loss_and_grads or jax.value_and_grad(
+        lambda p, batch: step_lib.lm_loss(graphdef, p, batch)), accumulation_steps)
 
   def route_at(self, step: int):
     return None
@@ -130,8 +130,10 @@ class ReplicaGradients:
                          out_specs=(lead, state_specs, lead, lead), axis_names={mesh_lib.REPLICA})
 
 
-def skippipe_gradients(graphdef, algorithm, mesh, stage_paths, layers_per_stage: int):
-  """`ReplicaGradients` whose loss runs micro-batch i of a replica's batch along stage path i."""
+def skippipe_gradients(graphdef, algorithm, mesh, stage_paths, layers_per_stage: int,
+                       accumulation_steps: int = 1):
+  """`ReplicaGradients` whose loss runs micro-batch i of a replica's batch along stage path i (of
+  each of the `accumulation_steps` parts of the batch, `step.accumulate`)."""
   from lowcomm_jax.skippipe import training  # pylint: disable=g-import-not-at-top
   layer_paths = jnp.asarray(training.layer_order(stage_paths, layers_per_stage))
   num_mb = len(stage_paths)
@@ -141,7 +143,7 @@ def skippipe_gradients(graphdef, algorithm, mesh, stage_paths, layers_per_stage:
     loss, grads, _ = training.summed_microbatch_grads(graphdef, params, microbatches, layer_paths)
     return loss, grads
 
-  source = ReplicaGradients(graphdef, algorithm, mesh, loss_and_grads)
+  source = ReplicaGradients(graphdef, algorithm, mesh, loss_and_grads, accumulation_steps)
   source.name, source.stage_paths = "skippipe", np.asarray(stage_paths)
   return source
 
@@ -263,9 +265,12 @@ def stage_paths_of(config) -> np.ndarray:
   skip = paths.SkipConfig(path_length=s.path_length, microbatches_per_data_node=s.microbatches_per_data_node)
   planned = training.check_stage_paths(scheduler.skippipe_schedule(topo, placed, skip).stage_paths(),
                                       config.pipeline.num_stages)
-  if config.data.batch_size % len(planned):
+  accumulation = config.optimizer.accumulation_steps
+  if config.data.batch_size % (len(planned) * accumulation):
     raise ValueError(f"data.batch_size must be a multiple of the {len(planned)} micro-batches the "
-                     f"SkipPipe schedule plans on {s.topology}, got {config.data.batch_size}")
+                     f"SkipPipe schedule plans on {s.topology}"
+                     + (f" times optimizer.accumulation_steps={accumulation}" if accumulation > 1 else "")
+                     + f", got {config.data.batch_size}")
   return planned
 
 
@@ -275,5 +280,6 @@ def make_source(config, graphdef, model_cfg, algorithm, mesh):
     return PipelineGradients(model_cfg, algorithm, mesh, config.pipeline, config.seed)
   if config.gradients == "skippipe":
     return skippipe_gradients(graphdef, algorithm, mesh, stage_paths_of(config),
-                              config.pipeline.layers_per_stage)
-  return ReplicaGradients(graphdef, algorithm, mesh)
+                              config.pipeline.layers_per_stage, config.optimizer.accumulation_steps)
+  return ReplicaGradients(graphdef, algorithm, mesh,
+                          accumulation_steps=config.optimizer.accumulation_steps)

@@ -31,7 +31,7 @@ from lowcomm_jax import sharding
 from lowcomm_jax.data import corpora, pipeline
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.models import cpu_attention, llama
-from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources
+from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources, startup
 from lowcomm_jax.train import workdir as workdir_lib
 from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib, step as step_lib
 
@@ -47,12 +47,21 @@ class Trainer:
     config_lib.validate(config)
     self.config = config
     self.workdir = workdir_lib.check_path(workdir)  # reliability: empty, a file, unwritable
-    self.mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
+    try:
+      self.mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
+    except ValueError as error:
+      raise ValueError(f"{error}{startup.fake_devices_hint(config.mesh.to_dict(), devices)}") from None
     distributed.check_mesh(self.mesh, config.num_replicas)
     data_ways = self.mesh.shape[mesh_lib.DATA]
     if config.data.batch_size % data_ways:
       raise ValueError(f"data.batch_size={config.data.batch_size} is not divisible by the mesh's "
                        f"data axis ({data_ways}); choose a multiple of {data_ways} or change mesh.data")
+    micro = config.data.batch_size // config.optimizer.accumulation_steps
+    if micro % data_ways:
+      raise ValueError(f"optimizer.accumulation_steps={config.optimizer.accumulation_steps} leaves "
+                       f"micro-batches of {micro} rows, not divisible by the mesh's data axis "
+                       f"({data_ways}); choose accumulation_steps so that data.batch_size / "
+                       f"accumulation_steps is a multiple of {data_ways}")
     if config.eval.batch_size % data_ways:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the mesh's "
                        f"data axis ({data_ways})")
@@ -92,6 +101,12 @@ class Trainer:
     self._programs: dict = {}
     self._traced_entries: dict = {}
     self._refused_seen = None
+
+  def startup_report(self) -> list[str]:
+    """The start-up line (model, parameters, mesh and devices, tokens per step, algorithm,
+    workdir) and the warnings about the layout, as the run prints them."""
+    return ([startup.startup_line(self.config, self.model_cfg, self.num_params, self.mesh, self.workdir)]
+            + startup.startup_warnings(self.config, self.mesh, self.param_specs))
 
   # -- building blocks, also used by tests and benchmarks ----------------------------------------
 
@@ -256,6 +271,9 @@ class Trainer:
     c = self.config
     if self.run_state == workdir_lib.COMPLETE:  # reliability: a finished run is left as it is
       return workdir_lib.report_complete(self.workdir)
+    if distributed.is_primary():
+      for line in self.startup_report():
+        print(line, flush=True)
     splits = pipeline.splits_of(c)
     data_iters = self.data_iterators(splits.train)
     eval_batches = [distributed.replicated_array(b, self.eval_sharding())
