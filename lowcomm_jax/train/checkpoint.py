@@ -219,3 +219,34 @@ def read_eval_params(workdir, replica: int | None = None, option: str = "init_fr
   (`restore_eval_params`); every process must call it together."""
   model_cfg, params = restore_eval_params(workdir, replica, option)
   return model_cfg, distributed.fetch(params)
+
+
+def provide_cpu_devices(workdir) -> None:
+  """Before JAX starts its backends: as many CPU devices as the run's mesh fixes, so that a run
+  trained on a mesh of N devices can be read back by a one-process tool on a CPU host (on GPU/TPU
+  hosts the setting changes nothing). An explicit XLA_FLAGS device count is left as it is."""
+  import math  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  try:
+    mesh = json.loads((pathlib.Path(workdir) / "config.json").read_text())["config"]["mesh"]
+    needed = math.prod(max(int(n), 1) for n in mesh.values())
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    return  # read_eval_params names what is wrong with the workdir
+  if needed > 1 and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    try:
+      jax.config.update("jax_num_cpu_devices", needed)
+    except RuntimeError:  # JAX already started: its devices stay; a mesh too large is refused, named
+      pass
+
+
+def read_model(workdir, replica: int | None = None) -> tuple:
+  """(model config, parameters, tokenizer) of a run, for the tools that take its model out
+  (`experiments/generate.py`, `export.py`, given the run as --workdir): `read_eval_params` and the
+  run's `data.tokenizer`. Called before anything else uses a device, it first provides the CPU
+  devices the run's mesh needs (`provide_cpu_devices`)."""
+  provide_cpu_devices(workdir)
+  from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  model_cfg, params = read_eval_params(workdir, replica, "--workdir")
+  spec = config_lib.load_run_config(workdir).data.get("tokenizer", "bytes")
+  return model_cfg, params, tokenizer_lib.load_tokenizer(spec)
