@@ -75,9 +75,19 @@ def compiled_supported(codec, block_len: int | None = None) -> bool:
           and _columns(codec, block_len) <= MAX_COMPILED_COLUMNS)
 
 
+def _varying(a) -> set:
+  """The manual mesh axes ``a`` varies over (empty outside ``shard_map``)."""
+  manual_axis_type = getattr(jax.typeof(a), "manual_axis_type", None)
+  return set(manual_axis_type.varying) if manual_axis_type is not None else set()
+
+
 def on_every_axis(fn: Callable) -> Callable:
   """``fn`` under ``jax.shard_map`` manual over every axis of the current mesh not already
-  manual, operands and results replicated over them; ``fn`` itself without a mesh."""
+  manual, operands and results replicated over them; ``fn`` itself without a mesh.
+
+  The results vary over the already-manual axes as the operands do (as ``fn`` traced in place
+  would type them), so this and the jnp reference are interchangeable branches.
+  """
   def wrapped(*args):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -86,8 +96,15 @@ def on_every_axis(fn: Callable) -> Callable:
     free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != manual}
     if not free:
       return fn(*args)
-    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=free,
-                         check_vma=False)(*args)
+    outputs = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=free,
+                            check_vma=False)(*args)
+    varying = set().union(*(_varying(a) for a in jax.tree.leaves(args)))
+
+    def vary(out):
+      missing = tuple(sorted(varying - _varying(out)))
+      return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+    return jax.tree.map(vary, outputs)
   return wrapped
 
 
