@@ -296,7 +296,7 @@ class Codec(abc.ABC):
     x_blocks = x_blocks.astype(jnp.float32)
     bits = self.random_bits(key, x_blocks.shape)
     if use_pallas and x_blocks.size:
-      return kernels.quantize(self, x_blocks, bits, interpret=interpret,
+      return kernels.quantize(x_blocks, bits, codec=self, interpret=interpret,
                               rows_per_step=rows_per_step)
     return self.quantize_reference(x_blocks, bits)
 
@@ -305,7 +305,7 @@ class Codec(abc.ABC):
                     rows_per_step: int | None = None) -> jax.Array:
     """Dequantizes to fp32 blocks ``[B, L]`` (options as :meth:`encode_blocks`)."""
     if use_pallas and codes.size:
-      return kernels.dequantize(self, codes, scales, interpret=interpret,
+      return kernels.dequantize(codes, scales, codec=self, interpret=interpret,
                                 rows_per_step=rows_per_step)
     return self.dequantize_reference(codes, scales)
 

@@ -25,6 +25,7 @@ operands replicated within the map.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -228,14 +229,17 @@ def _dispatch(kernel_fn, reference_fn, supported: bool, interpret: bool | None):
   return lambda *args: jax.lax.platform_dependent(*args, default=elsewhere, **compiled)
 
 
-def quantize(codec, x_blocks: jax.Array, bits: jax.Array | None, *, interpret: bool | None,
+@functools.partial(jax.jit, static_argnames=("codec", "interpret", "rows_per_step"))
+def quantize(x_blocks: jax.Array, bits: jax.Array | None, *, codec, interpret: bool | None,
              rows_per_step: int | None = None):
   """Pallas quantize: fp32 ``[B, L]`` (+ uint32 bits) to ``(codes [B, C], scales [B] or None)``.
 
+  Jitted (traced once per shape and codec: a model's many same-shaped leaves share the trace).
+
   Args:
-    codec: the codec.
     x_blocks: fp32 ``[B, L]``.
     bits: uint32 ``[B, L]`` for stochastic rounding, else None.
+    codec: the codec.
     interpret: True: interpret mode; None / False: compiled on cuda and tpu, interpret mode /
       the jnp reference elsewhere.
     rows_per_step: blocks per grid step (rounded up to a power of 2); default per platform.
@@ -246,9 +250,11 @@ def quantize(codec, x_blocks: jax.Array, bits: jax.Array | None, *, interpret: b
   return _dispatch(kernel, reference, supported, interpret)(x_blocks, bits)
 
 
-def dequantize(codec, codes: jax.Array, scales: jax.Array | None, *, interpret: bool | None,
+@functools.partial(jax.jit, static_argnames=("codec", "interpret", "rows_per_step"))
+def dequantize(codes: jax.Array, scales: jax.Array | None, *, codec, interpret: bool | None,
                rows_per_step: int | None = None) -> jax.Array:
-  """Pallas dequantize: codes ``[B, C]`` and scales ``[B]`` (or None) to fp32 ``[B, L]`` (see :func:`quantize`)."""
+  """Pallas dequantize: codes ``[B, C]`` and scales ``[B]`` (or None) to fp32 ``[B, L]`` (see
+  :func:`quantize`)."""
   kernel = lambda platform, c, s: _dequantize_kernel(codec, platform, c, s, rows_per_step)
   reference = lambda c, s: codec.dequantize_reference(c, s)
   block_len = codes.shape[1] * 2 if codec.packed else codes.shape[1]
