@@ -6,7 +6,7 @@ gives its step programs (`Trainer.lower`, one per distinct phase and routing), a
 `diloco.overlap_executor=thread` also the programs the thread runs (`comm.fragment_mean`). Programs
 with the same jaxpr are lowered once. A program that sends a codec-encoded fragment holds the
 compiled kernels (Triton or Mosaic custom calls, not the jnp reference) and one that sends nothing
-holds none. `jax.export` of the dp and Streaming DiLoCo steps serializes for both platforms at once.
+holds none. `jax.export` exports the dp and Streaming DiLoCo steps for each platform.
 
 Lowering for cuda on a CPU host needs an abstract GPU device from jax 0.11 on (Triton reads the
 target from the abstract mesh): the setups run under an abstract mesh with the Trainer's axes and
@@ -173,23 +173,27 @@ def test_every_step_program_lowers(platform):
     for label, sends, kernels in rows:
       # The compiled kernels are in every program that sends an encoded fragment, in no other.
       assert (kernels > 0) == (codec != "none" and sends), (name, label, kernels)
-  # Setups share programs (a non-sync step does not depend on the codec), never all of them.
-  assert len(results) < distinct < sum(len(rows) for rows in results.values())
+  # Identical programs were lowered once (a non-sync step does not depend on the codec).
+  assert 1 < distinct < sum(len(rows) for rows in results.values())
 
 
 @pytest.mark.parametrize("algorithm", ["dp", "streaming_diloco"])
-def test_export_serializes_for_gpu_and_tpu(algorithm):
+def test_export_for_gpu_and_tpu(algorithm):
+  """`jax.export` of a step, once per platform (a module for several platforms would lower each
+  platform's kernel for every platform, which Triton and Mosaic refuse)."""
   codec = "e3m0" if algorithm == "streaming_diloco" else "none"
   with tempfile.TemporaryDirectory() as workdir:
     trainer = Trainer(_config(algorithm, layout="fsdp_tensor", codec=codec), workdir)
   state = trainer.abstract_state()
-  phase = trainer.algorithm.phase_at(2 if algorithm == "streaming_diloco" else 1)
-  with _target("cuda", trainer.mesh), mesh_lib.tracing(trainer.mesh):
-    exported = jax.export.export(trainer._jit_step((phase, None), state),
-                                 platforms=PLATFORMS)(state, trainer._abstract_batch())
-  assert exported.platforms == PLATFORMS
-  blob = exported.serialize()
-  text = exported.mlir_module()
-  assert len(blob) > 0
-  if codec != "none":
-    assert all(mark in text for mark in KERNEL_MARK.values())
+  phases = [trainer.algorithm.phase_at(step) for step in range(1, trainer.config.num_steps + 1)]
+  phase = next((p for p in phases if getattr(p, "send", ())), phases[0])  # a send, if any
+  for platform in PLATFORMS:
+    with _target(platform, trainer.mesh), mesh_lib.tracing(trainer.mesh):
+      # The kernels' custom calls carry no cross-version guarantee: the export says it accepts that.
+      exported = jax.export.export(
+          trainer._jit_step((phase, None), state), platforms=(platform,),
+          disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(KERNEL_MARK[platform])])(
+              state, trainer._abstract_batch())
+    assert exported.platforms == (platform,)
+    assert len(exported.mlir_module_serialized) > 0
+    assert (KERNEL_MARK[platform] in exported.mlir_module()) == (codec != "none")

@@ -117,7 +117,7 @@ class OuterCommExecutor:
                mesh=None):
     if mesh is not None:
       check_layout(mesh)
-    codecs.kernel_options(kernels)  # an unknown mode is refused here, before the thread starts
+    codecs.kernel_options(kernels, codec)  # a mode that cannot run is refused before the thread starts
     self.codec, self.kernels, self.axis_name, self.mesh = codec, kernels, axis_name, mesh
     self.issued: list[Issued] = []  # in the order the thread ran them
     self._programs: dict[tuple, Any] = {}  # (fragment, input layout) -> compiled program
