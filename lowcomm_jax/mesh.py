@@ -9,6 +9,7 @@ Axes, slowest to fastest:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Mapping
 
@@ -66,3 +67,24 @@ def make_mesh(requested: Mapping[str, int], devices=None) -> Mesh:
   n = math.prod(shape.values())
   device_grid = np.asarray(devices[:n]).reshape(tuple(shape[a] for a in AXES))
   return Mesh(device_grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def _same_axes(a, b) -> bool:
+  return tuple(a.axis_names) == tuple(b.axis_names) and tuple(a.axis_sizes) == tuple(b.axis_sizes)
+
+
+def tracing(mesh):
+  """Context for tracing a program on `mesh`: its abstract mesh, which a Pallas kernel needs to
+  run under a `shard_map` manual over every axis (`codecs.kernels.on_every_axis`). An abstract
+  mesh already set with the same axes stands (one naming the device a program is lowered for,
+  such as a GPU while lowering on a CPU host)."""
+  if _same_axes(jax.sharding.get_abstract_mesh(), mesh):
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def current(mesh):
+  """The mesh a `shard_map` over `mesh`'s axes names: the abstract mesh of the context (`tracing`)
+  when it has the same axes, else `mesh`."""
+  context = jax.sharding.get_abstract_mesh()
+  return context if _same_axes(context, mesh) else mesh

@@ -43,9 +43,9 @@ def test_pallas_matches_reference_bit_for_bit(name, rounding):
     for i, x in enumerate(xs):
       x_key = jax.random.fold_in(key, i)
       reference = codec.encode(x, x_key)
-      kernel = codec.encode(x, x_key, use_pallas=True, interpret=True, rows_per_step=3)
+      kernel = codec.encode(x, x_key, use_pallas=True, interpret=True, rows_per_step=2)
       out.append((reference, kernel, codec.decode(reference),
-                  codec.decode(reference, use_pallas=True, interpret=True, rows_per_step=3)))
+                  codec.decode(reference, use_pallas=True, interpret=True, rows_per_step=2)))
     return out
 
   results = both_paths(inputs, jax.random.key(4, impl="rbg"))
@@ -58,14 +58,13 @@ def test_pallas_matches_reference_bit_for_bit(name, rounding):
     assert np.array_equal(_raw(decoded_kernel), _raw(decoded_ref))
     assert decoded_ref.shape == x.shape
   if not codec.single_block:
-    # 4 blocks at 3 per step: two grid steps, the second with 2 padding rows.
+    # 4 blocks at 2 per step: two grid steps; 3 blocks: two steps, the second with a padding row.
     assert results[0][0].codes.shape[0] == 4 and results[1][0].codes.shape[0] == 2
 
 
 def _pallas_grids(fn, *args):
   jaxpr = jax.make_jaxpr(fn)(*args)
-  return [eqn.params["grid_mapping"].grid for eqn in jaxpr.jaxpr.eqns
-          if eqn.primitive.name == "pallas_call"]
+  return [eqn.params["grid_mapping"].grid for eqn in _pallas_eqns(jaxpr.jaxpr)]
 
 
 def test_grid_steps_follow_tile_size():
@@ -128,5 +127,48 @@ def test_bad_codec_kernels_is_refused_naming_the_option():
   with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of"):
     codecs.kernel_options("cuda")
   assert codecs.kernel_options("reference") == dict(use_pallas=False, interpret=None)
-  assert codecs.kernel_options("pallas") == dict(use_pallas=True, interpret=True)  # CPU
-  assert codecs.kernel_options("auto") == dict(use_pallas=False, interpret=None)  # CPU
+  # Compiled on GPU/TPU; elsewhere interpreted (pallas) or the jnp reference (auto).
+  assert codecs.kernel_options("pallas") == dict(use_pallas=True, interpret=None)
+  assert codecs.kernel_options("auto") == dict(use_pallas=True, interpret=False)
+
+
+def test_pallas_is_refused_where_no_compiled_kernel_exists():
+  e3m0 = codecs.get_codec("e3m0")
+  for platform in ("cuda", "tpu"):
+    assert codecs.kernel_options("pallas", e3m0, platform)["use_pallas"]
+    with pytest.raises(ValueError, match=r"diloco.codec_kernels=pallas: codec 'bf16'"):
+      codecs.kernel_options("pallas", codecs.get_codec("bf16"), platform)
+    with pytest.raises(ValueError, match=r"diloco.codec_kernels=pallas: codec 'e3m0' with block "
+                                         r"size 65536"):
+      codecs.kernel_options("pallas", codecs.get_codec("e3m0", block_size=1 << 16), platform)
+  with pytest.raises(ValueError, match=r"diloco.codec_kernels=pallas has no compiled kernel on rocm"):
+    codecs.kernel_options("pallas", e3m0, "rocm")
+  # auto never refuses: the reference runs where no compiled kernel exists.
+  assert codecs.kernel_options("auto", codecs.get_codec("bf16"), "rocm")["use_pallas"]
+
+
+@pytest.mark.parametrize("name", ["e3m0", "int8"])
+def test_kernel_tiles_are_powers_of_two(name):
+  """Blocks of 750 values (2250 in 3 blocks) reach the kernel as halves of 512 (4-bit) or rows of
+  1024 (int8), and 3 rows per step as a tile of 4 rows: the shapes Triton takes."""
+  codec = codecs.get_codec(name, block_size=1024)
+  x = jax.ShapeDtypeStruct((2250,), jnp.float32)
+  jaxpr = jax.make_jaxpr(lambda x: codec.encode(x, use_pallas=True, interpret=True,
+                                                rows_per_step=3))(x)
+  shapes = [tuple(getattr(d, "block_size", d) for d in bm.block_shape)
+            for eqn in _pallas_eqns(jaxpr.jaxpr) for bm in eqn.params["grid_mapping"].block_mappings]
+  assert shapes and all(d & (d - 1) == 0 for shape in shapes for d in shape
+                        if isinstance(d, int)), shapes
+  assert (4, 1024) in shapes
+
+
+def _pallas_eqns(jaxpr):
+  """The pallas_call equations of a jaxpr, inside the jitted kernels' calls too."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield eqn
+      continue
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr's, or a Jaxpr
+      if hasattr(inner, "eqns"):
+        yield from _pallas_eqns(inner)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowcomm_jax.codecs import kernels
+from lowcomm_jax.codecs import kernels, packing
 
 __all__ = [
     "ROUNDING_MODES",
@@ -51,7 +51,6 @@ __all__ = [
     "blocks_from_flat",
     "flat_from_blocks",
     "uniform_from_bits",
-    "default_interpret",
     "KERNEL_MODES",
     "kernel_options",
 ]
@@ -86,25 +85,40 @@ class EncodedTensor:
                for leaf in jax.tree.leaves(self))
 
 
-def default_interpret() -> bool:
-  """Pallas runs compiled on GPU/TPU and only in interpret mode on CPU."""
-  return jax.default_backend() == "cpu"
-
-
-def kernel_options(mode: str) -> dict[str, Any]:
+def kernel_options(mode: str, codec: "Codec | None" = None,
+                   platform: str | None = None) -> dict[str, Any]:
   """The ``encode_blocks``/``decode_blocks`` options of a kernel mode.
 
-  ``reference``: the jnp reference. ``pallas``: the Pallas kernels, compiled on GPU/TPU and
-  interpreted on CPU (slow: for tests; bit-identical to the reference). ``auto``: the Pallas
-  kernels where the platform compiles them (GPU, TPU), the reference elsewhere.
+  ``reference``: the jnp reference. ``pallas``: the Pallas kernels, compiled on GPU (Triton) and
+  TPU (Mosaic), interpreted on CPU (slow: for tests; bit-identical to the reference). ``auto``:
+  the compiled kernels where the program is lowered for GPU or TPU, the reference elsewhere (and
+  for codecs or blocks without a compiled kernel: ``kernels.compiled_supported``).
+
+  Args:
+    mode: one of :data:`KERNEL_MODES`.
+    codec: when given, ``pallas`` is checked against it on ``platform``.
+    platform: where the program runs (default: ``jax.default_backend()``).
 
   Raises:
-    ValueError: naming ``diloco.codec_kernels`` and the allowed values.
+    ValueError: naming ``diloco.codec_kernels`` and the allowed values, or ``pallas`` where it
+      cannot compile.
   """
   if mode not in KERNEL_MODES:
     raise ValueError(f"diloco.codec_kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
-  use_pallas = mode == "pallas" or (mode == "auto" and not default_interpret())
-  return dict(use_pallas=use_pallas, interpret=default_interpret() if use_pallas else None)
+  platform = jax.default_backend() if platform is None else platform
+  if mode == "pallas" and platform != "cpu":
+    if platform not in kernels.COMPILED_PLATFORMS:
+      raise ValueError(
+          f"diloco.codec_kernels=pallas has no compiled kernel on {platform} (only on "
+          f"{', '.join(kernels.COMPILED_PLATFORMS)}); use diloco.codec_kernels=auto or reference")
+    if codec is not None and not kernels.compiled_supported(codec):
+      raise ValueError(
+          f"diloco.codec_kernels=pallas: codec {codec.name!r} with block size {codec.block_size} "
+          f"has no compiled kernel (scaled codecs with blocks of at most "
+          f"{kernels.MAX_COMPILED_COLUMNS} values do); use diloco.codec_kernels=auto or reference")
+  if mode == "reference":
+    return dict(use_pallas=False, interpret=None)
+  return dict(use_pallas=True, interpret=None if mode == "pallas" else False)
 
 
 def uniform_from_bits(bits: jax.Array) -> jax.Array:
@@ -119,12 +133,18 @@ def uniform_from_bits(bits: jax.Array) -> jax.Array:
 def block_scales(x: jax.Array, grid_max: float):
   """Absmax scale of each row of ``x`` (``[R, L]``) for a grid topping at ``grid_max``.
 
-  Returns ``(scale, divisor, finite)``, each ``[R, 1]``: the scale is NaN for
-  a row holding NaN or inf (the NaN/inf policy above), and the divisor is the
-  scale where that is safe to divide by and 1 for an all-zero (or flushed)
-  row, whose values then all code to zero.
+  Returns ``(scale, divisor, finite)``, each ``[R, 1]``: see :func:`scales_from_absmax`.
   """
-  absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+  return scales_from_absmax(jnp.max(jnp.abs(x), axis=1, keepdims=True), grid_max)
+
+
+def scales_from_absmax(absmax: jax.Array, grid_max: float):
+  """``(scale, divisor, finite)`` of blocks whose largest magnitude is ``absmax``.
+
+  The scale is NaN for a block holding NaN or inf (the NaN/inf policy above),
+  and the divisor is the scale where that is safe to divide by and 1 for an
+  all-zero (or flushed) block, whose values then all code to zero.
+  """
   finite = jnp.isfinite(absmax)
   scale = jnp.where(finite, absmax / grid_max, jnp.nan)
   divisor = jnp.where(finite & (scale > 0), scale, 1.0)
@@ -207,18 +227,41 @@ class Codec(abc.ABC):
     return 8.0 * self.wire_bytes(num_elements) / max(int(num_elements), 1)
 
   # ------------------------------------------------------------- block API
-  # Each codec module supplies the math for one tile of whole blocks; the
-  # jnp reference applies it to all blocks at once and the Pallas kernel to
-  # tiles of rows_per_step blocks (lowcomm_jax.codecs.kernels).
+  # Each codec module supplies the math of values (encode_values, decode_values); the jnp
+  # reference applies it to whole blocks at once and the Pallas kernels to tiles of blocks whose
+  # 4-bit halves they read and write through ref slices (lowcomm_jax.codecs.kernels).
   code_dtype: ClassVar[Any]
+  # The top of the grid: a block's scale is its absmax / grid_max (scaled codecs).
+  grid_max: ClassVar[float] = 1.0
 
   @abc.abstractmethod
+  def encode_values(self, x: jax.Array, divisor: jax.Array | None, finite: jax.Array | None,
+                    bits: jax.Array | None) -> jax.Array:
+    """fp32 values ``[R, n]`` of blocks with divisor and finiteness ``[R, 1]`` (None without
+    scales), plus uint32 ``bits`` for stochastic rounding, to unpacked codes ``[R, n]`` (int32
+    for the 4-bit codecs, ``code_dtype`` otherwise)."""
+
+  @abc.abstractmethod
+  def decode_values(self, codes: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """Unpacked codes ``[R, n]`` (+ scales ``[R, 1]``) to fp32 ``[R, n]``."""
+
+  @property
+  def packed(self) -> bool:
+    """Whether two codes share a byte (the 4-bit codecs)."""
+    return self.bits_per_value == 4
+
   def quantize_tile(self, x: jax.Array, bits: jax.Array | None):
     """fp32 ``[R, L]`` (+ uint32 bits) to codes ``[R, C]`` and, if scaled, scales ``[R, 1]``."""
+    scale = divisor = finite = None
+    if self.has_scales:
+      scale, divisor, finite = block_scales(x, self.grid_max)
+    codes = self.encode_values(x, divisor, finite, bits)
+    codes = packing.pack_nibbles(codes) if self.packed else codes
+    return (codes, scale) if self.has_scales else codes
 
-  @abc.abstractmethod
   def dequantize_tile(self, codes: jax.Array, scale: jax.Array | None) -> jax.Array:
     """Codes ``[R, C]`` (+ scales ``[R, 1]``) to fp32 ``[R, L]``."""
+    return self.decode_values(packing.unpack_nibbles(codes) if self.packed else codes, scale)
 
   def quantize_reference(self, x_blocks: jax.Array, bits: jax.Array | None):
     """jnp reference: fp32 ``[B, L]`` to ``(codes [B, C], scales [B] or None)``."""
@@ -227,24 +270,9 @@ class Codec(abc.ABC):
     codes, scales = self.quantize_tile(x_blocks, bits)
     return codes, scales[:, 0]
 
-  def quantize_pallas(self, x_blocks: jax.Array, bits: jax.Array | None, *,
-                      interpret: bool, rows_per_step: int | None = None):
-    """Pallas kernel, same contract as :meth:`quantize_reference`."""
-    return kernels.quantize_pallas(
-        self.quantize_tile, x_blocks, bits,
-        (self.code_columns(x_blocks.shape[1]), self.code_dtype), with_scales=self.has_scales,
-        interpret=interpret, rows_per_step=rows_per_step)
-
   def dequantize_reference(self, codes: jax.Array, scales: jax.Array | None) -> jax.Array:
     """jnp reference: codes (+ scales ``[B]``) to fp32 ``[B, L]``."""
     return self.dequantize_tile(codes, None if scales is None else scales[:, None])
-
-  def dequantize_pallas(self, codes: jax.Array, scales: jax.Array | None, *,
-                        interpret: bool, rows_per_step: int | None = None) -> jax.Array:
-    """Pallas kernel, same contract as :meth:`dequantize_reference`."""
-    block_len = codes.shape[1] * 2 if self.bits_per_value == 4 else codes.shape[1]
-    return kernels.dequantize_pallas(self.dequantize_tile, codes, scales, block_len,
-                                     interpret=interpret, rows_per_step=rows_per_step)
 
   def random_bits(self, key: jax.Array | None, shape: tuple[int, ...]) -> jax.Array | None:
     """The uint32 bits stochastic rounding consumes (``None`` when rounding to nearest)."""
@@ -259,21 +287,26 @@ class Codec(abc.ABC):
   def encode_blocks(self, x_blocks: jax.Array, key: jax.Array | None = None, *,
                     use_pallas: bool = False, interpret: bool | None = None,
                     rows_per_step: int | None = None):
-    """Quantizes fp32 blocks ``[B, L]``; returns ``(codes, scales or None)``."""
+    """Quantizes fp32 blocks ``[B, L]``; returns ``(codes, scales or None)``.
+
+    With ``use_pallas``: ``interpret=True`` runs the Pallas kernel in interpret mode; otherwise
+    compiled on GPU and TPU, and elsewhere interpreted (``None``) or the jnp reference
+    (``False``), see :mod:`lowcomm_jax.codecs.kernels`.
+    """
     x_blocks = x_blocks.astype(jnp.float32)
     bits = self.random_bits(key, x_blocks.shape)
     if use_pallas and x_blocks.size:
-      interpret = default_interpret() if interpret is None else interpret
-      return self.quantize_pallas(x_blocks, bits, interpret=interpret, rows_per_step=rows_per_step)
+      return kernels.quantize(x_blocks, bits, codec=self, interpret=interpret,
+                              rows_per_step=rows_per_step)
     return self.quantize_reference(x_blocks, bits)
 
   def decode_blocks(self, codes: jax.Array, scales: jax.Array | None, *,
                     use_pallas: bool = False, interpret: bool | None = None,
                     rows_per_step: int | None = None) -> jax.Array:
-    """Dequantizes to fp32 blocks ``[B, L]``."""
+    """Dequantizes to fp32 blocks ``[B, L]`` (options as :meth:`encode_blocks`)."""
     if use_pallas and codes.size:
-      interpret = default_interpret() if interpret is None else interpret
-      return self.dequantize_pallas(codes, scales, interpret=interpret, rows_per_step=rows_per_step)
+      return kernels.dequantize(codes, scales, codec=self, interpret=interpret,
+                                rows_per_step=rows_per_step)
     return self.dequantize_reference(codes, scales)
 
   # ------------------------------------------------------------ tensor API
@@ -285,9 +318,10 @@ class Codec(abc.ABC):
       x: the tensor (any float dtype; quantized from its fp32 value).
       key: PRNG key, required with ``rounding="stochastic"``.
       use_pallas: run the Pallas kernel instead of the jnp reference.
-      interpret: Pallas interpret mode; defaults to True on CPU only.
-      rows_per_step: blocks per Pallas grid step (default: about 2^18 values
-        per step).
+      interpret: True: Pallas interpret mode; None: compiled on GPU/TPU, interpreted elsewhere;
+        False: compiled on GPU/TPU, the jnp reference elsewhere.
+      rows_per_step: blocks per Pallas grid step, rounded up to a power of 2
+        (default: per platform, ``kernels.TILE_VALUES``).
 
     Returns:
       The :class:`EncodedTensor`.

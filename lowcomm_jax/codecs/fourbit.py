@@ -13,11 +13,12 @@ the same as ``ml_dtypes``' cast). Stochastic rounding picks the grid point
 just below or just above with probability proportional to the distance to the
 other, so the expected decode equals the input.
 
-``_quantize_tile``/``_dequantize_tile`` are the math for a tile of whole
-blocks: ``GridCodec.quantize_reference`` applies it to all blocks in jnp and
-``GridCodec.quantize_pallas`` inside a Pallas kernel over tiles of blocks
-(both inherited from :class:`~lowcomm_jax.codecs.base.Codec`). Grid values
-enter the kernels as Python floats (kernels may not capture arrays).
+``_encode_values``/``_decode_values`` are the math of values given their
+block's scale: the jnp reference applies it to whole blocks and the Pallas
+kernels (:mod:`lowcomm_jax.codecs.kernels`) to the two halves of each block
+of a tile (both through :class:`~lowcomm_jax.codecs.base.Codec`). Codes are
+int32 until packed, so the kernels do no 8-bit arithmetic. Grid values enter
+the kernels as Python floats (kernels may not capture arrays).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from lowcomm_jax.codecs import base
-from lowcomm_jax.codecs import packing
 
 __all__ = ["GridCodec"]
 
@@ -63,21 +63,19 @@ def _grid_index(magnitude: jax.Array, uniform: jax.Array | None,
   return lower + (uniform < prob_up).astype(jnp.int32)
 
 
-def _quantize_tile(x: jax.Array, bits: jax.Array | None, grid: tuple[float, ...]):
-  """fp32 ``[R, L]`` to packed uint8 ``[R, L/2]`` and scales ``[R, 1]``."""
+def _encode_values(x: jax.Array, divisor: jax.Array, finite: jax.Array,
+                   bits: jax.Array | None, grid: tuple[float, ...]) -> jax.Array:
+  """fp32 ``[R, n]`` to int32 codes in [0, 16) (sign bit 3, grid index bits 0-2)."""
   grid_max = grid[-1]
-  scale, divisor, finite = base.block_scales(x, grid_max)
   magnitude = jnp.where(finite, jnp.minimum(jnp.abs(x) / divisor, grid_max), 0.0)
   uniform = None if bits is None else base.uniform_from_bits(bits)
   index = _grid_index(magnitude, uniform, grid)
   negative = (x < 0) & (index > 0)
-  codes = index.astype(jnp.uint8) | (negative.astype(jnp.uint8) << 3)
-  return packing.pack_nibbles(codes), scale
+  return index | (negative.astype(jnp.int32) << 3)
 
 
-def _dequantize_tile(packed: jax.Array, scale: jax.Array, grid: tuple[float, ...]) -> jax.Array:
-  """Packed uint8 ``[R, L/2]`` and scales ``[R, 1]`` to fp32 ``[R, L]``."""
-  codes = packing.unpack_nibbles(packed)
+def _decode_values(codes: jax.Array, scale: jax.Array, grid: tuple[float, ...]) -> jax.Array:
+  """Integer codes ``[R, n]`` and scales ``[R, 1]`` to fp32 ``[R, n]``."""
   magnitude = _select(codes & 0x7, grid) * scale
   return jnp.where((codes >> 3) == 1, -magnitude, magnitude)
 
@@ -90,8 +88,12 @@ class GridCodec(base.Codec):
   code_dtype: ClassVar[Any] = jnp.uint8
   grid: ClassVar[tuple[float, ...]]
 
-  def quantize_tile(self, x, bits):
-    return _quantize_tile(x, bits, self.grid)
+  @property
+  def grid_max(self) -> float:
+    return self.grid[-1]
 
-  def dequantize_tile(self, codes, scale):
-    return _dequantize_tile(codes, scale, self.grid)
+  def encode_values(self, x, divisor, finite, bits):
+    return _encode_values(x, divisor, finite, bits, self.grid)
+
+  def decode_values(self, codes, scale):
+    return _decode_values(codes, scale, self.grid)

@@ -5,7 +5,7 @@ left out so the range is symmetric); it is a :class:`~fourbit.GridCodec` with
 the grid 0, 1, ..., 7 and ``scale = absmax / 7``. ``int8`` stores
 ``round(x / scale)`` in [-127, 127] as two's-complement int8 with
 ``scale = absmax / 127`` (-128 unused, for the same symmetry). Ties round to
-even, as ``jnp.round`` does; stochastic rounding rounds up with probability
+even, as ``jnp.round`` does (computed from ``floor``); stochastic rounding rounds up with probability
 equal to the fractional part.
 """
 
@@ -34,21 +34,26 @@ class INT4(fourbit.GridCodec):
   grid: ClassVar[tuple[float, ...]] = INT4_GRID
 
 
-def _quantize_int8_tile(x: jax.Array, bits: jax.Array | None):
-  """fp32 ``[R, L]`` to int8 ``[R, L]`` and scales ``[R, 1]``."""
-  scale, divisor, finite = base.block_scales(x, INT8_MAX)
+def _round_half_even(magnitude: jax.Array) -> jax.Array:
+  """``jnp.round`` of non-negative values, from ``floor`` (Triton has no rule for ``round``)."""
+  floor = jnp.floor(magnitude)
+  fraction = magnitude - floor  # exact for floats
+  odd = floor - 2.0 * jnp.floor(floor * 0.5) == 1.0
+  up = (fraction > 0.5) | ((fraction == 0.5) & odd)
+  return floor + up.astype(jnp.float32)
+
+
+def _encode_int8_values(x: jax.Array, divisor: jax.Array, finite: jax.Array,
+                        bits: jax.Array | None) -> jax.Array:
+  """fp32 ``[R, n]`` to int8 ``[R, n]``."""
   magnitude = jnp.where(finite, jnp.minimum(jnp.abs(x) / divisor, INT8_MAX), 0.0)
   if bits is None:
-    level = jnp.round(magnitude)
+    level = _round_half_even(magnitude)
   else:
     floor = jnp.floor(magnitude)
     level = floor + (base.uniform_from_bits(bits) < magnitude - floor).astype(jnp.float32)
   level = jnp.minimum(level, INT8_MAX)
-  return jnp.where(x < 0, -level, level).astype(jnp.int8), scale
-
-
-def _dequantize_int8_tile(codes: jax.Array, scale: jax.Array) -> jax.Array:
-  return codes.astype(jnp.float32) * scale
+  return jnp.where(x < 0, -level, level).astype(jnp.int32).astype(jnp.int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +63,10 @@ class INT8(base.Codec):
   name: ClassVar[str] = "int8"
   bits_per_value: ClassVar[int] = 8
   code_dtype: ClassVar[Any] = jnp.int8
+  grid_max: ClassVar[float] = INT8_MAX
 
-  def quantize_tile(self, x, bits):
-    return _quantize_int8_tile(x, bits)
+  def encode_values(self, x, divisor, finite, bits):
+    return _encode_int8_values(x, divisor, finite, bits)
 
-  def dequantize_tile(self, codes, scale):
-    return _dequantize_int8_tile(codes, scale)
+  def decode_values(self, codes, scale):
+    return codes.astype(jnp.int32).astype(jnp.float32) * scale

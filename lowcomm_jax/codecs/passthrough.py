@@ -49,11 +49,12 @@ class BF16(_Unscaled):
   bits_per_value: ClassVar[int] = 16
   code_dtype: ClassVar[Any] = jnp.bfloat16
 
-  def quantize_tile(self, x, bits):
+  def encode_values(self, x, divisor, finite, bits):
+    del divisor, finite  # bf16 carries no scales
     return _bf16_tile(x, bits)
 
-  def dequantize_tile(self, codes, scale):
-    del scale  # bf16 carries no scales
+  def decode_values(self, codes, scale):
+    del scale
     return codes.astype(jnp.float32)
 
 
@@ -69,10 +70,10 @@ class FP32(_Unscaled):
     del key, shape  # lossless: nothing to round, so no key is needed
     return None
 
-  def quantize_tile(self, x, bits):
-    del bits
+  def encode_values(self, x, divisor, finite, bits):
+    del divisor, finite, bits
     return x
 
-  def dequantize_tile(self, codes, scale):
+  def decode_values(self, codes, scale):
     del scale
     return codes

@@ -42,6 +42,7 @@ executor's thread); `entries(p)` gives them and `sent_bytes` adds them up for ev
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -116,8 +117,8 @@ class OuterCommExecutor:
                mesh=None):
     if mesh is not None:
       check_layout(mesh)
-    codecs.kernel_options(kernels)  # an unknown mode is refused here, before the thread starts
-    self.codec, self.kernels, self.axis_name = codec, kernels, axis_name
+    codecs.kernel_options(kernels, codec)  # a mode that cannot run is refused before the thread starts
+    self.codec, self.kernels, self.axis_name, self.mesh = codec, kernels, axis_name, mesh
     self.issued: list[Issued] = []  # in the order the thread ran them
     self._programs: dict[tuple, Any] = {}  # (fragment, input layout) -> compiled program
     self._entries: dict[int, list[ledger_lib.Entry]] = {}
@@ -201,7 +202,8 @@ class OuterCommExecutor:
     cache_key = (fragment, jax.tree.structure(args), layout)
     if cache_key not in self._programs:
       ledger = ledger_lib.Ledger()
-      with ledger.recording():
+      tracing = contextlib.nullcontext() if self.mesh is None else mesh_lib.tracing(self.mesh)
+      with ledger.recording(), tracing:
         lowered = jax.jit(fragment_mean(fragment, self.codec, self.kernels, self.axis_name)).lower(
             *args)
       self._programs[cache_key] = lowered.compile()
@@ -239,7 +241,10 @@ def fragment_mean(fragment: int, codec=None, kernels: str = "auto",
   `(mean_R, new residual_R)`), vmapped over the leading replica axis.
 
   The executor compiles it on its thread; called inside a step's program on the training thread
-  it is the inline mean the executor must equal.
+  it is the inline mean the executor must equal. Traced under a mesh holding `axis_name`
+  (`mesh.tracing`), the leading axis is laid out over it (`spmd_axis_name`), so that a codec's
+  compiled kernels, which run under a `shard_map` over every mesh axis, take each replica's
+  slice where it lives instead of gathering Δ.
   """
   name = f"fragment {fragment}"
 
@@ -252,6 +257,8 @@ def fragment_mean(fragment: int, codec=None, kernels: str = "auto",
   def over_replicas(delta, residual=None, key=None):
     # Δ and the residual are per replica; the key is the same on every replica.
     in_axes = (0, None if residual is None else 0, None)
-    return jax.vmap(per_replica, in_axes=in_axes, axis_name=axis_name)(delta, residual, key)
+    spmd = axis_name if axis_name in jax.sharding.get_abstract_mesh().axis_names else None
+    return jax.vmap(per_replica, in_axes=in_axes, axis_name=axis_name,
+                    spmd_axis_name=spmd)(delta, residual, key)
 
   return over_replicas

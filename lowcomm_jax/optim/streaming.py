@@ -77,7 +77,8 @@ class StreamingDiLoCo:
       raise ValueError("diloco.error_feedback needs a lossy diloco.codec (e3m0, e2m1, int4, int8, bf16)")
     self.inner, self.outer, self.axis_name = optax.with_extra_args_support(inner), outer, axis_name
     self.codec, self.error_feedback = codec, error_feedback
-    codecs.kernel_options(codec_kernels)  # refuses an unknown mode here, before any tracing
+    # refuses an unknown mode, or pallas where it cannot compile, here, before any tracing
+    codecs.kernel_options(codec_kernels, codec)
     self.codec_kernels = codec_kernels
     self._fragments = fragments
     self._schedule = None

@@ -157,9 +157,11 @@ def make_pipeline_grads(stage_fns: StageFunctions, table: ticks_lib.TickTable, m
 
   # check_vma=False: every output is per device anyway, and the branches mix values that vary over
   # the mesh (activations) with constants (an idle device's zeros).
-  sharded = jax.shard_map(device_program, mesh=mesh, in_specs=(GRID, P()),
-                          out_specs=(GRID, GRID, GRID), check_vma=False)
-  return sharded
+  # The mesh is looked up when traced: a context's abstract mesh with the same axes stands
+  # (`mesh.tracing`).
+  return lambda *args: jax.shard_map(device_program, mesh=mesh_lib.current(mesh),
+                                     in_specs=(GRID, P()), out_specs=(GRID, GRID, GRID),
+                                     check_vma=False)(*args)
 
 
 def _store(buffer, microbatch, value):

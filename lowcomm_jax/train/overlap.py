@@ -91,6 +91,13 @@ def start(choice: str, algorithm, mesh):
   return Threaded(algorithm.tx, mesh) if choice == "thread" else Inline()
 
 
+def program_phase(delay, phase: Phase) -> Phase:
+  """The phase a step's program runs with the thread: `phase` without the overlapped (τ ≥ 1)
+  fragments' sends and merges, which the thread and `Threaded.after_step` run."""
+  return Phase(tuple(p for p in phase.send if not delay[p]),
+               tuple(p for p in phase.receive if not delay[p]))
+
+
 class Threaded:
   """Streaming DiLoCo's overlapped fragments (τ ≥ 1) through a `comm.OuterCommExecutor`."""
 
@@ -140,8 +147,7 @@ class Threaded:
     # without a future (after a resume the checkpoint's in-flight buffer holds the mean), so that
     # a resumed run rounds as the uninterrupted one.
     self._due = [p for p in phase.receive if self.delay[p]]
-    return Phase(tuple(p for p in phase.send if not self.delay[p]),
-                 tuple(p for p in phase.receive if p not in self._due)), state
+    return program_phase(self.delay, phase), state
 
   def after_step(self, state):
     """After the step's program is dispatched: waits on the futures of the merges it left out,

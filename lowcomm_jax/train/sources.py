@@ -126,7 +126,7 @@ class ReplicaGradients:
           take(True, params), per_leaf(take, opt_state), take(True, batch))
       return put(True, params), per_leaf(put, opt_state), loss[None], grad_norm[None]
 
-    return jax.shard_map(on_slice, mesh=self.mesh, in_specs=(lead, state_specs, lead),
+    return jax.shard_map(on_slice, mesh=mesh_lib.current(self.mesh), in_specs=(lead, state_specs, lead),
                          out_specs=(lead, state_specs, lead, lead), axis_names={mesh_lib.REPLICA})
 
 
@@ -203,8 +203,9 @@ class PipelineGradients:
     grid = P(mesh_lib.REPLICA, mesh_lib.STAGE)
     squeeze = lambda t: jax.tree.map(lambda x: x[0, 0], t)
     expand = lambda t: jax.tree.map(lambda x: x[None, None], t)
-    return jax.shard_map(lambda *args: expand(fn(*map(squeeze, args))), mesh=self.mesh,
-                         in_specs=(grid,) * num_in, out_specs=grid, check_vma=False)
+    return lambda *args: jax.shard_map(
+        lambda *args: expand(fn(*map(squeeze, args))), mesh=mesh_lib.current(self.mesh),
+        in_specs=(grid,) * num_in, out_specs=grid, check_vma=False)(*args)
 
   def init(self, params):
     r = self.algorithm.num_replicas

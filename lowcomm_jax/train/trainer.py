@@ -135,10 +135,7 @@ class Trainer:
 
   def restore_latest(self) -> step_lib.TrainState:
     """The train state of this workdir's latest checkpoint."""
-    abstract = jax.eval_shape(self._init_fn, self._abstract_params())
-    shardings = self.state_shardings(abstract)
-    template = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                            abstract, shardings)
+    template = self.abstract_state()
     ckpt = checkpoint.Checkpointer(self.workdir, self.config.checkpoint.keep)
     restored = ckpt.restore_latest(template)
     ckpt.close()
@@ -180,10 +177,23 @@ class Trainer:
     key = (phase, route)
     if key not in self._programs:
       ledger = comm.Ledger()
-      with ledger.recording():
+      with ledger.recording(), mesh_lib.tracing(self.mesh):
         compiled = self.source.compile(self._jit_step(key, state).lower(state, self._abstract_batch()))
       self._programs[key] = (compiled, ledger.entries)
     return self._programs[key]
+
+  def lower(self, phase, state, route=None, platforms=None):
+    """The step of a phase lowered, not compiled, for `platforms` (e.g. `("tpu",)` from a CPU host;
+    default: the mesh's), as `program` would compile it."""
+    with mesh_lib.tracing(self.mesh):
+      traced = self._jit_step((phase, route), state).trace(state, self._abstract_batch())
+      return traced.lower(lowering_platforms=platforms)
+
+  def abstract_state(self):
+    """The train state as `ShapeDtypeStruct`s laid out as `init_state` lays it out (no compute)."""
+    abstract = jax.eval_shape(self._init_fn, self._abstract_params())
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        abstract, self.state_shardings(abstract))
 
   def phase_entries(self, phase, state, route=None) -> list:
     """The ledger entries of a phase's program, traced (not compiled) when not compiled yet."""
@@ -191,7 +201,7 @@ class Trainer:
       return self._programs[(phase, route)][1]
     if (phase, route) not in self._traced_entries:
       ledger = comm.Ledger()
-      with ledger.recording():
+      with ledger.recording(), mesh_lib.tracing(self.mesh):
         self._jit_step((phase, route), state).trace(state, self._abstract_batch())
       self._traced_entries[(phase, route)] = ledger.entries
     return self._traced_entries[(phase, route)]
