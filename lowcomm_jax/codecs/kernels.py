@@ -40,7 +40,7 @@ __all__ = ["COMPILED_PLATFORMS", "MAX_COMPILED_COLUMNS", "TILE_VALUES", "compile
 
 # The platforms with a compiled kernel, each proven to lower by tests/test_lowering.py.
 COMPILED_PLATFORMS = ("cuda", "tpu")
-# Values per grid step. Interpret mode costs about 12 ms per grid step, so its tiles are large;
+# Values per grid step. Interpret mode has a large fixed cost per grid step, so its tiles are large;
 # a Triton program holds its tile in registers; a Mosaic tile sits in VMEM, double-buffered.
 TILE_VALUES = {"interpret": 1 << 18, "cuda": 1 << 12, "tpu": 1 << 17}
 # Rows of a Mosaic tile are a multiple of the 8-bit sublane tiling (32 rows).
