@@ -50,10 +50,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.num_steps = 300  # optimizer steps.
   c.model = ml_collections.ConfigDict(dict(
       size="tiny",  # a preset of lowcomm_jax.models.PRESETS
-      dtype="float32",  # activation dtype; parameters stay float32
+      dtype="",  # activation dtype: "" (the preset's: float32 for tiny/small, bfloat16 for sdl_*) | float32 | bfloat16; parameters stay float32
       d_ff=0,  # SwiGLU hidden width; 0 keeps the preset's (HDEE varies it for S/M/L experts)
       layer_loop="auto",  # auto | scan | unroll: how the forward runs the layers (ModelConfig)
-      attention="xla",  # xla | cpu_kernel: how attention is computed (ModelConfig)
+      attention="xla",  # xla | dot_product (cuDNN flash on GPU) | cpu_kernel: how attention is computed (ModelConfig)
+      remat="none",  # none | full | dots: what each block keeps for the backward (ModelConfig)
   ))
   c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
@@ -212,8 +213,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   checks.require(c.algorithm in names, "algorithm", f"one of {names}", c.algorithm)
   checks.integer(c, "num_steps", 1)
   checks.integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
-  model_config.get_model_config(c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop,
-                                attention=c.model.attention)
+  model_config.get_model_config(c.model.size, **_model_options(c))
   corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
   checks.require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
   checks.require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
@@ -306,8 +306,16 @@ def model_config_of(c):
   if c.gradients != "replicas":
     changes["num_layers"] = c.pipeline.num_stages * c.pipeline.layers_per_stage
   return model_config.get_model_config(
-      c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop, attention=c.model.attention,
-      max_seq_len=max(preset.max_seq_len, c.data.seq_len), d_ff=c.model.d_ff or preset.d_ff, **changes)
+      c.model.size, **_model_options(c), max_seq_len=max(preset.max_seq_len, c.data.seq_len),
+      d_ff=c.model.d_ff or preset.d_ff, **changes)
+
+
+def _model_options(c) -> dict:
+  """The `model` keys that replace a preset's fields; an empty dtype keeps the preset's."""
+  options = dict(layer_loop=c.model.layer_loop, attention=c.model.attention, remat=c.model.remat)
+  if c.model.dtype:
+    options["dtype"] = c.model.dtype
+  return options
 
 
 def load_run_config(workdir) -> ml_collections.ConfigDict:

@@ -30,7 +30,8 @@ from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax import sharding
 from lowcomm_jax.data import corpora, pipeline
 from lowcomm_jax.models import config as model_config
-from lowcomm_jax.models import cpu_attention, llama
+from lowcomm_jax.cpu_kernels import attention as cpu_attention
+from lowcomm_jax.models import llama
 from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources
 from lowcomm_jax.train import workdir as workdir_lib
 from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib, step as step_lib

@@ -1,5 +1,5 @@
 // Causal softmax attention on the CPU as one XLA FFI custom call per direction, for
-// lowcomm_jax/models/cpu_attention.py (which builds this file with the host's C++ compiler).
+// lowcomm_jax/cpu_kernels/attention.py (which builds this file with the host's C++ compiler).
 //
 // Shapes: q, k, v, o, dO are [N, T, H, K] float32 (N = every leading axis: batch, replicas; the
 // layout of the projections around the call, so XLA copies none of them), lse is [N, T, H]; T a

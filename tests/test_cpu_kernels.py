@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import models
-from lowcomm_jax.models import cpu_attention, llama
+from lowcomm_jax.cpu_kernels import attention as cpu_attention
+from lowcomm_jax.cpu_kernels import build
+from lowcomm_jax.models import llama
 from lowcomm_jax.testing import read_metrics, tiny_config, tree_hash
 from lowcomm_jax.train import Trainer
 
@@ -84,7 +86,7 @@ def test_diloco_one_replica_per_device_slice_matches_the_xla_path(tmp_path):
 
 
 def test_bad_values_are_named_before_anything_is_written(tmp_path):
-  with pytest.raises(ValueError, match=r"model.attention must be one of \('xla', 'cpu_kernel'\), got 'flash'"):
+  with pytest.raises(ValueError, match=r"model.attention must be one of \('xla', 'dot_product', 'cpu_kernel'\), got 'flash'"):
     models.get_model_config("tiny", attention="flash")
   (tmp_path / "run").mkdir()
   Trainer(tiny_config(num_steps=2), tmp_path / "run").run()
@@ -100,4 +102,4 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
   monkeypatch.setenv("PATH", "/nonexistent")
   monkeypatch.delenv("CXX", raising=False)
   with pytest.raises(RuntimeError, match=r"model.attention='cpu_kernel' needs a C\+\+ compiler"):
-    cpu_attention._compiler()  # pylint: disable=protected-access
+    build.compiler("model.attention='cpu_kernel'")
