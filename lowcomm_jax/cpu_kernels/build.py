@@ -16,7 +16,6 @@ Anything else is refused with one line naming the path (`KernelCacheError`).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import pathlib
@@ -104,16 +103,20 @@ def _verified(library: pathlib.Path) -> None:
                            f"{expected[:16]}…; refusing to load it (delete it to rebuild)")
 
 
+def library_path(source: pathlib.Path) -> pathlib.Path:
+  """Where `source`'s library is cached: keyed by the source, the flags, jaxlib and the host CPU."""
+  key = hashlib.sha256(b"\0".join([source.read_bytes(), jax.lib.__version__.encode(),
+                                   cpu_identity().encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
+  return cache_dir() / f"{source.stem}-{key}.so"
+
+
 def build(source: pathlib.Path, option: str) -> pathlib.Path:
   """The shared library of `source` in the cache, compiled there unless already present.
 
   `option` names the config option that asked for the kernel, for error messages.
   """
-  text = source.read_bytes()
-  key = hashlib.sha256(b"\0".join([text, jax.lib.__version__.encode(), cpu_identity().encode(),
-                                   " ".join(FLAGS).encode()])).hexdigest()[:16]
   folder = _private_folder()
-  library = folder / f"{source.stem}-{key}.so"
+  library = library_path(source)
   if library.exists():
     _verified(library)
     return library
@@ -137,7 +140,3 @@ def build(source: pathlib.Path, option: str) -> pathlib.Path:
   _verified(library)
   return library
 
-
-def load(source: pathlib.Path, option: str) -> ctypes.CDLL:
-  """Builds `source` if needed, verifies the cached library and loads it."""
-  return ctypes.cdll.LoadLibrary(str(build(source, option)))

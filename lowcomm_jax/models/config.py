@@ -42,8 +42,8 @@ class ModelConfig:
       static slices: on CPU XLA then neither zero-fills nor copies the stacked
       per-layer activation and gradient buffers, −15 to −20% CPU time per step,
       docs/performance.md), or "auto": unroll on CPU up to
-      `UNROLL_MAX_LAYERS` layers, scan otherwise and on GPU/TPU (unmeasured
-      here; scan is what MaxText defaults to there). A `path` forward always
+      `UNROLL_MAX_LAYERS` layers without remat, scan otherwise and on GPU/TPU
+      (unmeasured here; scan is what MaxText defaults to there). A `path` forward always
       scans over its layer indices. The arithmetic is the same either way.
     attention: how causal attention is computed: "xla" (batched dots and a
       softmax, every backend; keeps the [B, H, T, T] probabilities for the
@@ -104,7 +104,9 @@ class ModelConfig:
   def unrolls_layers(self, backend: str) -> bool:
     """Whether the no-path forward unrolls the layer loop on `backend` ("cpu", "gpu", "tpu")."""
     if self.layer_loop == "auto":
-      return backend == "cpu" and self.num_layers <= UNROLL_MAX_LAYERS
+      # with remat, scan: unrolled, XLA:CPU schedules the recomputation early and keeps as much
+      # as without it (benchmarks/model_memory.py)
+      return backend == "cpu" and self.num_layers <= UNROLL_MAX_LAYERS and self.remat == "none"
     return self.layer_loop == "unroll"
 
 

@@ -63,7 +63,10 @@ class Trainer:
       if platforms != ["cpu"]:
         raise ValueError(f"model.attention='cpu_kernel' runs on CPU devices only, the mesh has {platforms} "
                          "(use model.attention='xla')")
-      cpu_attention.load()  # compiled (or found in the cache) now: a missing compiler fails here
+      try:  # compiled (or found in the cache) now: a missing compiler or an untrusted cache fails here
+        cpu_attention.load()
+      except RuntimeError as error:
+        raise ValueError(str(error)) from None
     if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     self.rules = sharding.rules_for(config.sharding.layout)
