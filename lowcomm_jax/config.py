@@ -54,7 +54,7 @@ def default_config() -> ml_collections.ConfigDict:
       d_ff=0,  # SwiGLU hidden width; 0 keeps the preset's (HDEE varies it for S/M/L experts)
       layer_loop="auto",  # auto | scan | unroll: how the forward runs the layers (ModelConfig)
       attention="xla",  # xla | dot_product (cuDNN flash on GPU) | cpu_kernel: how attention is computed (ModelConfig)
-      remat="none",  # none | full | dots: what each block keeps for the backward (ModelConfig)
+      remat="",  # "" (the preset's: none for tiny/small, dots for sdl_*) | none | full | dots: what each block keeps for the backward (ModelConfig)
   ))
   c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
@@ -311,10 +311,11 @@ def model_config_of(c):
 
 
 def _model_options(c) -> dict:
-  """The `model` keys that replace a preset's fields; an empty dtype keeps the preset's."""
-  options = dict(layer_loop=c.model.layer_loop, attention=c.model.attention, remat=c.model.remat)
-  if c.model.dtype:
-    options["dtype"] = c.model.dtype
+  """The `model` keys that replace a preset's fields; an empty dtype or remat keeps the preset's."""
+  options = dict(layer_loop=c.model.layer_loop, attention=c.model.attention)
+  for key in ("dtype", "remat"):
+    if c.model[key]:
+      options[key] = c.model[key]
   return options
 
 

@@ -115,14 +115,14 @@ def test_cpu_tuned_backwards_only_where_lowered_for_cpu():
   _assert_same_gradients(plain, _compiled_and_values(_CFG)[1], "plain autodiff")
 
 
-def test_preset_dtype_stands_unless_the_config_sets_one():
+def test_preset_dtype_and_remat_stand_unless_the_config_sets_them():
   c = config_lib.default_config()
   c.model.size = "sdl_35m"
-  assert config_lib.model_config_of(c).dtype == "bfloat16"
-  c.model.dtype = "float32"
-  assert config_lib.model_config_of(c).dtype == "float32"
-  c.model.size, c.model.dtype = "tiny", ""
-  assert config_lib.model_config_of(c).dtype == "float32"
+  assert (config_lib.model_config_of(c).dtype, config_lib.model_config_of(c).remat) == ("bfloat16", "dots")
+  c.model.dtype, c.model.remat = "float32", "none"
+  assert (config_lib.model_config_of(c).dtype, config_lib.model_config_of(c).remat) == ("float32", "none")
+  c.model.size, c.model.dtype, c.model.remat = "tiny", "", ""
+  assert (config_lib.model_config_of(c).dtype, config_lib.model_config_of(c).remat) == ("float32", "none")
 
 
 @pytest.mark.parametrize("name", ["sdl_35m", "sdl_1b"])

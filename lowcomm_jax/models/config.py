@@ -110,11 +110,17 @@ class ModelConfig:
     return self.layer_loop == "unroll"
 
 
+# What the sdl_* presets keep for the backward: at 8 × 2048 tokens per replica in bfloat16 "dots"
+# keeps about half the temporaries of "none" (benchmarks/model_memory.py, docs/accelerators.md)
+# for one more forward of the attention and elementwise ops only; "full" saves little more.
+PAPER_REMAT = "dots"
+
+
 def _paper_preset(layers: int, heads: int) -> ModelConfig:
   d_model = 64 * heads
   d_ff = 64 * round(8 * d_model / 3 / 64)  # 3·d·d_ff ≈ 8d², the papers' MLP
   return ModelConfig(vocab_size=32_000, d_model=d_model, num_layers=layers, num_heads=heads,
-                     d_ff=d_ff, max_seq_len=2048, dtype="bfloat16")
+                     d_ff=d_ff, max_seq_len=2048, dtype="bfloat16", remat=PAPER_REMAT)
 
 
 PRESETS: dict[str, ModelConfig] = {
