@@ -50,11 +50,16 @@ def default_config() -> ml_collections.ConfigDict:
   c.num_steps = 300  # optimizer steps.
   c.model = ml_collections.ConfigDict(dict(
       size="tiny",  # a preset of lowcomm_jax.models.PRESETS
-      dtype="",  # activation dtype: "" (the preset's: float32 for tiny/small, bfloat16 for sdl_*) | float32 | bfloat16; parameters stay float32
+      # activation dtype: "" (the preset's: float32 for tiny/small, bfloat16 for sdl_*) | float32 |
+      # bfloat16; parameters stay float32
+      dtype="",
       d_ff=0,  # SwiGLU hidden width; 0 keeps the preset's (HDEE varies it for S/M/L experts)
       layer_loop="auto",  # auto | scan | unroll: how the forward runs the layers (ModelConfig)
-      attention="xla",  # xla | dot_product (cuDNN flash on GPU) | cpu_kernel: how attention is computed (ModelConfig)
-      remat="",  # "" (the preset's: none for tiny/small, dots for sdl_*) | none | full | dots: what each block keeps for the backward (ModelConfig)
+      # xla | dot_product (cuDNN's flash attention on GPU) | cpu_kernel: how attention is computed
+      attention="xla",
+      # what each block keeps for the backward: "" (the preset's: none for tiny/small, dots for
+      # sdl_*) | none | full | dots (ModelConfig.remat, docs/accelerators.md)
+      remat="",
   ))
   c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
