@@ -36,7 +36,7 @@ class ModelConfig:
     rope_base: rotary frequency base.
     norm_eps: RMSNorm epsilon.
     dtype: compute dtype of activations ("float32" or "bfloat16"); parameters
-      are always float32.
+      are always float32. The sdl_* presets compute in bfloat16.
     layer_loop: how the forward runs the stacked blocks: "scan" (one `lax.scan`
       body, compile time independent of depth), "unroll" (a Python loop over
       static slices: on CPU XLA then neither zero-fills nor copies the stacked
@@ -59,7 +59,8 @@ class ModelConfig:
       "full" (only the block's input: the whole block is recomputed in the
       backward, one more forward), or "dots" (the outputs of matmuls without
       batch dimensions, i.e. the projections; attention's scores and
-      probabilities and the elementwise ops are recomputed). Same values.
+      probabilities and the elementwise ops are recomputed; the sdl_* presets'
+      setting). Same values up to float32 rounding.
   """
 
   vocab_size: int = 256
