@@ -3,7 +3,7 @@
   nice -n 10 python benchmarks/attention_kernel.py [--rounds=5 --calls=200]
 
 Times, in interleaved rounds (process CPU-seconds per call, medians), the forward and the backward
-of `models/cpu_attention.py` (q, k, v [8, 128, 4, 32], float32) and the same two of
+of `cpu_kernels/attention.py` (q, k, v [8, 128, 4, 32], float32) and the same two of
 `llama.causal_attention` (the default `model.attention="xla"`, on the [8, 4, 128, 32] transposes),
 each jitted alone, and the kernel's FLOP rate over the FLOPs it executes (the score and output
 products of its 4-row blocks up to the diagonal, tile-rounded). Writes
@@ -24,14 +24,15 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from lowcomm_jax.models import cpu_attention, llama  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lowcomm_jax.cpu_kernels import attention as cpu_attention
+from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timed rounds (after one warm-up round).")
 _CALLS = flags.DEFINE_integer("calls", 200, "Calls per setup per round.")
 _OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).parent / "results" / "attention_kernel.json"),
                            "Where to write the results.")
 _B, _T, _H, _K = 8, 128, 4, 32  # one layer of `small` at 8 × 128 tokens (step_breakdown's replica)
-_ROWS, _TILE = 4, 16  # the kernel's query-row block and score-column tile (cpu_attention.cc)
+_ROWS, _TILE = 4, 16  # the kernel's query-row block and score-column tile (cpu_kernels/attention.cc)
 
 
 def _executed_flops() -> tuple[int, int]:

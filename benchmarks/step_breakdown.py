@@ -12,7 +12,7 @@ everything else kept). Setups, timed in interleaved rounds (process CPU-seconds 
 - `ours`: the Trainer's compiled step on one CPU device;
 - `ours, no attention`: the same with `llama.causal_attention` replaced while the step is traced;
 - `ours, attention=cpu_kernel`: `ours` with model.attention="cpu_kernel" (the fused C++ kernel,
-  models/cpu_attention.py), whose attention cost is likewise its difference to the ablated step;
+  cpu_kernels/attention.py), whose attention cost is likewise its difference to the ablated step;
 - `torch` and `torch, no attention`: benchmarks/peers/torch_step.py in the torchft venv.
 Attention's cost in a step is the difference of a side's two setups (median of per-round
 differences); `rest` is the step without attention. Writes benchmarks/results/step_breakdown.json.

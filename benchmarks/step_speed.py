@@ -12,7 +12,7 @@ Setups on the `small` model (1,345,152 parameters), batch 16 × 128, one CPU dev
   unrolling's share of the step);
 - `..., attention=cpu_kernel`: the Trainer setups (this one, the DiLoCo and the MaxText-shape one
   below) again with `model.attention="cpu_kernel"`, the fused C++ attention kernel
-  (models/cpu_attention.py; an option, not the default): `cpu_kernel_over_xla` (its step's
+  (cpu_kernels/attention.py; an option, not the default): `cpu_kernel_over_xla` (its step's
   CPU-seconds ÷ the default's), `torchft_ratio_cpu_kernel`, `maxtext_ratio_cpu_kernel`.
 Each timed round runs every setup in turn (this machine is shared: rounds interleave so that
 load hits all alike); a round also re-measures the host's float32 matmul peak (train/mfu.py).
@@ -301,7 +301,7 @@ def main(argv):
   setups = {"trainer": trainer_setup, "plain jit": _plain_setup(trainer_setup["trainer"])}
   if has_layer_loop:
     setups["trainer, layer_loop=scan"] = _trainer_setup("scan")
-  if _KERNEL:  # model.attention="cpu_kernel" (models/cpu_attention.py) beside the default
+  if _KERNEL:  # model.attention="cpu_kernel" (cpu_kernels/attention.py) beside the default
     setups[f"trainer{_KERNEL}"] = _trainer_setup(config=_config(None, "cpu_kernel"))
   steps = {k: _STEPS.value for k in setups}
   tokens = {k: _BATCH * _SEQ for k in setups}

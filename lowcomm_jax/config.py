@@ -51,10 +51,16 @@ def default_config() -> ml_collections.ConfigDict:
   c.num_steps = 300  # optimizer steps.
   c.model = ml_collections.ConfigDict(dict(
       size="tiny",  # a preset of lowcomm_jax.models.PRESETS
-      dtype="float32",  # activation dtype; parameters stay float32
+      # activation dtype: "" (the preset's: float32 for tiny/small, bfloat16 for sdl_*) | float32 |
+      # bfloat16; parameters stay float32
+      dtype="",
       d_ff=0,  # SwiGLU hidden width; 0 keeps the preset's (HDEE varies it for S/M/L experts)
       layer_loop="auto",  # auto | scan | unroll: how the forward runs the layers (ModelConfig)
-      attention="xla",  # xla | cpu_kernel: how attention is computed (ModelConfig)
+      # xla | dot_product (cuDNN's flash attention on GPU) | cpu_kernel: how attention is computed
+      attention="xla",
+      # what each block keeps for the backward: "" (the preset's: none for tiny/small, dots for
+      # sdl_*) | none | full | dots (ModelConfig.remat, docs/accelerators.md)
+      remat="",
   ))
   c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
   c.data = ml_collections.ConfigDict(dict(
@@ -230,8 +236,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   checks.require(c.algorithm in names, "algorithm", f"one of {names}", c.algorithm)
   checks.integer(c, "num_steps", 1)
   checks.integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
-  model_config.get_model_config(c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop,
-                                attention=c.model.attention)
+  model_config.get_model_config(c.model.size, **_model_options(c))
   corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
   _validate_tokenizer(c)
   checks.require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
@@ -374,8 +379,17 @@ def model_config_of(c):
   if c.gradients != "replicas":
     changes["num_layers"] = c.pipeline.num_stages * c.pipeline.layers_per_stage
   return model_config.get_model_config(
-      c.model.size, dtype=c.model.dtype, layer_loop=c.model.layer_loop, attention=c.model.attention,
-      max_seq_len=max(preset.max_seq_len, c.data.seq_len), d_ff=c.model.d_ff or preset.d_ff, **changes)
+      c.model.size, **_model_options(c), max_seq_len=max(preset.max_seq_len, c.data.seq_len),
+      d_ff=c.model.d_ff or preset.d_ff, **changes)
+
+
+def _model_options(c) -> dict:
+  """The `model` keys that replace a preset's fields; an empty dtype or remat keeps the preset's."""
+  options = dict(layer_loop=c.model.layer_loop, attention=c.model.attention)
+  for key in ("dtype", "remat"):
+    if c.model[key]:
+      options[key] = c.model[key]
+  return options
 
 
 def load_run_config(workdir) -> ml_collections.ConfigDict:

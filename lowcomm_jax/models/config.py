@@ -2,8 +2,12 @@
 
 `tiny` is for tests, `small` for CPU runs and benchmarks, and the `sdl_*`
 presets are the Streaming DiLoCo paper's C4 scaling models (docs/algorithms.md §1.4:
-layers 6/9/12/15/18/24/36, heads 8..48, d_model = 64·heads, hidden = 4·d_model,
-vocabulary 32k), sized for accelerators.
+layers L = 6/9/12/15/18/24/36, heads 8..48, d = 64·heads, vocabulary V = 32k) in bfloat16, for
+accelerators. The papers name a model by 12·d²·L + V·d (attention 4d², a 4d-wide MLP 8d², one
+embedding); here the MLP is a SwiGLU (three d × d_ff matrices) with d_ff = 8d/3 rounded to a multiple
+of 64, so the blocks hold the papers' 12·d²·L (within 2%), and the untied output head adds one more
+V·d. `param_count` gives the exact count; docs/accelerators.md lists each preset's parameters, state
+bytes per device and the mesh it needs.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import dataclasses
 
 
 LAYER_LOOPS = ("auto", "scan", "unroll")
-ATTENTIONS = ("xla", "cpu_kernel")
+ATTENTIONS = ("xla", "dot_product", "cpu_kernel")
+REMATS = ("none", "full", "dots")
 # Deepest stack "auto" unrolls on CPU: beyond it compile time grows with depth for a shrinking gain.
 UNROLL_MAX_LAYERS = 12
 
@@ -31,20 +36,31 @@ class ModelConfig:
     rope_base: rotary frequency base.
     norm_eps: RMSNorm epsilon.
     dtype: compute dtype of activations ("float32" or "bfloat16"); parameters
-      are always float32.
+      are always float32. The sdl_* presets compute in bfloat16.
     layer_loop: how the forward runs the stacked blocks: "scan" (one `lax.scan`
       body, compile time independent of depth), "unroll" (a Python loop over
       static slices: on CPU XLA then neither zero-fills nor copies the stacked
       per-layer activation and gradient buffers, so a step costs less CPU time,
       docs/performance.md), or "auto": unroll on CPU up to
-      `UNROLL_MAX_LAYERS` layers, scan otherwise and on GPU/TPU (unmeasured
-      here; scan is what MaxText defaults to there). A `path` forward always
+      `UNROLL_MAX_LAYERS` layers without remat, scan otherwise and on GPU/TPU
+      (unmeasured here; scan is what MaxText defaults to there). A `path` forward always
       scans over its layer indices. The arithmetic is the same either way.
     attention: how causal attention is computed: "xla" (batched dots and a
-      softmax, every backend), or "cpu_kernel" (one fused C++ kernel per
-      direction, `models/cpu_attention.py`: CPU, float32, head_dim 16/32/64/128;
-      less CPU time per step, docs/performance.md). Same
-      arithmetic up to float32 rounding.
+      softmax, every backend; keeps the [B, H, T, T] probabilities for the
+      backward), "dot_product" (`jax.nn.dot_product_attention`: cuDNN's fused
+      flash attention when lowered for cuda with cuDNN installed, bfloat16,
+      head_dim a multiple of 8 up to 128; jax's XLA implementation elsewhere),
+      or "cpu_kernel" (one fused C++ kernel per direction,
+      `cpu_kernels/attention.py`: CPU, float32, head_dim 16/32/64/128; less CPU
+      time per step, docs/performance.md). Same arithmetic up to float32
+      rounding.
+    remat: what each block keeps for the backward (`jax.checkpoint` around the
+      block, scanned or unrolled): "none" (every activation autodiff needs),
+      "full" (only the block's input: the whole block is recomputed in the
+      backward, one more forward), or "dots" (the outputs of matmuls without
+      batch dimensions, i.e. the projections; attention's scores and
+      probabilities and the elementwise ops are recomputed; the sdl_* presets'
+      setting). Same values up to float32 rounding.
   """
 
   vocab_size: int = 256
@@ -58,6 +74,7 @@ class ModelConfig:
   dtype: str = "float32"
   layer_loop: str = "auto"
   attention: str = "xla"
+  remat: str = "none"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
@@ -75,9 +92,11 @@ class ModelConfig:
       raise ValueError(f"model.layer_loop must be one of {LAYER_LOOPS}, got {self.layer_loop!r}")
     if self.attention not in ATTENTIONS:
       raise ValueError(f"model.attention must be one of {ATTENTIONS}, got {self.attention!r}")
+    if self.remat not in REMATS:
+      raise ValueError(f"model.remat must be one of {REMATS}, got {self.remat!r}")
     if self.attention == "cpu_kernel":
-      from lowcomm_jax.models import cpu_attention  # pylint: disable=g-import-not-at-top
-      cpu_attention.check(self.dtype, self.head_dim)
+      from lowcomm_jax.cpu_kernels import attention  # pylint: disable=g-import-not-at-top
+      attention.check(self.dtype, self.head_dim)
 
   @property
   def head_dim(self) -> int:
@@ -86,14 +105,23 @@ class ModelConfig:
   def unrolls_layers(self, backend: str) -> bool:
     """Whether the no-path forward unrolls the layer loop on `backend` ("cpu", "gpu", "tpu")."""
     if self.layer_loop == "auto":
-      return backend == "cpu" and self.num_layers <= UNROLL_MAX_LAYERS
+      # with remat, scan: unrolled, XLA:CPU schedules the recomputation early and keeps as much
+      # as without it (benchmarks/model_memory.py)
+      return backend == "cpu" and self.num_layers <= UNROLL_MAX_LAYERS and self.remat == "none"
     return self.layer_loop == "unroll"
+
+
+# What the sdl_* presets keep for the backward: at 8 × 2048 tokens per replica in bfloat16 "dots"
+# keeps about half the temporaries of "none" (benchmarks/model_memory.py, docs/accelerators.md)
+# for one more forward of the attention and elementwise ops only; "full" saves little more.
+PAPER_REMAT = "dots"
 
 
 def _paper_preset(layers: int, heads: int) -> ModelConfig:
   d_model = 64 * heads
+  d_ff = 64 * round(8 * d_model / 3 / 64)  # 3·d·d_ff ≈ 8d², the papers' MLP
   return ModelConfig(vocab_size=32_000, d_model=d_model, num_layers=layers, num_heads=heads,
-                     d_ff=4 * d_model, max_seq_len=2048, dtype="bfloat16")
+                     d_ff=d_ff, max_seq_len=2048, dtype="bfloat16", remat=PAPER_REMAT)
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -8,6 +8,12 @@ a layer gives that layer no gradient; a path that swaps two layers runs them
 swapped. The default (no path) runs the stacked blocks in order, unrolled or
 scanned as `ModelConfig.layer_loop` says.
 
+The hand-written backwards of `rms_norm`, `project`, `gated_silu` and `causal_attention` were
+shaped by XLA:CPU's fusions; they apply only where the program is lowered for CPU
+(`jax.lax.platform_dependent`, decided at lowering, so a program traced here and lowered for cuda or
+tpu gets plain autodiff of the same forward). `ModelConfig.remat` wraps each block in
+`jax.checkpoint`.
+
 Every parameter carries `logical_axes` metadata (names such as "embed",
 "mlp", "heads", "vocab"); `lowcomm_jax.sharding` maps them to mesh axes.
 Stacked block parameters get the logical axis "layers" in front.
@@ -22,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lowcomm_jax.models import cpu_attention
 from lowcomm_jax.models.config import ModelConfig
 
 _INIT_STD = 0.02
@@ -30,6 +35,12 @@ _INIT_STD = 0.02
 
 def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], std: float) -> nnx.Param:
   return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), logical_axes=axes)
+
+
+def cpu_tuned(tuned, plain):
+  """`tuned` (a hand-written VJP for XLA:CPU) where the program is lowered for CPU, `plain`
+  (autodiff of the same forward) on every other platform. Both compute the same forward."""
+  return lambda *args: jax.lax.platform_dependent(*args, cpu=tuned, default=plain)
 
 
 class RMSNorm(nnx.Module):
@@ -40,7 +51,8 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x_BxTxD):
-    return rms_norm(self.eps, x_BxTxD, self.scale[...])
+    return cpu_tuned(functools.partial(rms_norm, self.eps), functools.partial(_rms_norm_plain, self.eps))(
+        x_BxTxD, self.scale[...])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -79,6 +91,10 @@ def _rms_norm_bwd(eps, saved, d_out):
 
 
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def _rms_norm_plain(eps, x, scale):
+  return _rms_norm_fwd(eps, x, scale)[0]
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
@@ -151,6 +167,45 @@ def _attention_bwd(saved, d_out_BxHxTxK):
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _attention_plain(q, k, v):
+  return _attention_fwd(q, k, v)[0]
+
+
+def dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK):
+  """softmax(q·kᵀ / √K, causal) · v by `jax.nn.dot_product_attention`, time before heads.
+
+  Lowered for cuda, cuDNN's fused (flash) attention where cuDNN is installed and accepts the
+  operands (bfloat16 or float16; head_dim a multiple of 8, at most 128): no [B, H, T, S] tensor is
+  kept for the backward. Elsewhere, and for float32, jax's XLA implementation (scores and softmax in
+  float32, probabilities in the inputs' dtype). `implementation=None` is not used: in jax 0.10 to
+  0.12 it always means XLA.
+  """
+  xla = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
+  cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+  if not _cudnn_accepts(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK):
+    return xla(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK)
+  return jax.lax.platform_dependent(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, cuda=cudnn, default=xla)
+
+
+def _cudnn_accepts(*operands) -> bool:
+  """Whether cuDNN's attention traces for these operands: it needs the CUDA plugin with cuDNN, and
+  refuses shapes and dtypes its kernels lack, both when traced."""
+  if any(x.dtype not in (jnp.bfloat16, jnp.float16) for x in operands):
+    return False
+  shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands)
+  return _cudnn_traces(shapes)
+
+
+@functools.cache
+def _cudnn_traces(shapes) -> bool:
+  try:
+    jax.eval_shape(jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32)), argnums=(0, 1, 2)), *shapes)
+  except (RuntimeError, ValueError, NotImplementedError):
+    return False
+  return True
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def project(spec: str, x, w):
   """jnp.einsum(spec, x, w) for an activation x and a weight w ("btd,dgf->btgf").
@@ -186,10 +241,15 @@ def _project_bwd(spec, saved, d_out):
 project.defvjp(_project_fwd, _project_bwd)
 
 
+def projection(spec: str, x, w):
+  """jnp.einsum(spec, x, w): `project`'s hand-written backward on CPU, autodiff elsewhere."""
+  return cpu_tuned(functools.partial(project, spec), functools.partial(jnp.einsum, spec))(x, w)
+
+
 def head_logits(x_BxTxD, head_DxV, dtype):
   """The output head's float32 logits from the final norm's output (the Decoder and SkipPipe's
   pipeline stages share it, so both take `project`'s weight gradient)."""
-  return project("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype)).astype(jnp.float32)
+  return projection("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype)).astype(jnp.float32)
 
 
 class Attention(nnx.Module):
@@ -207,16 +267,22 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxTxD, cos, sin):
     dt = self.dtype
-    kernel = self.attention == "cpu_kernel"
+    time_first = self.attention != "xla"
     # q, k, v are projected straight into the layout attention takes, so XLA transposes none of them
     # (nor their gradients): the XLA path's batched matmuls batch over [B, H, T, K]; the CPU kernel
-    # reads the projections' own [B, T, H, K].
-    heads = "bthk" if kernel else "bhtk"
-    project_heads = lambda w: project(f"btd,dhk->{heads}", x_BxTxD, w[...].astype(dt))
-    cos, sin = (cos[None, :, None], sin[None, :, None]) if kernel else (cos[None, None], sin[None, None])
+    # and jax.nn.dot_product_attention read the projections' own [B, T, H, K].
+    heads = "bthk" if time_first else "bhtk"
+    project_heads = lambda w: projection(f"btd,dhk->{heads}", x_BxTxD, w[...].astype(dt))
+    cos, sin = (cos[None, :, None], sin[None, :, None]) if time_first else (cos[None, None], sin[None, None])
     q = apply_rotary(project_heads(self.wq), cos, sin)
     k = apply_rotary(project_heads(self.wk), cos, sin)
-    attend = cpu_attention.causal_attention if kernel else causal_attention
+    if self.attention == "cpu_kernel":
+      from lowcomm_jax.cpu_kernels import attention as cpu_attention  # pylint: disable=g-import-not-at-top
+      attend = cpu_attention.causal_attention
+    elif self.attention == "dot_product":
+      attend = dot_product_attention
+    else:
+      attend = cpu_tuned(causal_attention, _attention_plain)
     out = attend(q, k, project_heads(self.wv))
     return jnp.einsum(f"{heads},hkd->btd", out, self.wo[...].astype(dt))
 
@@ -252,6 +318,10 @@ def _gated_silu_bwd(gate_up, d_hidden):
 gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
 
 
+def _gated_silu_plain(gate_up):
+  return _gated_silu_fwd(gate_up)[0]
+
+
 class SwiGLU(nnx.Module):
   """down(silu(gate(x)) · up(x)).
 
@@ -271,8 +341,8 @@ class SwiGLU(nnx.Module):
   def __call__(self, x_BxTxD):
     dt = self.dtype
     w_Dx2xF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)
-    gate_up_BxTx2xF = project("btd,dgf->btgf", x_BxTxD, w_Dx2xF)
-    return gated_silu(gate_up_BxTx2xF) @ self.w_down[...].astype(dt)
+    gate_up_BxTx2xF = projection("btd,dgf->btgf", x_BxTxD, w_Dx2xF)
+    return cpu_tuned(gated_silu, _gated_silu_plain)(gate_up_BxTx2xF) @ self.w_down[...].astype(dt)
 
 
 class Block(nnx.Module):
@@ -289,18 +359,35 @@ class Block(nnx.Module):
     return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
 
 
-def run_blocks_scanned(block_def, blocks_state, x_BxTxD, cos, sin):
+_REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def block_fn(block_def, remat: str = "none", scanned: bool = False):
+  """(layer_state, x, cos, sin) -> the block's output, under `jax.checkpoint` unless remat="none".
+
+  In a scan body CSE cannot merge the recomputation with the forward (each iteration is its own
+  call), so `prevent_cse` is off there, as `jax.checkpoint` advises.
+  """
+  def run(layer_state, x, cos, sin):
+    return nnx.merge(block_def, layer_state)(x, cos, sin)
+  if remat == "none":
+    return run
+  return jax.checkpoint(run, policy=_REMAT_POLICIES[remat], prevent_cse=not scanned)
+
+
+def run_blocks_scanned(block_def, blocks_state, x_BxTxD, cos, sin, remat="none"):
   """The stacked blocks in order, as one `lax.scan` over the leading layer axis."""
-  def run_block(x, layer_state):
-    return nnx.merge(block_def, layer_state)(x, cos, sin), None
-  return jax.lax.scan(run_block, x_BxTxD, blocks_state)[0]
+  run = block_fn(block_def, remat, scanned=True)
+  return jax.lax.scan(lambda x, layer_state: (run(layer_state, x, cos, sin), None), x_BxTxD,
+                      blocks_state)[0]
 
 
-def run_blocks_unrolled(block_def, blocks_state, x_BxTxD, cos, sin):
+def run_blocks_unrolled(block_def, blocks_state, x_BxTxD, cos, sin, remat="none"):
   """The stacked blocks in order, one static slice each: the same arithmetic as the scan."""
+  run = block_fn(block_def, remat)
   for layer in range(jax.tree.leaves(blocks_state)[0].shape[0]):
     layer_state = jax.tree.map(lambda a, i=layer: a[i], blocks_state)
-    x_BxTxD = nnx.merge(block_def, layer_state)(x_BxTxD, cos, sin)
+    x_BxTxD = run(layer_state, x_BxTxD, cos, sin)
   return x_BxTxD
 
 
@@ -337,14 +424,15 @@ class Decoder(nnx.Module):
     x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
     graphdef, blocks_state = nnx.split(self.blocks)
     if path is None and cfg.unrolls_layers(jax.default_backend()):
-      x_BxTxD = run_blocks_unrolled(graphdef, blocks_state, x_BxTxD, cos, sin)
+      x_BxTxD = run_blocks_unrolled(graphdef, blocks_state, x_BxTxD, cos, sin, cfg.remat)
     elif path is None:
-      x_BxTxD = run_blocks_scanned(graphdef, blocks_state, x_BxTxD, cos, sin)
+      x_BxTxD = run_blocks_scanned(graphdef, blocks_state, x_BxTxD, cos, sin, cfg.remat)
     else:
+      run = block_fn(graphdef, cfg.remat, scanned=True)
       def run_indexed(x, layer_index):
         # Gathering one layer's slice: a skipped layer's slice is never read, so it gets no gradient.
         layer_state = jax.tree.map(lambda a: a[layer_index], blocks_state)
-        return nnx.merge(graphdef, layer_state)(x, cos, sin), None
+        return run(layer_state, x, cos, sin), None
       x_BxTxD, _ = jax.lax.scan(run_indexed, x_BxTxD, jnp.asarray(path, jnp.int32))
     return head_logits(self.final_norm(x_BxTxD), self.head[...], dt)
 

@@ -100,11 +100,7 @@ class StageFunctions:
   def layers(self, blocks_l, x_BxTxD):
     """The stage's l stacked blocks, in order."""
     cos, sin = llama.rotary_tables(x_BxTxD.shape[1], self.cfg.head_dim, self.cfg.rope_base)
-
-    def run(x, layer):
-      return nnx.merge(self._block_def, layer)(x, cos, sin), None
-
-    return jax.lax.scan(run, x_BxTxD, blocks_l)[0]
+    return llama.run_blocks_scanned(self._block_def, blocks_l, x_BxTxD, cos, sin, self.cfg.remat)
 
   def head_loss(self, outer, x_BxTxD, targets_BxT):
     x = nnx.merge(self._norm_def, outer["final_norm"])(x_BxTxD)

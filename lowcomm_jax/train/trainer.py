@@ -30,7 +30,8 @@ from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax import sharding
 from lowcomm_jax.data import corpora, pipeline
 from lowcomm_jax.models import config as model_config
-from lowcomm_jax.models import cpu_attention, llama
+from lowcomm_jax.cpu_kernels import attention as cpu_attention
+from lowcomm_jax.models import llama
 from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources, startup
 from lowcomm_jax.train import workdir as workdir_lib
 from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib, step as step_lib
@@ -71,7 +72,10 @@ class Trainer:
       if platforms != ["cpu"]:
         raise ValueError(f"model.attention='cpu_kernel' runs on CPU devices only, the mesh has {platforms} "
                          "(use model.attention='xla')")
-      cpu_attention.load()  # compiled (or found in the cache) now: a missing compiler fails here
+      try:  # compiled (or found in the cache) now: a missing compiler or an untrusted cache fails here
+        cpu_attention.load()
+      except RuntimeError as error:
+        raise ValueError(str(error)) from None
     if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     self.rules = sharding.rules_for(config.sharding.layout)

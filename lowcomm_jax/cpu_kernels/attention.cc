@@ -1,5 +1,5 @@
 // Causal softmax attention on the CPU as one XLA FFI custom call per direction, for
-// lowcomm_jax/models/cpu_attention.py (which builds this file with the host's C++ compiler).
+// lowcomm_jax/cpu_kernels/attention.py (which builds this file with the host's C++ compiler).
 //
 // Shapes: q, k, v, o, dO are [N, T, H, K] float32 (N = every leading axis: batch, replicas; the
 // layout of the projections around the call, so XLA copies none of them), lse is [N, T, H]; T a
@@ -20,6 +20,12 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+// glibc's vector expf (libmvec, linked with -lmvec), which <math.h> declares only under
+// -ffast-math: declared here so that the exp loops below vectorize while NaN and inf keep their
+// IEEE meaning (the build does not use -ffast-math, which would let the compiler assume neither
+// exists). Its special cases are glibc's scalar expf's.
+extern "C" float expf(float) __attribute__((simd("notinbranch")));
 
 namespace ffi = xla::ffi;
 
@@ -94,10 +100,15 @@ void ForwardOne(const float* __restrict q, const float* __restrict k, const floa
     for (int64_t r = 0; r < kRows; ++r) {
       float* __restrict sr = s + r * tp;
       const int64_t m_end = i0 + r + 1;
+      // The row's max and sum in vector lanes (reordered sums: rounding only; a NaN score still
+      // makes its row NaN through exp).
       float m = sr[0];
+#pragma omp simd reduction(max : m)
       for (int64_t j = 1; j < m_end; ++j) m = sr[j] > m ? sr[j] : m;
       float l = 0.f;
-      for (int64_t j = 0; j < m_end; ++j) { sr[j] = std::exp(sr[j] - m); l += sr[j]; }
+      for (int64_t j = 0; j < m_end; ++j) sr[j] = expf(sr[j] - m);
+#pragma omp simd reduction(+ : l)
+      for (int64_t j = 0; j < m_end; ++j) l += sr[j];
       const float inv = 1.f / l;
       for (int64_t j = 0; j < m_end; ++j) sr[j] *= inv;
       for (int64_t j = m_end; j < n; ++j) sr[j] = 0.f;
@@ -128,9 +139,10 @@ void BackwardOne(const float* __restrict q, const float* __restrict k, const flo
       float* __restrict dsi = ds + i * tp;
       const float li = lse[i * ls];
       float di = 0.f;
+#pragma omp simd reduction(+ : di)
       for (int64_t c = 0; c < K; ++c) di += d_o[i * ld + c] * o[i * ld + c];
       for (int64_t j = 0; j < m_end; ++j) {
-        pi[j] = std::exp(pi[j] - li);
+        pi[j] = expf(pi[j] - li);
         dsi[j] = pi[j] * (dsi[j] - di) * scale;
       }
       for (int64_t j = m_end; j < tp; ++j) { pi[j] = 0.f; dsi[j] = 0.f; }

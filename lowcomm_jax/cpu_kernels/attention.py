@@ -4,7 +4,7 @@ XLA:CPU runs `llama.causal_attention` as batched dots with the softmax between t
 whole [B, H, T, S] probability tensor (and its gradient) to memory between them, with transposed
 copies of k and v for the dots; on the `small` model that is a large share of a training step's CPU
 time, more than torch's fused CPU attention costs (docs/performance.md, "Fifth pass"). This
-module runs the same function as two custom calls (XLA FFI, `cpu_attention.cc`), forward and
+module runs the same function as two custom calls (XLA FFI, `attention.cc`), forward and
 backward, each working one (batch, head) slice at a time in cache:
 
   forward   S = q·kᵀ/√K (causal), O = softmax(S)·v, and the log-sum-exp L of each row of S
@@ -13,28 +13,22 @@ backward, each working one (batch, head) slice at a time in cache:
 
 (the same formulas as `llama.causal_attention`'s hand-written backward, with L saved instead of
 P). The arithmetic is the same up to float32 rounding (sums in another order; the outputs and
-gradients agree with the XLA path to ~1e-6 relative, tests/test_cpu_attention.py). Operands are
+gradients agree with the XLA path to ~1e-6 relative, tests/test_cpu_kernels.py). Operands are
 [B, T, H, K] (the projections' layout: no transposed copies around the calls). float32 only,
 head_dim 16, 32, 64 or 128, any T (padded to a multiple of 4 here), CPU only.
 
-The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else `c++`/`g++`)
-against the FFI headers of the installed jaxlib, with -O3 -march=native, into a cache folder
-(`$LOWCOMM_JAX_CACHE`, else `~/.cache/lowcomm_jax`) keyed by the source, the jaxlib version and the
-host CPU, so later processes load it in milliseconds. `load()` raises a clear error (no compiler,
-compile failure) before any compute; the Trainer calls it when it is built.
+The kernel is compiled on first use into a private per-user cache and verified before it is loaded
+(`cpu_kernels/build.py`: no `-ffast-math`, so NaN propagates as in the XLA path; the cache key
+holds the CPU's feature flags). `load()` raises a clear error (no compiler, compile failure, a cache
+that cannot be trusted) before any compute; the Trainer calls it when it is built. This module is
+imported only when `model.attention = "cpu_kernel"`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
 import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -42,65 +36,19 @@ from jax import custom_batching
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-_SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cc")
+from lowcomm_jax.cpu_kernels import build
+
+_SOURCE = pathlib.Path(__file__).with_name("attention.cc")
+_OPTION = "model.attention='cpu_kernel'"
 HEAD_DIMS = (16, 32, 64, 128)  # the kernel's compiled head widths
 _ROWS = 4  # the kernel's query-row block: T is padded to a multiple of it
 _FORWARD, _BACKWARD = "lowcomm_attention_forward", "lowcomm_attention_backward"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-w")
-
-
-def _cache_dir() -> pathlib.Path:
-  root = os.environ.get("LOWCOMM_JAX_CACHE") or pathlib.Path.home() / ".cache" / "lowcomm_jax"
-  return pathlib.Path(root)
-
-
-def _cpu_model() -> str:
-  """The host CPU's model line: -march=native code is only valid on the CPU it was built for."""
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith(("model name", "flags")):
-        return line
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
-def _compiler() -> str:
-  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-    if name and shutil.which(name):
-      return name
-  raise RuntimeError("model.attention='cpu_kernel' needs a C++ compiler to build its kernel: none of "
-                     "$CXX, c++, g++, clang++ is on PATH (install one, e.g. `apt install g++`, or "
-                     "use model.attention='xla')")
-
-
-def _build() -> pathlib.Path:
-  """The kernel's shared library, compiled into the cache unless already there."""
-  source = _SOURCE.read_bytes()
-  key = hashlib.sha256(b"\0".join([source, jax.lib.__version__.encode(), _cpu_model().encode(),
-                                   " ".join(_FLAGS).encode()])).hexdigest()[:16]
-  library = _cache_dir() / f"cpu_attention-{key}.so"
-  if library.exists():
-    return library
-  library.parent.mkdir(parents=True, exist_ok=True)
-  compiler = _compiler()
-  # Compiled under a temporary name and renamed: concurrent processes (pytest-xdist, the replicas
-  # of a multi-process run) each build their own copy and the rename is atomic.
-  with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-    built = pathlib.Path(tmp) / library.name
-    command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(built)]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode:
-      raise RuntimeError(f"model.attention='cpu_kernel': building the kernel failed ({' '.join(command)}):\n"
-                         f"{result.stderr[-4000:]}")
-    os.replace(built, library)
-  return library
 
 
 @functools.cache
 def load() -> pathlib.Path:
   """Builds (once per host and jaxlib) and registers the kernel with XLA; returns the library."""
-  library = _build()
+  library = build.build(_SOURCE, _OPTION)
   handle = ctypes.cdll.LoadLibrary(str(library))
   jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(handle.LowcommAttentionForward), platform="cpu")
   jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(handle.LowcommAttentionBackward), platform="cpu")

@@ -1,6 +1,11 @@
 """model.attention = "cpu_kernel": the fused C++ attention kernel against the XLA path it replaces."""
 
+import ctypes
+import hashlib
+import os
+import pathlib
 import re
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +13,9 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import models
-from lowcomm_jax.models import cpu_attention, llama
+from lowcomm_jax.cpu_kernels import attention as cpu_attention
+from lowcomm_jax.cpu_kernels import build
+from lowcomm_jax.models import llama
 from lowcomm_jax.testing import read_metrics, tiny_config, tree_hash
 from lowcomm_jax.train import Trainer
 
@@ -84,7 +91,7 @@ def test_diloco_one_replica_per_device_slice_matches_the_xla_path(tmp_path):
 
 
 def test_bad_values_are_named_before_anything_is_written(tmp_path):
-  with pytest.raises(ValueError, match=r"model.attention must be one of \('xla', 'cpu_kernel'\), got 'flash'"):
+  with pytest.raises(ValueError, match=r"model.attention must be one of \('xla', 'dot_product', 'cpu_kernel'\), got 'flash'"):
     models.get_model_config("tiny", attention="flash")
   (tmp_path / "run").mkdir()
   Trainer(tiny_config(num_steps=2), tmp_path / "run").run()
@@ -100,4 +107,93 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
   monkeypatch.setenv("PATH", "/nonexistent")
   monkeypatch.delenv("CXX", raising=False)
   with pytest.raises(RuntimeError, match=r"model.attention='cpu_kernel' needs a C\+\+ compiler"):
-    cpu_attention._compiler()  # pylint: disable=protected-access
+    build.compiler("model.attention='cpu_kernel'")
+
+
+def test_nan_propagates_as_in_the_xla_attention():
+  # Built without -ffast-math: a NaN in q poisons its own query row, a NaN in k the rows that see
+  # it (t >= s); the causal mask hides it from earlier rows. Same places as the XLA path.
+  shape = (2, 2, 9, 16)
+  q, k, v, w = (jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(3), 4))
+  q, k = q.at[0, 0, 3, 5].set(jnp.nan), k.at[1, 1, 5, 0].set(jnp.nan)
+  out, ref = jax.jit(_kernel_bhtk)(q, k, v), llama.causal_attention(q, k, v)
+  nan_rows = np.zeros(shape[:3], bool)
+  nan_rows[0, 0, 3], nan_rows[1, 1, 5:] = True, True
+  np.testing.assert_array_equal(np.isnan(out).any(-1), nan_rows)
+  np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+  np.testing.assert_allclose(np.where(nan_rows[..., None], 0, out), np.where(nan_rows[..., None], 0, ref),
+                             rtol=1e-5, atol=1e-5)
+  for g, g_ref in zip(_value_and_grads(_kernel_bhtk, q, k, v, w)[1],
+                      _value_and_grads(llama.causal_attention, q, k, v, w)[1]):
+    # the two backwards reach a NaN by other formulas (rowsum(dO ⊙ O) against rowsum(P ⊙ dP)), so
+    # compare per (batch, head) slice: NaN in the poisoned slices, the others clean and equal
+    poisoned = np.isnan(g).any(axis=(-2, -1))
+    np.testing.assert_array_equal(poisoned, [[True, False], [False, True]])
+    np.testing.assert_array_equal(poisoned, np.isnan(g_ref).any(axis=(-2, -1)))
+    np.testing.assert_allclose(g[0, 1], g_ref[0, 1], rtol=1e-4, atol=1e-5)
+
+
+_SOURCE = pathlib.Path(cpu_attention.__file__).with_name("attention.cc")
+
+
+def _plant(tmp_path, monkeypatch, library=b"\x7fELF planted", record=None, folder_mode=0o700):
+  """A cache folder holding a file under the kernel's library name and, unless record is False, a
+  hash record (the library's own SHA-256 unless given)."""
+  monkeypatch.setenv("LOWCOMM_JAX_CACHE", str(tmp_path / "cache"))
+  (tmp_path / "cache").mkdir(mode=0o700)
+  path = build.library_path(_SOURCE)
+  path.write_bytes(library)
+  path.chmod(0o700)
+  if record is not False:
+    path.with_name(path.name + ".sha256").write_text(record or hashlib.sha256(library).hexdigest())
+  (tmp_path / "cache").chmod(folder_mode)
+  return path
+
+
+@pytest.mark.parametrize("record, match", [
+    ("0" * 64, r"has SHA-256 [0-9a-f]+…, its record says 0000000000000000…; refusing to load it"),
+    (False, r"has no hash record"),
+])
+def test_a_library_without_its_recorded_hash_is_refused(tmp_path, monkeypatch, record, match):
+  path = _plant(tmp_path, monkeypatch, record=record)
+  with pytest.raises(build.KernelCacheError, match=match):
+    build.build(_SOURCE, "model.attention='cpu_kernel'")
+  assert path.read_bytes() == b"\x7fELF planted"  # refused, neither loaded nor replaced
+
+
+def test_a_cache_others_can_write_or_own_is_refused(tmp_path, monkeypatch):
+  _plant(tmp_path, monkeypatch, folder_mode=0o770)
+  with pytest.raises(build.KernelCacheError, match=r"folder .*cache is writable by group or others \(mode 770\)"):
+    build.build(_SOURCE, "model.attention='cpu_kernel'")
+  (tmp_path / "cache").chmod(0o700)
+  build.library_path(_SOURCE).chmod(0o702)
+  with pytest.raises(build.KernelCacheError, match=r"library .* is writable by group or others"):
+    build.build(_SOURCE, "model.attention='cpu_kernel'")
+  build.library_path(_SOURCE).chmod(0o700)
+  build.build(_SOURCE, "model.attention='cpu_kernel'")  # its own hash, private: accepted
+  # Another user's folder: chown it away (as root), or be another user than its owner.
+  if os.geteuid() == 0:
+    os.chown(tmp_path / "cache", 65534, 65534)
+  else:
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(tmp_path / "cache").st_uid + 1)
+  with pytest.raises(build.KernelCacheError, match=r"folder .*cache belongs to uid \d+, not to this user"):
+    build.build(_SOURCE, "model.attention='cpu_kernel'")
+
+
+def test_the_cache_key_holds_the_cpu_feature_flags(monkeypatch):
+  identity = build.cpu_identity()
+  if pathlib.Path("/proc/cpuinfo").exists():
+    assert re.search(r"^flags: \S+", identity, re.M), identity
+  path = build.library_path(_SOURCE)
+  monkeypatch.setattr(build, "cpu_identity", lambda: identity.replace("flags: ", "flags: avx512f "))
+  assert build.library_path(_SOURCE) != path
+  assert "-ffast-math" not in build.FLAGS
+
+
+def test_a_fresh_build_records_its_hash_and_loads(tmp_path, monkeypatch):
+  monkeypatch.setenv("LOWCOMM_JAX_CACHE", str(tmp_path / "cache"))
+  library = build.build(_SOURCE, "model.attention='cpu_kernel'")
+  assert stat.S_IMODE((tmp_path / "cache").stat().st_mode) == 0o700
+  record = library.with_name(library.name + ".sha256").read_text().strip()
+  assert record == hashlib.sha256(library.read_bytes()).hexdigest()
+  assert ctypes.CDLL(str(library)).LowcommAttentionForward

@@ -1,0 +1,150 @@
+"""The model off CPU: dot_product attention, rematerialisation, the CPU-only backwards, presets."""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lowcomm_jax import config as config_lib
+from lowcomm_jax import models
+from lowcomm_jax.models import config as model_config
+from lowcomm_jax.models import llama
+from lowcomm_jax.testing import read_metrics, tiny_config
+from lowcomm_jax.train import Trainer
+
+_EPS = float(jnp.finfo(jnp.float32).eps)
+
+
+def _attention_tolerance(q, k, v, reference):
+  """float32 rounding of attention's sums, from their lengths and magnitudes: a score sums K
+  products (relative error ≲ K·ε·|q|·|k|/√K, which exp turns into a relative error of the
+  probabilities), a weighted sum adds S terms (≲ S·ε·max|v|); bounded by the largest entry of what
+  is compared. Factor 4 for the two implementations' independent roundings, both ways."""
+  k_dim, s = q.shape[-1], k.shape[-3]
+  score_error = k_dim * _EPS * float(jnp.max(jnp.abs(q)) * jnp.max(jnp.abs(k))) / k_dim ** 0.5
+  return 4 * (score_error + s * _EPS) * float(jnp.max(jnp.abs(reference)))
+
+
+def test_dot_product_attention_equals_the_xla_attention_with_gradients():
+  b, t, h, k = 2, 24, 3, 16
+  q, kk, v, w = (jax.random.normal(key, (b, t, h, k)) for key in jax.random.split(jax.random.key(0), 4))
+  bhtk = lambda f: lambda q, k, v: jnp.swapaxes(f(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v))), 1, 2)
+  loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))
+  out_xla, out_dp = bhtk(llama.causal_attention)(q, kk, v), llama.dot_product_attention(q, kk, v)
+  np.testing.assert_allclose(out_dp, out_xla, rtol=0, atol=_attention_tolerance(q, kk, v, out_xla))
+  (_, grads_xla), (_, grads_dp) = loss(bhtk(llama.causal_attention))(q, kk, v), loss(llama.dot_product_attention)(q, kk, v)
+  for name, g_dp, g_xla in zip("qkv", grads_dp, grads_xla):
+    # the backward sums S (dV, dK) or S then K (dQ) more products of these magnitudes
+    np.testing.assert_allclose(g_dp, g_xla, rtol=0, err_msg=name,
+                               atol=_attention_tolerance(q, kk, v, g_xla) * t)
+
+
+_CFG = models.get_model_config("tiny", num_layers=4, d_model=64, num_heads=2, d_ff=128, layer_loop="scan")
+_TOKENS = jax.random.randint(jax.random.key(1), (4, 128), 0, _CFG.vocab_size)
+
+
+def _grad_program(cfg, tokens=_TOKENS):
+  """jit(grad(a loss of the decoder's logits)), traced for the parameters' and tokens' shapes."""
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.Decoder(cfg, nnx.Rngs(0))))
+  params = jax.eval_shape(lambda: llama.init_params(cfg, 0))
+
+  def loss(params, tokens):
+    return jnp.mean(jax.nn.log_softmax(nnx.merge(graphdef, params)(tokens))[..., 0])
+  return jax.jit(jax.value_and_grad(loss)).trace(params, jax.ShapeDtypeStruct(tokens.shape, tokens.dtype))
+
+
+@functools.cache
+def _compiled_and_values(cfg):
+  compiled = _grad_program(cfg).lower().compile()
+  return compiled, compiled(llama.init_params(dataclasses.replace(cfg, remat="none", attention="xla"), 0), _TOKENS)
+
+
+def _assert_same_gradients(values, reference, what):
+  # Recomputation repeats the same ops (fusion may round differently); dot_product sums in another
+  # order. Relative to each leaf's largest entry: a few ε per sum of d_model = 64 or T = 128 terms,
+  # through 4 layers.
+  (loss, grads), (loss0, grads0) = values, reference
+  np.testing.assert_allclose(loss, loss0, rtol=64 * _EPS, err_msg=what)
+  for (path, g), g0 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads0)):
+    np.testing.assert_allclose(g, g0, rtol=0, atol=512 * _EPS * float(jnp.max(jnp.abs(g0))),
+                               err_msg=f"{what} {llama.path_name(path)}")
+
+
+def test_remat_keeps_the_gradients_and_lowers_the_compiled_temporaries():
+  compiled_none, reference = _compiled_and_values(_CFG)
+  temp = {"none": compiled_none.memory_analysis().temp_size_in_bytes}
+  for remat in ("full", "dots"):
+    compiled, values = _compiled_and_values(dataclasses.replace(_CFG, remat=remat))
+    _assert_same_gradients(values, reference, remat)
+    temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+  # Without remat each layer but the last keeps at least its [B, H, T, T] probabilities and its
+  # [B, T, 2, F] gate‖up (float32) for the backward; "full" keeps neither, "dots" not the
+  # probabilities.
+  b, t = _TOKENS.shape
+  probs, gate_up = 4 * b * _CFG.num_heads * t * t, 4 * b * t * 2 * _CFG.d_ff
+  layers = _CFG.num_layers - 1
+  assert temp["full"] + layers * (probs + gate_up) <= temp["none"], temp
+  assert temp["dots"] + layers * probs <= temp["none"], temp
+
+
+def test_dot_product_and_unrolled_remat_keep_the_gradients():
+  _, reference = _compiled_and_values(_CFG)
+  for changes in ({"attention": "dot_product"}, {"layer_loop": "unroll", "remat": "dots"}):
+    _assert_same_gradients(_compiled_and_values(dataclasses.replace(_CFG, **changes))[1], reference, str(changes))
+
+
+def test_cpu_tuned_backwards_only_where_lowered_for_cpu():
+  traced = _grad_program(_CFG)
+  cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  assert "optimization_barrier" in cpu  # gated_silu's hand-written backward
+  for platform in ("cuda", "tpu"):
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert "optimization_barrier" not in text, platform
+    # one kept branch per platform_dependent (norms, projections, SwiGLU, attention), none for cpu
+    assert len(re.findall(r"stablehlo.case", text)) == len(re.findall(r"stablehlo.case", cpu))
+  # On CPU the plain branch (autodiff of the same forward) gives the tuned one's values.
+  original = llama.cpu_tuned
+  llama.cpu_tuned = lambda tuned, plain: plain
+  try:
+    plain = _grad_program(_CFG).lower().compile()(llama.init_params(_CFG, 0), _TOKENS)
+  finally:
+    llama.cpu_tuned = original
+  _assert_same_gradients(plain, _compiled_and_values(_CFG)[1], "plain autodiff")
+
+
+def test_preset_dtype_and_remat_stand_unless_the_config_sets_them():
+  c = config_lib.default_config()
+  c.model.size = "sdl_35m"
+  assert (config_lib.model_config_of(c).dtype, config_lib.model_config_of(c).remat) == ("bfloat16", "dots")
+  c.model.dtype, c.model.remat = "float32", "none"
+  assert (config_lib.model_config_of(c).dtype, config_lib.model_config_of(c).remat) == ("float32", "none")
+  c.model.size, c.model.dtype, c.model.remat = "tiny", "", ""
+  assert (config_lib.model_config_of(c).dtype, config_lib.model_config_of(c).remat) == ("float32", "none")
+
+
+@pytest.mark.parametrize("name", ["sdl_35m", "sdl_1b"])
+def test_paper_presets_hold_the_papers_block_parameters(name):
+  cfg = models.PRESETS[name]
+  shapes = jax.eval_shape(lambda: llama.init_params(cfg, 0))
+  counted = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+  assert counted == models.param_count(cfg)
+  d, v, layers = cfg.d_model, cfg.vocab_size, cfg.num_layers
+  blocks = counted - 2 * v * d - d  # embedding, untied head, final norm
+  assert abs(blocks / (12 * d * d * layers) - 1) < 0.02
+
+
+def test_trainer_with_dot_product_and_remat_follows_the_default_losses(tmp_path):
+  # DiLoCo with one replica per device slice (shard_map over `replica`, the batch over `data`):
+  # the same losses as the default model to float32 rounding of a ~5.5 loss.
+  diloco = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 2, "num_steps": 4}
+  losses = {}
+  for name, changes in (("default", {}), ("changed", {"model.attention": "dot_product", "model.remat": "dots"})):
+    Trainer(tiny_config(**diloco, **changes), tmp_path / name).run()
+    losses[name] = [m["loss"] for m in read_metrics(tmp_path / name) if "loss" in m]
+  assert len(losses["default"]) == 4
+  np.testing.assert_allclose(losses["changed"], losses["default"], rtol=64 * _EPS)
