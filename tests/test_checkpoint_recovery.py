@@ -3,7 +3,8 @@ restored: the resumed run then ends bit-identical to an uninterrupted one.
 
 Damage of every kind a disk, a copy or a hand can do: one flipped bit in a compressed array chunk,
 files truncated, a file deleted, the data iterator's JSON edited into valid but wrong JSON, a
-garbage manifest, and a step whose save never finished (no checksum).
+garbage manifest, a step whose save never finished (no checksum), an intact step renamed, and an
+intact step of a run of another config copied in.
 """
 
 import json
@@ -30,8 +31,8 @@ def largest_array_chunk(step_dir):
              key=lambda p: p.stat().st_size)
 
 
-def damage(step_dir, how: str) -> str:
-  """Damages a step directory; returns the file the log line must name."""
+def damage(step_dir, how: str, other_run) -> str:
+  """Damages a step directory; returns what the log line must name."""
   if how == "bit_flip":  # one bit in the middle of the largest compressed array chunk
     chunk = largest_array_chunk(step_dir)
     data = bytearray(chunk.read_bytes())
@@ -58,28 +59,39 @@ def damage(step_dir, how: str) -> str:
   if how == "unsealed":  # the save finished but the checksum was never written (killed between)
     (step_dir / checkpoint.CHECKSUM_FILE).unlink()
     return checkpoint.CHECKSUM_FILE
+  if how == "renamed":  # an intact earlier step copied to the newest one's name
+    shutil.rmtree(step_dir)
+    shutil.copytree(step_dir.parent / "2", step_dir)
+    return "it was saved as step 2, not 6"
+  if how == "another_run":  # the same step of a run of another config (lr 1e-3), intact
+    shutil.rmtree(step_dir)
+    shutil.copytree(other_run / "checkpoints" / step_dir.name, step_dir)
+    return "it was saved by another run"
   raise ValueError(how)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """An uninterrupted run of 8 steps and one stopped after step 6 (checkpoints 2, 4, 6)."""
+  """An uninterrupted run of 8 steps, one stopped after step 6 (checkpoints 2, 4, 6), and one of
+  another learning rate stopped there too."""
   root = tmp_path_factory.mktemp("recovery")
   full = Trainer(tiny_config(**CHANGES), root / "full")
   full.run()
   Trainer(tiny_config(stop_at_step=6, **CHANGES), root / "stopped").run()
-  return full.final_state, root / "stopped", root / "full"
+  Trainer(tiny_config(**{**CHANGES, "stop_at_step": 6, "optimizer.learning_rate": 1e-3}),
+          root / "other").run()
+  return full.final_state, root / "stopped", root / "full", root / "other"
 
 
 @pytest.mark.parametrize("how", ["bit_flip", "truncated", "missing", "wrong_metadata",
-                                 "garbage_manifest", "unsealed"])
+                                 "garbage_manifest", "unsealed", "renamed", "another_run"])
 def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restored(
     tmp_path, capfd, runs, how):
-  full_state, stopped, _ = runs
+  full_state, stopped, _, other = runs
   workdir = tmp_path / "run"
   shutil.copytree(stopped, workdir)
   checkpoints = workdir / "checkpoints"
-  named = damage(checkpoints / "6", how)
+  named = damage(checkpoints / "6", how, other)
   # A save killed before its rename leaves only a temporary directory: never a step to restore.
   (checkpoints / "8.orbax-checkpoint-tmp-1").mkdir()
   capfd.readouterr()
@@ -98,9 +110,12 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restored(
 
 
 def test_every_file_of_a_step_is_sealed_and_verified(runs):
-  _, stopped, _ = runs
+  _, stopped, _, other = runs
   step_dir = stopped / "checkpoints" / "6"
-  sealed = json.loads((step_dir / checkpoint.CHECKSUM_FILE).read_text())["sha256"]
+  seal = json.loads((step_dir / checkpoint.CHECKSUM_FILE).read_text())
+  assert seal["step"] == 6 and seal["run"] == checkpoint.run_identity(stopped)
+  assert checkpoint.run_identity(other) != seal["run"]  # another config: another run
+  sealed = seal["sha256"]
   on_disk = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()}
   assert set(sealed) == on_disk - {checkpoint.CHECKSUM_FILE}
   assert {"data/metadata", str(largest_array_chunk(step_dir).relative_to(step_dir))} <= set(sealed)
@@ -108,7 +123,7 @@ def test_every_file_of_a_step_is_sealed_and_verified(runs):
 
 
 def test_rerunning_a_finished_run_says_so_and_changes_nothing(runs, capsys):
-  _, _, full = runs
+  _, _, full, _ = runs
   before = tree_hash(full)
   summary = Trainer(tiny_config(**CHANGES), full).run()
   assert f"the run in {full} is complete (summary.json is there); nothing to do" in capsys.readouterr().out
@@ -119,7 +134,7 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing(runs, capsys):
 
 
 def test_a_run_killed_after_its_last_checkpoint_writes_the_same_summary(tmp_path, runs):
-  _, _, full = runs
+  _, _, full, _ = runs
   shutil.copytree(full, tmp_path / "run")
   (tmp_path / "run" / "summary.json").unlink()  # killed between the last save and the summary
   summary = Trainer(tiny_config(**CHANGES), tmp_path / "run").run()
@@ -130,9 +145,27 @@ def test_a_run_killed_after_its_last_checkpoint_writes_the_same_summary(tmp_path
       "mfu": "no timed step: every step of this start was in the window that compiles"}
 
 
+def test_a_torn_metrics_line_and_a_torn_summary_are_written_again(tmp_path, runs, capsys):
+  _, _, full, _ = runs
+  workdir = tmp_path / "run"
+  shutil.copytree(full, workdir)
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  with (workdir / "metrics.jsonl").open("a") as f:  # killed mid-append, mid-rewrite of the summary
+    f.write('{"step": 9, "lo')
+  (workdir / "summary.json").write_text('{"final_eval_loss": 4.')
+  summary = Trainer(tiny_config(**CHANGES), workdir).run()  # not complete: resumed, no traceback
+  out = capsys.readouterr().out
+  assert f"{workdir / 'metrics.jsonl'}: line {len(lines) + 1} is not a logged step" in out
+  assert (workdir / "metrics.jsonl").read_text().splitlines() == lines
+  saved = json.loads((full / "summary.json").read_text())
+  assert json.loads((workdir / "summary.json").read_text())["final_eval_loss"] == \
+      summary["final_eval_loss"] == saved["final_eval_loss"]
+  assert not [p.name for p in workdir.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_bit_identically(
     tmp_path, runs, capsys):
-  full_state, _, _ = runs
+  full_state, _, _, _ = runs
   c = tiny_config(**{**CHANGES, "checkpoint.every": 1000})  # only the SIGTERM's save
   metrics = tmp_path / "run" / "metrics.jsonl"
 
@@ -160,7 +193,7 @@ def test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_bit_ident
 
 
 def test_init_from_starts_from_the_evaluated_parameters_of_the_latest_checkpoint(tmp_path, runs):
-  full_state, _, full = runs
+  full_state, _, full, _ = runs
   model_cfg, params = checkpoint.read_eval_params(full)  # no Trainer: config.json and checkpoints
   follow_up = Trainer(tiny_config(**{**CHANGES, "init_from": str(full)}), tmp_path / "next")
   assert model_cfg == follow_up.model_cfg

@@ -44,22 +44,44 @@ def file_digests(step_dir: pathlib.Path) -> dict[str, str]:
   return digests
 
 
+def run_identity(workdir: pathlib.Path) -> str | None:
+  """What binds a checkpoint to its run: the SHA-256 of the fingerprint and corpus identity saved in
+  the workdir's config.json (written once, at the run's start); None without a config.json."""
+  try:
+    saved = json.loads((pathlib.Path(workdir) / "config.json").read_text())
+  except FileNotFoundError:
+    return None
+  bound = {"fingerprint": saved.get("fingerprint"), "corpus_identity": saved.get("corpus_identity")}
+  return hashlib.sha256(json.dumps(bound, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def seal(step_dir: pathlib.Path) -> None:
-  """Writes the checksum file of a finished step (atomically: a torn write is no checksum)."""
+  """Writes the checksum file of a finished step (atomically: a torn write is no checksum): the
+  SHA-256 of its files, its step and the run it belongs to (`run_identity` of its workdir)."""
   tmp = step_dir / (CHECKSUM_FILE + ".tmp")
-  tmp.write_text(json.dumps({"sha256": file_digests(step_dir)}, indent=1))
+  tmp.write_text(json.dumps({"sha256": file_digests(step_dir), "step": int(step_dir.name),
+                             "run": run_identity(step_dir.parent.parent)}, indent=1))
   tmp.rename(step_dir / CHECKSUM_FILE)
 
 
 def verify(step_dir: pathlib.Path) -> None:
-  """Raises DamagedCheckpoint naming the first file that is missing, added or changed."""
+  """Raises DamagedCheckpoint unless the step directory is the one its save sealed, here: sealed
+  for this step number and by this workdir's run, and no file missing, added or changed."""
   try:
-    expected = json.loads((step_dir / CHECKSUM_FILE).read_text())["sha256"]
+    sealed = json.loads((step_dir / CHECKSUM_FILE).read_text())
+    expected, sealed_step, sealed_run = sealed["sha256"], sealed.get("step"), sealed.get("run")
   except FileNotFoundError:
     raise DamagedCheckpoint(f"{CHECKSUM_FILE} is missing: the save never finished, or the step "
                             "was copied without it") from None
   except (ValueError, KeyError, TypeError) as error:
     raise DamagedCheckpoint(f"{CHECKSUM_FILE} is unreadable ({error})") from None
+  if sealed_step != int(step_dir.name):
+    raise DamagedCheckpoint(f"it was saved as step {sealed_step}, not {step_dir.name} (a renamed "
+                            "or copied step directory)")
+  if sealed_run != run_identity(step_dir.parent.parent):
+    raise DamagedCheckpoint(f"it was saved by another run (run {str(sealed_run)[:12]}, this "
+                            f"workdir's config.json is run {str(run_identity(step_dir.parent.parent))[:12]}): "
+                            "a step copied from another run or config")
   actual = file_digests(step_dir)
   for name in sorted(set(expected) | set(actual)):
     if name not in actual:
@@ -75,11 +97,12 @@ class Checkpointer:
 
   A save is written to a temporary directory and renamed when every process has finished it, so a
   run killed mid-save leaves no step directory (its leftovers are removed at the next start). Once
-  renamed, process 0 seals it with the SHA-256 of each of its files (CHECKSUM_FILE, written last, by
-  a thread, so saves stay asynchronous). A restore verifies every
+  renamed, process 0 seals it with the SHA-256 of each of its files, its step and its run
+  (CHECKSUM_FILE, written last, by a thread, so saves stay asynchronous). A restore verifies every
   file first: a step damaged afterwards (a flipped bit, a truncated or deleted file, edited JSON
-  of the data iterator) or never sealed is moved to workdir/checkpoints_unreadable/ with a log line
-  naming it and the file, and the previous one is restored instead.
+  of the data iterator), never sealed, renamed, or copied from another run is moved to
+  workdir/checkpoints_unreadable/ with a log line naming it and the file (or what it was sealed
+  as), and the previous one is restored instead.
   """
 
   def __init__(self, workdir: pathlib.Path, keep: int):

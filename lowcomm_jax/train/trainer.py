@@ -65,13 +65,13 @@ class Trainer:
       cpu_attention.load()  # compiled (or found in the cache) now: a missing compiler fails here
     if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
+    if config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
+      raise ValueError(f"init_from={config.init_from!r} holds checkpoints/ but no config.json, so the "
+                       "model they hold is unknown; give the workdir of a run (both are in it)")
     self.rules = sharding.rules_for(config.sharding.layout)
     # reliability: another config, another corpus, run files without config.json, a finished run
     self.corpus_identity = corpora.corpus_identity(config.data.corpus)
-    self.run_state = workdir_lib.check_workdir(
-        self.workdir, config_lib.fingerprint(config),
-        config_lib.fingerprint(config_lib.default_config()), self.corpus_identity)
-    self.resuming = self.run_state != workdir_lib.NEW
+    self._check_workdir()
     abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     abstract_params = abstract_params.to_pure_dict()
@@ -92,6 +92,12 @@ class Trainer:
     self._programs: dict = {}
     self._traced_entries: dict = {}
     self._refused_seen = None
+
+  def _check_workdir(self) -> None:
+    self.run_state = workdir_lib.check_workdir(
+        self.workdir, config_lib.fingerprint(self.config),
+        config_lib.fingerprint(config_lib.default_config()), self.corpus_identity)
+    self.resuming = self.run_state != workdir_lib.NEW
 
   # -- building blocks, also used by tests and benchmarks ----------------------------------------
 
@@ -248,15 +254,29 @@ class Trainer:
   # -- the run -----------------------------------------------------------------------------------
 
   def run(self) -> dict:
-    c = self.config
+    """Trains to the end (or `stop_at_step`) holding the workdir's lock (`workdir.RunLock`)."""
     if self.run_state == workdir_lib.COMPLETE:  # reliability: a finished run is left as it is
       return workdir_lib.report_complete(self.workdir)
+    self._lock = None
+    try:
+      return self._run()
+    finally:  # the kernel would release it at exit; a process that starts another run must not wait
+      if self._lock is not None:
+        self._lock.release()
+
+  def _run(self) -> dict:
+    c = self.config
     splits = pipeline.load_splits(c.data.corpus, c.data.eval_permille)
     data_iters = self.data_iterators(splits.train)
     eval_batches = [distributed.replicated_array(b, self.eval_sharding())
                     for b in pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
                                                    c.eval.num_batches)]
-    # reliability: config.json only once the data checks above passed (a refusal writes nothing)
+    # reliability: config.json only once the data checks above passed (a refusal writes nothing),
+    # and only by the start holding the workdir (a second start is refused, naming the first)
+    self._lock = workdir_lib.lock_run(self.workdir)
+    self._check_workdir()  # again, now that no other start can change it (one may have ended since)
+    if self.run_state == workdir_lib.COMPLETE:
+      return workdir_lib.report_complete(self.workdir)
     if not self.resuming and distributed.is_primary():
       workdir_lib.write_config(self.workdir, json.loads(c.to_json_best_effort()),
                                config_lib.fingerprint(c), self.corpus_identity)
