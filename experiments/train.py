@@ -57,6 +57,10 @@ def main(argv):
   except distributed.Preempted as stopped:
     print(stopped, flush=True)
     sys.exit(distributed.PREEMPTED_EXIT_CODE)
+  except workdir_lib.WorkdirInUse as error:  # another start holds the workdir: nothing was changed
+    sys.exit(f"ValueError: {error}")
+  except train.checkpoint.SaveFailed as error:  # the line names the step, the path, the OS error
+    sys.exit(f"SaveFailed: {error}")
   except ValueError as error:
     # A refused start (config, workdir, data checks: nothing written) is one line, no traceback.
     if trainer is None or not (trainer.resuming or (trainer.workdir / "config.json").exists()):

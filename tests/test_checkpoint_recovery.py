@@ -9,8 +9,11 @@ intact step of a run of another config copied in.
 
 import json
 import os
+import re
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,7 +22,7 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import distributed
-from lowcomm_jax.testing import tiny_config, tree_hash
+from lowcomm_jax.testing import CONFIGS, ROOT, tiny_config, tree_hash
 from lowcomm_jax.train import Trainer
 from lowcomm_jax.train import checkpoint
 
@@ -203,3 +206,59 @@ def test_init_from_starts_from_the_evaluated_parameters_of_the_latest_checkpoint
     for a, b in zip(leaves, jax.tree.leaves(evaluated), strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert not (tmp_path / "next").exists()  # reading another run writes nothing
+
+
+# train.py with the file size limit lowered once checkpoint 2 is sealed: every later write of more
+# than 2 KiB fails with EFBIG, as a full disk fails with ENOSPC (SIGXFSZ ignored, as a shell may).
+DISK_FULL_AFTER_STEP_2 = """
+import pathlib, resource, runpy, signal, sys, threading, time
+workdir = pathlib.Path(sys.argv[1])
+def limit_after_step_2():
+  while not (workdir / "checkpoints" / "2" / "lowcomm_sha256.json").exists():
+    time.sleep(0.002)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.RLIM_INFINITY))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+threading.Thread(target=limit_after_step_2, daemon=True).start()
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_failed_save_stops_the_run_in_one_line_naming_the_intact_checkpoint(tmp_path, runs):
+  full_state, _, _, _ = runs
+  workdir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+  flags = {"model.size": "tiny",  # tiny_config(**CHANGES) on the command line
+           "data.seq_len": 64, "data.batch_size": 8, "eval.batch_size": 8, "eval.num_batches": 4,
+           "eval.every": 1000, "log_every": 1, "progress_bar": False,
+           "hardware.peak_flops_per_device": 1e10, **CHANGES}
+  proc = subprocess.run(
+      [sys.executable, "-c", DISK_FULL_AFTER_STEP_2, str(workdir),
+       str(ROOT / "experiments" / "train.py"), f"--config={CONFIGS / 'dp.py'}:tiny",
+       f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in flags.items())],
+      capture_output=True, text=True, timeout=240)  # no hang at exit
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stdout + proc.stderr and "Event loop" not in proc.stderr
+  failure = [l for l in proc.stderr.splitlines() if l.startswith("SaveFailed: ")]
+  assert len(failure) == 1, proc.stderr[-3000:]
+  assert failure[0].startswith(f"SaveFailed: checkpoint step 4 could not be saved in {checkpoints}: "
+                               f"EFBIG (File too large) writing {checkpoints}/4.orbax-checkpoint-tmp")
+  assert f"checkpoint step 2 ({checkpoints / '2'}) is intact: rerun the same command" in failure[0]
+  steps = [json.loads(l)["step"] for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert steps[-1] < 8  # stopped once the failure was known, not at the end of the run
+
+  resumed = Trainer(tiny_config(**CHANGES), workdir)  # the disk has room again
+  resumed.run()
+  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed.final_state), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_checkpoints_that_cannot_be_written_stop_the_run_before_its_first_step(tmp_path, runs):
+  _, stopped, _, _ = runs
+  workdir = tmp_path / "run"
+  shutil.copytree(stopped, workdir, ignore=shutil.ignore_patterns("checkpoints"))
+  (workdir / "checkpoints").write_text("not a folder\n")
+  lines = (workdir / "metrics.jsonl").read_text()
+  with pytest.raises(checkpoint.SaveFailed, match=re.escape(
+      f"checkpoints cannot be written in {workdir / 'checkpoints'}: EEXIST (File exists)")):
+    Trainer(tiny_config(**CHANGES), workdir).run()
+  assert (workdir / "metrics.jsonl").read_text() == lines  # no step was trained

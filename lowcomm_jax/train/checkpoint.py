@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
+import os
 import pathlib
+import re
+import sys
+import tempfile
 import threading
+import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -15,6 +22,17 @@ from lowcomm_jax import distributed
 _HANDLER_REGISTERED = False
 # Written last into a step directory: the SHA-256 of every other file of the step.
 CHECKSUM_FILE = "lowcomm_sha256.json"
+# How long a failed save's remaining writes are given to end before the run stops.
+_IN_FLIGHT_WRITES_S = 1.0
+
+
+def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
+  """Logs orbax's errors as their first line: a failed save is reported by SaveFailed, once; each
+  of orbax's threads logging its traceback would bury that line."""
+  if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+    record.msg = f"orbax: {record.getMessage().splitlines()[0][:300]}"
+    record.args, record.exc_info, record.exc_text = (), None, None
+  return True
 
 
 def _fast_array_handler() -> None:
@@ -23,11 +41,32 @@ def _fast_array_handler() -> None:
   if not _HANDLER_REGISTERED:
     ocp.type_handlers.register_type_handler(
         jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+    logging.getLogger("absl").addFilter(_one_line_orbax_errors)
     _HANDLER_REGISTERED = True
 
 
 class DamagedCheckpoint(ValueError):
   """A step directory whose files are not the ones its save wrote."""
+
+
+class SaveFailed(RuntimeError):
+  """A checkpoint could not be written (disk full, a read-only or vanished folder): the run stops."""
+
+
+def os_error_of(error: BaseException) -> str:
+  """The operating system's words in an error of a write: "EFBIG (File too large) writing <path>"
+  from tensorstore's long messages, the first line of any other."""
+  if isinstance(error, OSError) and error.errno:
+    where = f" on {error.filename}" if error.filename else ""
+    return f"{errno.errorcode.get(error.errno, error.errno)} ({error.strerror}){where}"
+  text = str(error)
+  code = re.search(r"os_error_code='(\d+)'", text)
+  path = re.findall(r'"(/[^"]+)"', text)
+  if code:
+    number = int(code.group(1))
+    return (f"{errno.errorcode.get(number, number)} ({os.strerror(number)})"
+            + (f" writing {path[-1]}" if path else ""))
+  return f"{type(error).__name__}: {(text or '?').splitlines()[0][:300]}"
 
 
 def file_digests(step_dir: pathlib.Path) -> dict[str, str]:
@@ -109,15 +148,79 @@ class Checkpointer:
     _fast_array_handler()
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
     self.unreadable = self.directory.parent / "checkpoints_unreadable"
+    self._check_writable()
+    self._failure = None  # (step, error) of a save that failed, seen by process 0's sealer
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, cleanup_tmp_directories=True))
     self._sealer = None  # process 0's thread that seals the step whose save is in flight
+
+  def _check_writable(self) -> None:
+    # Before the first step, not at the first save: a run that cannot save must not train.
+    refusal = None
+    if distributed.is_primary():
+      try:
+        self.directory.mkdir(exist_ok=True)
+        with tempfile.TemporaryFile(dir=self.directory) as probe:
+          probe.write(b"lowcomm_jax: can checkpoints be written here?\n")
+          probe.flush()
+          os.fsync(probe.fileno())
+      except OSError as error:
+        refusal = (f"checkpoints cannot be written in {self.directory}: {os_error_of(error)}; "
+                   "nothing was trained: make it a writable folder with room, then rerun the same "
+                   "command")
+    if not distributed.all_agree(refusal is None):
+      raise SaveFailed(distributed.gather_lists([refusal] if distributed.is_primary() else [])[0])
+
+  def check(self, saving: bool) -> None:
+    """Raises SaveFailed on every process once a save failed: at once (any step) alone, at the
+    next save with several processes (where they agree on it)."""
+    if jax.process_count() > 1 and not saving:
+      return
+    if distributed.all_agree(self._failure is None):
+      return
+    failed = distributed.gather_lists([self._failure_message()] if distributed.is_primary() else [])
+    self._abandon()
+    raise SaveFailed(failed[0])
+
+  def _failure_message(self) -> str:
+    step, error = self._failure
+    sealed = [int(p.name) for p in self.directory.iterdir()
+              if p.name.isdigit() and int(p.name) < step and (p / CHECKSUM_FILE).is_file()]
+    intact = (f"checkpoint step {max(sealed)} ({self.directory / str(max(sealed))}) is intact: rerun "
+              "the same command to resume from it" if sealed else "no earlier checkpoint: a rerun "
+              "starts at step 0")
+    return (f"checkpoint step {step} could not be saved in {self.directory}: {os_error_of(error)}; "
+            f"the run stopped; {intact} once the folder is writable and has room")
+
+  def _abandon(self) -> None:
+    # Close what close() would; none of it may raise now. The failed save's other writes, still in
+    # flight, end meanwhile (a full disk fails them at once), and tensorstore prints a traceback to
+    # the process's stderr for each, as it reports into the event loop orbax closed at the first
+    # failure: dozens of them, saying nothing SaveFailed does not. They go to /dev/null.
+    self._join_sealer()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+      with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+      for close in (self.manager.wait_until_finished, self.manager.close):
+        try:
+          close()
+        except Exception:  # pylint: disable=broad-except
+          pass
+      time.sleep(_IN_FLIGHT_WRITES_S)
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state, data_state: dict) -> None:
     self._join_sealer()
+    self.check(saving=True)
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
     if distributed.is_primary():  # orbax renames the step once every process has written its part
@@ -131,8 +234,7 @@ class Checkpointer:
       if (self.directory / str(step)).is_dir():
         seal(self.directory / str(step))
     except Exception as error:  # pylint: disable=broad-except
-      print(f"warning: checkpoint step {step} could not be sealed ({type(error).__name__}: "
-            f"{error}); it will be set aside at the next start", flush=True)
+      self._failure = (step, error)  # the training loop stops at its next check
 
   def _join_sealer(self) -> None:
     if self._sealer is not None:
@@ -174,8 +276,9 @@ class Checkpointer:
     self.manager.reload()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
     self._join_sealer()
+    self.check(saving=True)
+    self.manager.wait_until_finished()
     distributed.barrier("checkpoints sealed")  # no process ends before the last step is sealed
     self.manager.close()
 

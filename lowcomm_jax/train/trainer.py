@@ -370,7 +370,9 @@ class Trainer:
         writer.write(step, {**held, **eval_losses})
         throughput.restart()
       preempted = preemption.reached(step)  # reliability: every process, every step
-      if step % c.checkpoint.every == 0 or step == stop or preempted:
+      saving = step % c.checkpoint.every == 0 or step == stop or preempted
+      ckpt.check(saving)  # reliability: a failed save stops the run at once, in one line
+      if saving:
         ready = take_ready()  # written before the checkpoint, so that a resume never loses its line
         if ready:
           writer.write(*ready)
