@@ -50,6 +50,7 @@ def main(argv):
                          _PROCESS_ID.value, config.distributed.timeout_seconds,
                          config.distributed.init_timeout_seconds, _BIND.value)
   from lowcomm_jax import train  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.codecs import NonFiniteError  # pylint: disable=g-import-not-at-top
   trainer = None
   try:
     trainer = train.Trainer(config, _WORKDIR.value)
@@ -61,6 +62,8 @@ def main(argv):
     sys.exit(f"ValueError: {error}")
   except train.checkpoint.SaveFailed as error:  # the line names the step, the path, the OS error
     sys.exit(f"SaveFailed: {error}")
+  except NonFiniteError as error:  # nonfinite=raise: the step and what held NaN or inf, in one line
+    sys.exit(f"NonFiniteError: {error}")
   except ValueError as error:
     # A refused start (config, workdir, data checks: nothing written) is one line, no traceback.
     if trainer is None or not (trainer.resuming or (trainer.workdir / "config.json").exists()):

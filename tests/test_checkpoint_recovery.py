@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax import distributed
+from lowcomm_jax import codecs, distributed
 from lowcomm_jax.testing import CONFIGS, ROOT, tiny_config, tree_hash
 from lowcomm_jax.train import Trainer
 from lowcomm_jax.train import checkpoint
@@ -262,3 +262,18 @@ def test_checkpoints_that_cannot_be_written_stop_the_run_before_its_first_step(t
       f"checkpoints cannot be written in {workdir / 'checkpoints'}: EEXIST (File exists)")):
     Trainer(tiny_config(**CHANGES), workdir).run()
   assert (workdir / "metrics.jsonl").read_text() == lines  # no step was trained
+
+
+def test_nonfinite_raise_stops_at_the_step_that_held_it_and_finishes_the_save_in_flight(
+    tmp_path, capfd):
+  # lr 1e30: the update of step 2 is the first to hold inf; checkpoints after every step.
+  c = tiny_config(**{"optimizer.learning_rate": 1e30, "optimizer.warmup_steps": 0, "num_steps": 6,
+                     "checkpoint.every": 1})
+  with pytest.raises(codecs.NonFiniteError, match="^by step 2: the parameters held NaN or inf"):
+    Trainer(c, tmp_path / "run").run()
+  out = capfd.readouterr()
+  assert "Traceback" not in out.err and "ERROR" not in out.err  # no save abandoned
+  assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["1"]  # none past it
+  checkpoint.verify(tmp_path / "run" / "checkpoints" / "1")  # the save in flight was sealed
+  steps = [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [1]

@@ -153,6 +153,7 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, cleanup_tmp_directories=True))
     self._sealer = None  # process 0's thread that seals the step whose save is in flight
+    self._closed = False
 
   def _check_writable(self) -> None:
     # Before the first step, not at the first save: a run that cannot save must not train.
@@ -197,6 +198,7 @@ class Checkpointer:
     # flight, end meanwhile (a full disk fails them at once), and tensorstore prints a traceback to
     # the process's stderr for each, as it reports into the event loop orbax closed at the first
     # failure: dozens of them, saying nothing SaveFailed does not. They go to /dev/null.
+    self._closed = True
     self._join_sealer()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -276,6 +278,9 @@ class Checkpointer:
     self.manager.reload()
 
   def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
     self._join_sealer()
     self.check(saving=True)
     self.manager.wait_until_finished()

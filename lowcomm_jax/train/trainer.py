@@ -257,9 +257,16 @@ class Trainer:
     """Trains to the end (or `stop_at_step`) holding the workdir's lock (`workdir.RunLock`)."""
     if self.run_state == workdir_lib.COMPLETE:  # reliability: a finished run is left as it is
       return workdir_lib.report_complete(self.workdir)
-    self._lock = None
+    self._lock, self._ckpt = None, None
     try:
       return self._run()
+    except BaseException:
+      if self._ckpt is not None:  # a save in flight is finished and sealed, never abandoned at exit
+        try:
+          self._ckpt.close()
+        except Exception:  # pylint: disable=broad-except
+          pass  # the error that stopped the run is the one to report
+      raise
     finally:  # the kernel would release it at exit; a process that starts another run must not wait
       if self._lock is not None:
         self._lock.release()
@@ -285,7 +292,7 @@ class Trainer:
     state = self.init_state()
     eval_step = self.eval_fn()
 
-    ckpt = checkpoint.Checkpointer(self.workdir, c.checkpoint.keep)
+    ckpt = self._ckpt = checkpoint.Checkpointer(self.workdir, c.checkpoint.keep)
     restored = ckpt.restore_latest(jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     start = restored[0] if restored else 0
@@ -373,6 +380,9 @@ class Trainer:
       saving = step % c.checkpoint.every == 0 or step == stop or preempted
       ckpt.check(saving)  # reliability: a failed save stops the run at once, in one line
       if saving:
+        if pending_refusals is not None and c.nonfinite == "raise":  # never save past a refusal
+          self._check_refused(*pending_refusals)
+          pending_refusals = None
         ready = take_ready()  # written before the checkpoint, so that a resume never loses its line
         if ready:
           writer.write(*ready)
