@@ -282,6 +282,7 @@ class Trainer:
     # and only by the start holding the workdir (a second start is refused, naming the first)
     self._lock = workdir_lib.lock_run(self.workdir)
     self._check_workdir()  # again, now that no other start can change it (one may have ended since)
+    distributed.barrier("workdir checked")  # by every process, before process 0 writes to it
     if self.run_state == workdir_lib.COMPLETE:
       return workdir_lib.report_complete(self.workdir)
     if not self.resuming and distributed.is_primary():

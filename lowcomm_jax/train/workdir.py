@@ -34,7 +34,8 @@ import time
 # Files and folders a run writes; any of them without config.json is a damaged or foreign run.
 RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "summary.json", "tensorboard")
 NEW, RESUME, COMPLETE = "new", "resume", "complete"
-# Held locked by the running start (its pid and host inside); alone in a folder, the folder is new.
+# Held locked by the running start (its pid and host inside). Alone in a folder, or with the
+# temporary file of a config.json write cut short, it leaves the folder new.
 LOCK_FILE = "run.lock"
 
 
@@ -78,7 +79,8 @@ def read_run(workdir: pathlib.Path) -> dict | None:
       raise ValueError(f"workdir {workdir} holds {', '.join(found)} but no config.json, so which run "
                        "they belong to is unknown; refusing to resume or overwrite them: use a new "
                        "--workdir (or restore that run's config.json)")
-    others = sorted(p.name for p in workdir.iterdir() if p.name != LOCK_FILE) if workdir.is_dir() else []
+    ours = lambda name: name == LOCK_FILE or (name.startswith(".config.json.") and name.endswith(".tmp"))
+    others = sorted(p.name for p in workdir.iterdir() if not ours(p.name)) if workdir.is_dir() else []
     if others:
       shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
       raise ValueError(f"workdir {workdir} holds files that are not a run ({shown}) and no "
