@@ -27,12 +27,34 @@ _IN_FLIGHT_WRITES_S = 1.0
 
 
 def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
-  """Logs orbax's errors as their first line: a failed save is reported by SaveFailed, once; each
-  of orbax's threads logging its traceback would bury that line."""
-  if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+  """Logs orbax's errors (and asyncio's about orbax's tasks) as their first line: a failed save is
+  reported by SaveFailed, once; each of orbax's threads logging its traceback would bury that line."""
+  orbax = f"{os.sep}orbax{os.sep}"
+  frames, tb = [], record.exc_info[2] if record.exc_info else None
+  while tb is not None:
+    frames.append(tb.tb_frame.f_code.co_filename)
+    tb = tb.tb_next
+  if record.levelno >= logging.ERROR and (orbax in record.pathname or (
+      record.name == "asyncio" and any(orbax in f for f in [record.getMessage(), *frames]))):
     record.msg = f"orbax: {record.getMessage().splitlines()[0][:300]}"
     record.args, record.exc_info, record.exc_text = (), None, None
   return True
+
+
+def _quiet_closed_loop_reports(previous):
+  """sys.unraisablehook, but for the reports of tensorstore writes that end after a failed save
+  closed orbax's event loop: each printed a traceback ("Event loop is closed"), dozens for one
+  full disk, burying the one line SaveFailed gives."""
+
+  def hook(unraisable):
+    last = unraisable.exc_traceback
+    while last is not None and last.tb_next is not None:
+      last = last.tb_next
+    if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+            and last is not None and last.tb_frame.f_code.co_name == "_check_closed"):
+      previous(unraisable)
+
+  return hook
 
 
 def _fast_array_handler() -> None:
@@ -42,6 +64,8 @@ def _fast_array_handler() -> None:
     ocp.type_handlers.register_type_handler(
         jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
     logging.getLogger("absl").addFilter(_one_line_orbax_errors)
+    logging.getLogger("asyncio").addFilter(_one_line_orbax_errors)
+    sys.unraisablehook = _quiet_closed_loop_reports(sys.unraisablehook)
     _HANDLER_REGISTERED = True
 
 
@@ -131,6 +155,25 @@ def verify(step_dir: pathlib.Path) -> None:
       raise DamagedCheckpoint(f"file {name} differs from its SHA-256 at save time")
 
 
+def check_writable(workdir: pathlib.Path) -> None:
+  """Raises SaveFailed on every process unless process 0 can write a file into workdir/checkpoints
+  (made if absent): called before the first step, as a run that cannot save must not train."""
+  directory = pathlib.Path(workdir).absolute() / "checkpoints"
+  refusal = None
+  if distributed.is_primary():
+    try:
+      directory.mkdir(exist_ok=True)
+      with tempfile.TemporaryFile(dir=directory) as probe:
+        probe.write(b"lowcomm_jax: can checkpoints be written here?\n")
+        probe.flush()
+        os.fsync(probe.fileno())
+    except OSError as error:
+      refusal = (f"checkpoints cannot be written in {directory}: {os_error_of(error)}; nothing was "
+                 "trained: make it a writable folder with room, then rerun the same command")
+  if not distributed.all_agree(refusal is None):
+    raise SaveFailed(distributed.gather_lists([refusal] if distributed.is_primary() else [])[0])
+
+
 class Checkpointer:
   """Saves every `every` steps under workdir/checkpoints; restores the latest intact one.
 
@@ -148,29 +191,11 @@ class Checkpointer:
     _fast_array_handler()
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
     self.unreadable = self.directory.parent / "checkpoints_unreadable"
-    self._check_writable()
     self._failure = None  # (step, error) of a save that failed, seen by process 0's sealer
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, cleanup_tmp_directories=True))
     self._sealer = None  # process 0's thread that seals the step whose save is in flight
     self._closed = False
-
-  def _check_writable(self) -> None:
-    # Before the first step, not at the first save: a run that cannot save must not train.
-    refusal = None
-    if distributed.is_primary():
-      try:
-        self.directory.mkdir(exist_ok=True)
-        with tempfile.TemporaryFile(dir=self.directory) as probe:
-          probe.write(b"lowcomm_jax: can checkpoints be written here?\n")
-          probe.flush()
-          os.fsync(probe.fileno())
-      except OSError as error:
-        refusal = (f"checkpoints cannot be written in {self.directory}: {os_error_of(error)}; "
-                   "nothing was trained: make it a writable folder with room, then rerun the same "
-                   "command")
-    if not distributed.all_agree(refusal is None):
-      raise SaveFailed(distributed.gather_lists([refusal] if distributed.is_primary() else [])[0])
 
   def check(self, saving: bool) -> None:
     """Raises SaveFailed on every process once a save failed: at once (any step) alone, at the
@@ -195,27 +220,16 @@ class Checkpointer:
 
   def _abandon(self) -> None:
     # Close what close() would; none of it may raise now. The failed save's other writes, still in
-    # flight, end meanwhile (a full disk fails them at once), and tensorstore prints a traceback to
-    # the process's stderr for each, as it reports into the event loop orbax closed at the first
-    # failure: dozens of them, saying nothing SaveFailed does not. They go to /dev/null.
+    # flight, end meanwhile (a full disk fails them at once); they are given the time to, while
+    # the hook that quiets their reports is there (_quiet_closed_loop_reports).
     self._closed = True
     self._join_sealer()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-      with open(os.devnull, "wb") as null:
-        os.dup2(null.fileno(), 2)
-      for close in (self.manager.wait_until_finished, self.manager.close):
-        try:
-          close()
-        except Exception:  # pylint: disable=broad-except
-          pass
-      time.sleep(_IN_FLIGHT_WRITES_S)
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
+    for close in (self.manager.wait_until_finished, self.manager.close):
+      try:
+        close()
+      except Exception:  # pylint: disable=broad-except
+        pass
+    time.sleep(_IN_FLIGHT_WRITES_S)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()

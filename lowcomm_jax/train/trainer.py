@@ -293,6 +293,7 @@ class Trainer:
     state = self.init_state()
     eval_step = self.eval_fn()
 
+    checkpoint.check_writable(self.workdir)  # reliability: before the first step, not at a save
     ckpt = self._ckpt = checkpoint.Checkpointer(self.workdir, c.checkpoint.keep)
     restored = ckpt.restore_latest(jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
