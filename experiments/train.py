@@ -54,6 +54,7 @@ def main(argv):
   except RuntimeError as error:
     sys.exit(f"RuntimeError: {error}")
   from lowcomm_jax import train  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.codecs import NonFiniteError  # pylint: disable=g-import-not-at-top
   trainer = None
   try:
     trainer = train.Trainer(config, _WORKDIR.value)
@@ -61,6 +62,12 @@ def main(argv):
   except distributed.Preempted as stopped:
     print(stopped, flush=True)
     sys.exit(distributed.PREEMPTED_EXIT_CODE)
+  except workdir_lib.WorkdirInUse as error:  # another start holds the workdir: nothing was changed
+    sys.exit(f"ValueError: {error}")
+  except train.checkpoint.SaveFailed as error:  # the line names the step, the path, the OS error
+    sys.exit(f"SaveFailed: {error}")
+  except NonFiniteError as error:  # nonfinite=raise: the step and what held NaN or inf, in one line
+    sys.exit(f"NonFiniteError: {error}")
   except ValueError as error:
     # A refused start (config, workdir, data checks: nothing written) is one line (cli.run); once
     # the run has begun it is no input of the user's but a failure to trace back.

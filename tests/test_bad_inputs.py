@@ -8,6 +8,7 @@ changed (`python -m pytest tests/test_bad_inputs.py -q -n 0 -s`).
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -215,6 +216,17 @@ def _prepare(kind: str, root):
   elif kind == "metrics without config.json":
     workdir.mkdir()
     (workdir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+  elif kind == "the root directory":
+    return "/"
+  elif kind == "the home directory":
+    return str(pathlib.Path.home())
+  elif kind == "a dangling symlink":
+    workdir.symlink_to(root / "moved_away")
+  elif kind == "a folder of other files":
+    workdir.mkdir()
+    (workdir / "notes.txt").write_text("notes\n")
+  elif kind == "init_from checkpoints without config.json":
+    (root / "old" / "checkpoints" / "10").mkdir(parents=True)
   elif kind == "another config":
     _other_run(workdir, **{"optimizer.learning_rate": 1e-3})
   elif kind == "another copy of the corpus":
@@ -235,6 +247,11 @@ WORKDIR_CASES = [
     ("config.json without fingerprint", ["config.json that cannot be read", "fingerprint"]),
     ("checkpoints without config.json", ["holds checkpoints but no config.json", "use a new --workdir"]),
     ("metrics without config.json", ["holds metrics.jsonl but no config.json", "use a new --workdir"]),
+    ("the root directory", ["--workdir=/ is the root directory", "give a folder of its own"]),
+    ("the home directory", ["is the home directory", "give a folder of its own"]),
+    ("a dangling symlink", ["is a symbolic link to", "which does not exist"]),
+    ("a folder of other files", ["holds files that are not a run (notes.txt)", "use a new --workdir"]),
+    ("init_from checkpoints without config.json", ["init_from=", "holds checkpoints/ but no config.json"]),
     ("another config", ["holds a run of another config (optimizer.learning_rate: 0.001 -> 0.003)"]),
     ("another copy of the corpus", ["another copy of data.corpus='stdlib'", "0123456789abcdef"]),
 ]
@@ -265,7 +282,8 @@ def test_every_bad_input_is_refused_before_anything_is_written(tmp_path, monkeyp
     root.mkdir()
     workdir = _prepare(kind, root)
     before = tree_hash(tmp_path)
-    message = _attempt(tiny_config(), workdir)
+    changes = {"init_from": str(root / "old")} if kind.startswith("init_from") else {}
+    message = _attempt(tiny_config(**changes), workdir)
     rows.append((f"workdir: {kind}", message, expected, before != tree_hash(tmp_path)))
 
   failures = []

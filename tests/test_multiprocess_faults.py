@@ -7,14 +7,18 @@ import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from lowcomm_jax.testing import (STREAMING, TOLERANCE, launch, listening_addresses, max_abs_diff,
+from lowcomm_jax.testing import (CONFIGS, ROOT, STREAMING, TOLERANCE, launch, listening_addresses, max_abs_diff,
                                  multiprocess_changes, restored, run_streaming_two_processes,
                                  single_process)
 from lowcomm_jax.train import checkpoint
+from lowcomm_jax.train import workdir as workdir_lib
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +156,47 @@ def test_launcher_reports_a_failed_process_with_its_status_and_last_lines(tmp_pa
           "spans processes") in proc.stderr
   assert "Traceback" not in proc.stderr  # a refused start is one line per process
   assert not (tmp_path / "bad").exists()
+
+
+def test_a_second_start_on_a_workdir_in_use_is_refused_naming_the_first(tmp_path):
+  workdir, lock = tmp_path / "run", tmp_path / "run" / workdir_lib.LOCK_FILE
+  command = [sys.executable, str(ROOT / "experiments" / "train.py"), f"--config={CONFIGS / 'dp.py'}:tiny",
+             f"--workdir={workdir}", "--config.num_steps=4", "--config.log_every=1",
+             "--config.eval.every=4", "--config.progress_bar=False"]
+  first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 240
+    while f"pid {first.pid} " not in (lock.read_text() if lock.exists() else ""):
+      assert first.poll() is None and time.monotonic() < deadline, "the first start never locked"
+      time.sleep(0.01)
+    os.kill(first.pid, signal.SIGSTOP)  # holding the workdir, wherever it is in its run
+    try:
+      second = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    finally:
+      os.kill(first.pid, signal.SIGCONT)
+    _, first_err = first.communicate(timeout=240)
+  finally:
+    if first.poll() is None:
+      first.kill()
+  assert second.returncode == 1, second.stderr[-2000:]
+  assert second.stderr.startswith(
+      f"ValueError: workdir {workdir} is in use by another run (pid {first.pid} on host "
+      f"{socket.gethostname()}, which holds {lock})"), second.stderr[-2000:]
+  assert "Traceback" not in second.stderr
+  assert first.returncode == 0, first_err[-2000:]
+  steps = [json.loads(l)["step"] for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [1, 2, 3, 4]  # each step logged once: the second start wrote nothing
+  assert json.loads((workdir / "summary.json").read_text())["steps"] == 4
+
+
+def test_every_process_of_a_run_refuses_a_workdir_another_start_holds(tmp_path):
+  holder = workdir_lib.RunLock(tmp_path / "run")  # this process: a start that holds the workdir
+  try:
+    proc = launch(2, tmp_path / "run", multiprocess_changes(2, {}))
+  finally:
+    holder.release()
+  assert proc.returncode == 1
+  refusal = f"is in use by another run (pid {os.getpid()} on host {socket.gethostname()}"
+  assert "failed: exit status 1" in proc.stderr and refusal in proc.stderr, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  assert [p.name for p in (tmp_path / "run").iterdir()] == [workdir_lib.LOCK_FILE]

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
+import os
 import pathlib
+import re
+import sys
+import tempfile
 import threading
+import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -15,6 +22,39 @@ from lowcomm_jax import distributed
 _HANDLER_REGISTERED = False
 # Written last into a step directory: the SHA-256 of every other file of the step.
 CHECKSUM_FILE = "lowcomm_sha256.json"
+# How long a failed save's remaining writes are given to end before the run stops.
+_IN_FLIGHT_WRITES_S = 1.0
+
+
+def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
+  """Logs orbax's errors (and asyncio's about orbax's tasks) as their first line: a failed save is
+  reported by SaveFailed, once; each of orbax's threads logging its traceback would bury that line."""
+  orbax = f"{os.sep}orbax{os.sep}"
+  frames, tb = [], record.exc_info[2] if record.exc_info else None
+  while tb is not None:
+    frames.append(tb.tb_frame.f_code.co_filename)
+    tb = tb.tb_next
+  if record.levelno >= logging.ERROR and (orbax in record.pathname or (
+      record.name == "asyncio" and any(orbax in f for f in [record.getMessage(), *frames]))):
+    record.msg = f"orbax: {record.getMessage().splitlines()[0][:300]}"
+    record.args, record.exc_info, record.exc_text = (), None, None
+  return True
+
+
+def _quiet_closed_loop_reports(previous):
+  """sys.unraisablehook, but for the reports of tensorstore writes that end after a failed save
+  closed orbax's event loop: each printed a traceback ("Event loop is closed"), dozens for one
+  full disk, burying the one line SaveFailed gives."""
+
+  def hook(unraisable):
+    last = unraisable.exc_traceback
+    while last is not None and last.tb_next is not None:
+      last = last.tb_next
+    if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+            and last is not None and last.tb_frame.f_code.co_name == "_check_closed"):
+      previous(unraisable)
+
+  return hook
 
 
 def _fast_array_handler() -> None:
@@ -23,11 +63,34 @@ def _fast_array_handler() -> None:
   if not _HANDLER_REGISTERED:
     ocp.type_handlers.register_type_handler(
         jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+    logging.getLogger("absl").addFilter(_one_line_orbax_errors)
+    logging.getLogger("asyncio").addFilter(_one_line_orbax_errors)
+    sys.unraisablehook = _quiet_closed_loop_reports(sys.unraisablehook)
     _HANDLER_REGISTERED = True
 
 
 class DamagedCheckpoint(ValueError):
   """A step directory whose files are not the ones its save wrote."""
+
+
+class SaveFailed(RuntimeError):
+  """A checkpoint could not be written (disk full, a read-only or vanished folder): the run stops."""
+
+
+def os_error_of(error: BaseException) -> str:
+  """The operating system's words in an error of a write: "EFBIG (File too large) writing <path>"
+  from tensorstore's long messages, the first line of any other."""
+  if isinstance(error, OSError) and error.errno:
+    where = f" on {error.filename}" if error.filename else ""
+    return f"{errno.errorcode.get(error.errno, error.errno)} ({error.strerror}){where}"
+  text = str(error)
+  code = re.search(r"os_error_code='(\d+)'", text)
+  path = re.findall(r'"(/[^"]+)"', text)
+  if code:
+    number = int(code.group(1))
+    return (f"{errno.errorcode.get(number, number)} ({os.strerror(number)})"
+            + (f" writing {path[-1]}" if path else ""))
+  return f"{type(error).__name__}: {(text or '?').splitlines()[0][:300]}"
 
 
 def file_digests(step_dir: pathlib.Path) -> dict[str, str]:
@@ -44,22 +107,44 @@ def file_digests(step_dir: pathlib.Path) -> dict[str, str]:
   return digests
 
 
+def run_identity(workdir: pathlib.Path) -> str | None:
+  """What binds a checkpoint to its run: the SHA-256 of the fingerprint and corpus identity saved in
+  the workdir's config.json (written once, at the run's start); None without a config.json."""
+  try:
+    saved = json.loads((pathlib.Path(workdir) / "config.json").read_text())
+  except FileNotFoundError:
+    return None
+  bound = {"fingerprint": saved.get("fingerprint"), "corpus_identity": saved.get("corpus_identity")}
+  return hashlib.sha256(json.dumps(bound, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def seal(step_dir: pathlib.Path) -> None:
-  """Writes the checksum file of a finished step (atomically: a torn write is no checksum)."""
+  """Writes the checksum file of a finished step (atomically: a torn write is no checksum): the
+  SHA-256 of its files, its step and the run it belongs to (`run_identity` of its workdir)."""
   tmp = step_dir / (CHECKSUM_FILE + ".tmp")
-  tmp.write_text(json.dumps({"sha256": file_digests(step_dir)}, indent=1))
+  tmp.write_text(json.dumps({"sha256": file_digests(step_dir), "step": int(step_dir.name),
+                             "run": run_identity(step_dir.parent.parent)}, indent=1))
   tmp.rename(step_dir / CHECKSUM_FILE)
 
 
 def verify(step_dir: pathlib.Path) -> None:
-  """Raises DamagedCheckpoint naming the first file that is missing, added or changed."""
+  """Raises DamagedCheckpoint unless the step directory is the one its save sealed, here: sealed
+  for this step number and by this workdir's run, and no file missing, added or changed."""
   try:
-    expected = json.loads((step_dir / CHECKSUM_FILE).read_text())["sha256"]
+    sealed = json.loads((step_dir / CHECKSUM_FILE).read_text())
+    expected, sealed_step, sealed_run = sealed["sha256"], sealed.get("step"), sealed.get("run")
   except FileNotFoundError:
     raise DamagedCheckpoint(f"{CHECKSUM_FILE} is missing: the save never finished, or the step "
                             "was copied without it") from None
   except (ValueError, KeyError, TypeError) as error:
     raise DamagedCheckpoint(f"{CHECKSUM_FILE} is unreadable ({error})") from None
+  if sealed_step != int(step_dir.name):
+    raise DamagedCheckpoint(f"it was saved as step {sealed_step}, not {step_dir.name} (a renamed "
+                            "or copied step directory)")
+  if sealed_run != run_identity(step_dir.parent.parent):
+    raise DamagedCheckpoint(f"it was saved by another run (run {str(sealed_run)[:12]}, this "
+                            f"workdir's config.json is run {str(run_identity(step_dir.parent.parent))[:12]}): "
+                            "a step copied from another run or config")
   actual = file_digests(step_dir)
   for name in sorted(set(expected) | set(actual)):
     if name not in actual:
@@ -70,31 +155,88 @@ def verify(step_dir: pathlib.Path) -> None:
       raise DamagedCheckpoint(f"file {name} differs from its SHA-256 at save time")
 
 
+def check_writable(workdir: pathlib.Path) -> None:
+  """Raises SaveFailed on every process unless process 0 can write a file into workdir/checkpoints
+  (made if absent): called before the first step, as a run that cannot save must not train."""
+  directory = pathlib.Path(workdir).absolute() / "checkpoints"
+  refusal = None
+  if distributed.is_primary():
+    try:
+      directory.mkdir(exist_ok=True)
+      with tempfile.TemporaryFile(dir=directory) as probe:
+        probe.write(b"lowcomm_jax: can checkpoints be written here?\n")
+        probe.flush()
+        os.fsync(probe.fileno())
+    except OSError as error:
+      refusal = (f"checkpoints cannot be written in {directory}: {os_error_of(error)}; nothing was "
+                 "trained: make it a writable folder with room, then rerun the same command")
+  if not distributed.all_agree(refusal is None):
+    raise SaveFailed(distributed.gather_lists([refusal] if distributed.is_primary() else [])[0])
+
+
 class Checkpointer:
   """Saves every `every` steps under workdir/checkpoints; restores the latest intact one.
 
   A save is written to a temporary directory and renamed when every process has finished it, so a
   run killed mid-save leaves no step directory (its leftovers are removed at the next start). Once
-  renamed, process 0 seals it with the SHA-256 of each of its files (CHECKSUM_FILE, written last, by
-  a thread, so saves stay asynchronous). A restore verifies every
+  renamed, process 0 seals it with the SHA-256 of each of its files, its step and its run
+  (CHECKSUM_FILE, written last, by a thread, so saves stay asynchronous). A restore verifies every
   file first: a step damaged afterwards (a flipped bit, a truncated or deleted file, edited JSON
-  of the data iterator) or never sealed is moved to workdir/checkpoints_unreadable/ with a log line
-  naming it and the file, and the previous one is restored instead.
+  of the data iterator), never sealed, renamed, or copied from another run is moved to
+  workdir/checkpoints_unreadable/ with a log line naming it and the file (or what it was sealed
+  as), and the previous one is restored instead.
   """
 
   def __init__(self, workdir: pathlib.Path, keep: int):
     _fast_array_handler()
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
     self.unreadable = self.directory.parent / "checkpoints_unreadable"
+    self._failure = None  # (step, error) of a save that failed, seen by process 0's sealer
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, cleanup_tmp_directories=True))
     self._sealer = None  # process 0's thread that seals the step whose save is in flight
+    self._closed = False
+
+  def check(self, saving: bool) -> None:
+    """Raises SaveFailed on every process once a save failed: at once (any step) alone, at the
+    next save with several processes (where they agree on it)."""
+    if jax.process_count() > 1 and not saving:
+      return
+    if distributed.all_agree(self._failure is None):
+      return
+    failed = distributed.gather_lists([self._failure_message()] if distributed.is_primary() else [])
+    self._abandon()
+    raise SaveFailed(failed[0])
+
+  def _failure_message(self) -> str:
+    step, error = self._failure
+    sealed = [int(p.name) for p in self.directory.iterdir()
+              if p.name.isdigit() and int(p.name) < step and (p / CHECKSUM_FILE).is_file()]
+    intact = (f"checkpoint step {max(sealed)} ({self.directory / str(max(sealed))}) is intact: rerun "
+              "the same command to resume from it" if sealed else "no earlier checkpoint: a rerun "
+              "starts at step 0")
+    return (f"checkpoint step {step} could not be saved in {self.directory}: {os_error_of(error)}; "
+            f"the run stopped; {intact} once the folder is writable and has room")
+
+  def _abandon(self) -> None:
+    # Close what close() would; none of it may raise now. The failed save's other writes, still in
+    # flight, end meanwhile (a full disk fails them at once); they are given the time to, while
+    # the hook that quiets their reports is there (_quiet_closed_loop_reports).
+    self._closed = True
+    self._join_sealer()
+    for close in (self.manager.wait_until_finished, self.manager.close):
+      try:
+        close()
+      except Exception:  # pylint: disable=broad-except
+        pass
+    time.sleep(_IN_FLIGHT_WRITES_S)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state, data_state: dict) -> None:
     self._join_sealer()
+    self.check(saving=True)
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
     if distributed.is_primary():  # orbax renames the step once every process has written its part
@@ -108,8 +250,7 @@ class Checkpointer:
       if (self.directory / str(step)).is_dir():
         seal(self.directory / str(step))
     except Exception as error:  # pylint: disable=broad-except
-      print(f"warning: checkpoint step {step} could not be sealed ({type(error).__name__}: "
-            f"{error}); it will be set aside at the next start", flush=True)
+      self._failure = (step, error)  # the training loop stops at its next check
 
   def _join_sealer(self) -> None:
     if self._sealer is not None:
@@ -151,8 +292,12 @@ class Checkpointer:
     self.manager.reload()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
+    if self._closed:
+      return
+    self._closed = True
     self._join_sealer()
+    self.check(saving=True)
+    self.manager.wait_until_finished()
     distributed.barrier("checkpoints sealed")  # no process ends before the last step is sealed
     self.manager.close()
 

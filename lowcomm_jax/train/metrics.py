@@ -13,6 +13,8 @@ from typing import Callable
 import numpy as np
 from tensorboardX import SummaryWriter
 
+from lowcomm_jax.train import workdir as workdir_lib
+
 
 class StepTimes:
   """When each step's program finished on this process, for timelines (benchmarks/slow_link.py).
@@ -162,10 +164,22 @@ class MetricWriter:
     self._last_step = start_step
 
   def _truncate_after(self, step: int) -> None:
-    # A resumed run replays the steps after its checkpoint; keep each step logged once.
-    if self.path.exists():
-      kept = [l for l in self.path.read_text().splitlines() if l and json.loads(l)["step"] <= step]
-      self.path.write_text("".join(l + "\n" for l in kept))
+    # A resumed run replays the steps after its checkpoint; keep each step logged once. The file is
+    # replaced whole (a crash now leaves the old one), and a line a crash tore is dropped, logged.
+    if not self.path.exists():
+      return
+    kept = []
+    for number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+      try:
+        record = json.loads(line) if line else None
+        logged_step = record["step"] if record is not None else None
+      except (ValueError, TypeError, KeyError):
+        print(f"{self.path}: line {number} is not a logged step (a write cut short); dropped: "
+              f"{line[:80]!r}", flush=True)
+        continue
+      if logged_step is not None and logged_step <= step:
+        kept.append(line)
+    workdir_lib.write_atomic(self.path, "".join(l + "\n" for l in kept))
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.enabled:

@@ -1,6 +1,7 @@
 """The Trainer: validated config in, a run directory out. The one training loop of the package.
 
-Outputs in the workdir: config.json, metrics.jsonl, tensorboard/, checkpoints/
+Outputs in the workdir: config.json, run.lock (locked while a start runs), metrics.jsonl,
+tensorboard/, checkpoints/
 (orbax; train state + data iterator state, sealed by checksums) and summary.json
 (strict JSON). Restarting with the same workdir and config resumes from the
 latest intact checkpoint and ends bit-identical to an uninterrupted run; a
@@ -78,13 +79,13 @@ class Trainer:
         raise ValueError(str(error)) from None
     if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
+    if config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
+      raise ValueError(f"init_from={config.init_from!r} holds checkpoints/ but no config.json, so the "
+                       "model they hold is unknown; give the workdir of a run (both are in it)")
     self.rules = sharding.rules_for(config.sharding.layout)
     # reliability: another config, another corpus, run files without config.json, a finished run
     self.corpus_identity = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
-    self.run_state = workdir_lib.check_workdir(
-        self.workdir, config_lib.fingerprint(config),
-        config_lib.fingerprint(config_lib.default_config()), self.corpus_identity)
-    self.resuming = self.run_state != workdir_lib.NEW
+    self._check_workdir()
     abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     abstract_params = abstract_params.to_pure_dict()
@@ -111,6 +112,12 @@ class Trainer:
     workdir) and the warnings about the layout, as the run prints them."""
     return ([startup.startup_line(self.config, self.model_cfg, self.num_params, self.mesh, self.workdir)]
             + startup.startup_warnings(self.config, self.mesh, self.param_specs))
+
+  def _check_workdir(self) -> None:
+    self.run_state = workdir_lib.check_workdir(
+        self.workdir, config_lib.fingerprint(self.config),
+        config_lib.fingerprint(config_lib.default_config()), self.corpus_identity)
+    self.resuming = self.run_state != workdir_lib.NEW
 
   # -- building blocks, also used by tests and benchmarks ----------------------------------------
 
@@ -282,9 +289,25 @@ class Trainer:
   # -- the run -----------------------------------------------------------------------------------
 
   def run(self) -> dict:
-    c = self.config
+    """Trains to the end (or `stop_at_step`) holding the workdir's lock (`workdir.RunLock`)."""
     if self.run_state == workdir_lib.COMPLETE:  # reliability: a finished run is left as it is
       return workdir_lib.report_complete(self.workdir)
+    self._lock, self._ckpt = None, None
+    try:
+      return self._run()
+    except BaseException:
+      if self._ckpt is not None:  # a save in flight is finished and sealed, never abandoned at exit
+        try:
+          self._ckpt.close()
+        except Exception:  # pylint: disable=broad-except
+          pass  # the error that stopped the run is the one to report
+      raise
+    finally:  # the kernel would release it at exit; a process that starts another run must not wait
+      if self._lock is not None:
+        self._lock.release()
+
+  def _run(self) -> dict:
+    c = self.config
     if distributed.is_primary():
       for line in self.startup_report():
         print(line, flush=True)
@@ -293,7 +316,13 @@ class Trainer:
     eval_batches = [distributed.replicated_array(b, self.eval_sharding())
                     for b in pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
                                                    c.eval.num_batches)]
-    # reliability: config.json only once the data checks above passed (a refusal writes nothing)
+    # reliability: config.json only once the data checks above passed (a refusal writes nothing),
+    # and only by the start holding the workdir (a second start is refused, naming the first)
+    self._lock = workdir_lib.lock_run(self.workdir)
+    self._check_workdir()  # again, now that no other start can change it (one may have ended since)
+    distributed.barrier("workdir checked")  # by every process, before process 0 writes to it
+    if self.run_state == workdir_lib.COMPLETE:
+      return workdir_lib.report_complete(self.workdir)
     if not self.resuming and distributed.is_primary():
       workdir_lib.write_config(self.workdir, json.loads(c.to_json_best_effort()),
                                config_lib.fingerprint(c), self.corpus_identity)
@@ -302,7 +331,8 @@ class Trainer:
     state = self.init_state()
     eval_step = self.eval_fn()
 
-    ckpt = checkpoint.Checkpointer(self.workdir, c.checkpoint.keep)
+    checkpoint.check_writable(self.workdir)  # reliability: before the first step, not at a save
+    ckpt = self._ckpt = checkpoint.Checkpointer(self.workdir, c.checkpoint.keep)
     restored = ckpt.restore_latest(jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     start = restored[0] if restored else 0
@@ -388,7 +418,12 @@ class Trainer:
         writer.write(step, {**held, **eval_losses})
         throughput.restart()
       preempted = preemption.reached(step)  # reliability: every process, every step
-      if step % c.checkpoint.every == 0 or step == stop or preempted:
+      saving = step % c.checkpoint.every == 0 or step == stop or preempted
+      ckpt.check(saving)  # reliability: a failed save stops the run at once, in one line
+      if saving:
+        if pending_refusals is not None and c.nonfinite == "raise":  # never save past a refusal
+          self._check_refused(*pending_refusals)
+          pending_refusals = None
         ready = take_ready()  # written before the checkpoint, so that a resume never loses its line
         if ready:
           writer.write(*ready)

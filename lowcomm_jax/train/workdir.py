@@ -2,27 +2,41 @@
 
 A workdir is one of three things, and a start behaves accordingly:
 
-- new (absent or empty): the run starts at step 0 and writes config.json first;
+- new (absent or empty): the run starts at step 0 and writes config.json first (`/` and the home
+  directory are never a workdir, nor a symbolic link to nothing);
 - a run of the same config (its config.json's fingerprint and corpus identity match): it resumes
   from the latest checkpoint, or, when summary.json is there, says the run is complete and changes
   nothing;
 - anything else (a file, an unwritable place, another config, a different corpus, run files without
-  config.json, an unreadable config.json): one ValueError naming what is wrong and what to do,
-  and the directory is left byte for byte as it was.
+  config.json, other files without config.json, an unreadable config.json): one ValueError naming
+  what is wrong and what to do, and the directory is left byte for byte as it was.
 
+One run at a time: `RunLock` holds an exclusive `fcntl.flock` on LOCK_FILE for the whole run (the
+kernel releases it when the process ends, however it ends); a second start is refused naming the
+holder's pid and host.
+
+config.json and summary.json are replaced whole (a temporary file renamed), so a crash leaves the old
+file or the new one, never a torn one; a summary.json that cannot be read is no finished run.
 summary.json is strict JSON: a value that is NaN or inf becomes null, and `null_reasons` says why.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 import pathlib
+import socket
 import tempfile
+import time
 
 # Files and folders a run writes; any of them without config.json is a damaged or foreign run.
 RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "summary.json", "tensorboard")
 NEW, RESUME, COMPLETE = "new", "resume", "complete"
+# Held locked by the running start (its pid and host inside). Alone in a folder, or with the
+# temporary file of a config.json write cut short, it leaves the folder new.
+LOCK_FILE = "run.lock"
 
 
 def check_path(workdir) -> pathlib.Path:
@@ -31,6 +45,14 @@ def check_path(workdir) -> pathlib.Path:
     raise ValueError("--workdir must name a directory (a new one, or a run to resume), got an empty "
                      "path; a run is never written into the current directory by default")
   path = pathlib.Path(workdir)
+  if path.is_symlink() and not path.exists():
+    raise ValueError(f"--workdir={workdir} is a symbolic link to {os.readlink(path)}, which does not "
+                     "exist; give a directory (new, or a run to resume), or create the link's target")
+  resolved = path.expanduser().resolve()
+  if resolved in (pathlib.Path("/"), pathlib.Path.home().resolve()):
+    what = "the root directory" if resolved.parent == resolved else "the home directory"
+    raise ValueError(f"--workdir={workdir} is {what}; a run writes its files into its workdir: give "
+                     f"a folder of its own, e.g. {resolved / 'runs' / 'my_run'}")
   if path.exists() and not path.is_dir():
     raise ValueError(f"--workdir={workdir} is a file; give a directory (new, or a run to resume)")
   existing = path
@@ -57,6 +79,12 @@ def read_run(workdir: pathlib.Path) -> dict | None:
       raise ValueError(f"workdir {workdir} holds {', '.join(found)} but no config.json, so which run "
                        "they belong to is unknown; refusing to resume or overwrite them: use a new "
                        "--workdir (or restore that run's config.json)")
+    ours = lambda name: name == LOCK_FILE or (name.startswith(".config.json.") and name.endswith(".tmp"))
+    others = sorted(p.name for p in workdir.iterdir() if not ours(p.name)) if workdir.is_dir() else []
+    if others:
+      shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+      raise ValueError(f"workdir {workdir} holds files that are not a run ({shown}) and no "
+                       "config.json; a new run needs an absent or empty folder: use a new --workdir")
     return None
   try:
     run = json.loads(saved.read_text())
@@ -99,14 +127,105 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | Non
         f"(corpus identity {saved_identity}, here {corpus_identity}: its files or their sizes differ, "
         "e.g. another Python version or Debian release); resuming would train on other text: "
         "resume where the run started, or use a new --workdir")
-  return COMPLETE if (pathlib.Path(workdir) / "summary.json").exists() else RESUME
+  return COMPLETE if read_summary(pathlib.Path(workdir)) is not None else RESUME
+
+
+def read_summary(workdir: pathlib.Path) -> dict | None:
+  """summary.json of a finished run; None when it is absent or cannot be read (then the run is not
+  complete: a resume writes it again)."""
+  try:
+    summary = json.loads((workdir / "summary.json").read_text())
+  except (OSError, ValueError):
+    return None
+  return summary if isinstance(summary, dict) else None
+
+
+def write_atomic(path: pathlib.Path, text: str) -> None:
+  """Replaces `path` by a file holding `text`: a temporary file beside it, flushed, then renamed."""
+  with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
+                                   delete=False) as tmp:
+    tmp.write(text)
+    tmp.flush()
+    os.fsync(tmp.fileno())
+  os.replace(tmp.name, path)
+
+
+class WorkdirInUse(ValueError):
+  """Another start holds the workdir's lock (or this process cannot see process 0's)."""
+
+
+def _holder(path: pathlib.Path) -> str:
+  # The holder writes its line just after locking: a start racing it may read an empty file first.
+  for _ in range(50):
+    text = path.read_text().strip() if path.exists() else ""
+    if text:
+      return text
+    time.sleep(0.02)
+  return "a process that has not written its pid yet"
+
+
+class RunLock:
+  """An exclusive `fcntl.flock` on workdir/LOCK_FILE, holding "pid <pid> on host <host>".
+
+  Raises WorkdirInUse naming the holder when another start has it. The lock lives as long as the
+  open file: `release`, or the end of the process however it ends (SIGKILL included).
+  """
+
+  def __init__(self, workdir: pathlib.Path):
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    self.path = workdir / LOCK_FILE
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(fd)
+      raise WorkdirInUse(f"workdir {workdir} is in use by another run ({_holder(self.path)}, which "
+                         f"holds {self.path}); wait for it to end or stop it, or use another "
+                         "--workdir") from None
+    self.holder = f"pid {os.getpid()} on host {socket.gethostname()}"
+    os.ftruncate(fd, 0)
+    os.write(fd, (self.holder + "\n").encode())
+    self._fd = fd
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
+
+
+def lock_run(workdir: pathlib.Path) -> RunLock | None:
+  """Locks the workdir for a run of every process: process 0 takes the RunLock (returned; None
+  elsewhere), the others check that the lock file they see names process 0 (one shared folder).
+
+  Every process raises the same WorkdirInUse when either fails. Collective: all processes call it.
+  """
+  from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
+  lock, refusal = None, None
+  if distributed.is_primary():
+    try:
+      lock = RunLock(workdir)
+    except WorkdirInUse as error:
+      refusal = str(error)
+  refusal, holder = distributed.gather_lists(
+      [[refusal, lock.holder if lock else None]] if distributed.is_primary() else [])[0]
+  if refusal:
+    raise WorkdirInUse(refusal)
+  seen = holder if distributed.is_primary() else _holder(pathlib.Path(workdir) / LOCK_FILE)
+  if not distributed.all_agree(seen == holder):
+    if lock is not None:
+      lock.release()
+    raise WorkdirInUse(f"workdir {workdir}: process 0 locked it ({holder}) but another process "
+                       "sees another lock file there; with several processes the workdir must be "
+                       "one folder they all share")
+  return lock
 
 
 def write_config(workdir: pathlib.Path, config_json: dict, fingerprint: dict,
                  corpus_identity: str | None) -> None:
   """Creates the workdir and its config.json (the first file of a run)."""
   workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / "config.json").write_text(json.dumps(
+  write_atomic(workdir / "config.json", json.dumps(
       {"config": config_json, "fingerprint": fingerprint, "corpus_identity": corpus_identity},
       indent=1, default=str))
 
@@ -137,13 +256,13 @@ def write_summary(workdir: pathlib.Path, summary: dict, why_null: dict | None = 
       reasons[key] = reason
   if reasons:
     clean["null_reasons"] = reasons
-  (workdir / "summary.json").write_text(json.dumps(clean, indent=1, default=str, allow_nan=False))
+  write_atomic(workdir / "summary.json", json.dumps(clean, indent=1, default=str, allow_nan=False))
   return clean
 
 
 def report_complete(workdir: pathlib.Path) -> dict:
   """The saved summary of a finished run, with a line saying nothing was done."""
-  summary = json.loads((workdir / "summary.json").read_text())
+  summary = read_summary(workdir)
   print(f"the run in {workdir} is complete (summary.json is there); nothing to do, nothing changed",
         flush=True)
   return {**summary, "complete_before_start": True}
