@@ -337,8 +337,9 @@ def _validate_gradients(c) -> None:
   checks.require(c.optimizer.accumulation_steps == 1, "optimizer.accumulation_steps",
                  "1 with gradients=pipeline (its batches are split into micro-batches by "
                  "pipeline.slots_per_step)", c.optimizer.accumulation_steps)
-  checks.require(c.data.batch_size % p.slots_per_step == 0, "pipeline.slots_per_step",
-                 f"a divisor of data.batch_size={c.data.batch_size}", p.slots_per_step)
+  checks.require(p.slots_per_step >= 1 and c.data.batch_size % p.slots_per_step == 0,
+                 "pipeline.slots_per_step", f">= 1 and a divisor of data.batch_size={c.data.batch_size}",
+                 p.slots_per_step)
   checks.require(c.mesh.stage == p.num_stages, "mesh.stage",
                  f"pipeline.num_stages={p.num_stages} with gradients=pipeline", c.mesh.stage)
   checks.require(c.mesh.replica == c.num_replicas, "mesh.replica",
