@@ -197,3 +197,42 @@ def test_export_for_gpu_and_tpu(algorithm):
     assert exported.platforms == (platform,)
     assert len(exported.mlir_module_serialized) > 0
     assert (KERNEL_MARK[platform] in exported.mlir_module()) == (codec != "none")
+
+
+def _kernel_maps(jaxpr):
+  """The `shard_map`s of a closed jaxpr (nested ones included) that run a Pallas kernel."""
+  out = []
+  for eqn in jaxpr.eqns:
+    subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+    subs += [b for v in eqn.params.values() if isinstance(v, tuple) for b in v
+             if hasattr(b, "eqns") or hasattr(b, "jaxpr")]
+    for sub in subs:
+      sub = getattr(sub, "jaxpr", sub)
+      if eqn.primitive.name == "shard_map" and "pallas_call" in str(sub):
+        out.append(eqn)
+      out += _kernel_maps(sub)
+  return out
+
+
+def test_vmapped_replicas_encode_where_they_live():
+  """With 1 < mesh.replica < M the step vmaps the M stacked replicas, sharded over `replica`: the
+  codec kernels' `shard_map` takes each replica's Δ over `replica` (its leading axis mapped), not
+  Δ replicated, which would all-gather every replica's Δ onto every device before encoding."""
+  config = config_lib.override(_config("streaming_diloco", layout="fsdp_tensor", codec="e3m0"), {
+      "num_replicas": 4, "mesh.replica": 2, "diloco.codec_kernels": "pallas"})
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer = Trainer(config, workdir)
+  state = trainer.abstract_state()
+  phases = [trainer.algorithm.phase_at(step) for step in range(1, trainer.config.num_steps + 1)]
+  phase = next(p for p in phases if getattr(p, "send", ()))
+  with mesh_lib.tracing(trainer.mesh):
+    traced = trainer._jit_step((phase, None), state).trace(state, trainer._abstract_batch())
+  maps = {id(eqn): eqn for eqn in _kernel_maps(traced.jaxpr.jaxpr)}.values()
+  # The blocks stacked over the M replicas, [M, blocks, values]: Δ into the encoder, codes into the
+  # decoder (the mean's codes, gathered from every replica, are one [blocks, values] for all).
+  stacked = [(spec, var.aval.shape) for eqn in maps
+             for spec, var in zip(eqn.params["in_specs"], eqn.invars)
+             if var.aval.ndim == 3 and var.aval.shape[0] == trainer.config.num_replicas]
+  assert len(stacked) >= 2, stacked
+  for spec, shape in stacked:
+    assert len(spec) and spec[0] == mesh_lib.REPLICA, (spec, shape)
