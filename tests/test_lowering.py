@@ -203,6 +203,12 @@ def test_every_step_program_lowers(platform):
   assert 1 < distinct < sum(len(rows) for rows in results.values())
 
 
+def _send_phase(trainer):
+  """The phase of the first step that sends a fragment, else the first step's."""
+  phases = [trainer.algorithm.phase_at(step) for step in range(1, trainer.config.num_steps + 1)]
+  return next((p for p in phases if getattr(p, "send", ())), phases[0])
+
+
 @pytest.mark.parametrize("algorithm", ["dp", "streaming_diloco"])
 def test_export_for_gpu_and_tpu(algorithm):
   """`jax.export` of a step, once per platform (a module for several platforms would lower each
@@ -211,8 +217,7 @@ def test_export_for_gpu_and_tpu(algorithm):
   with tempfile.TemporaryDirectory() as workdir:
     trainer = Trainer(_config(algorithm, layout="fsdp_tensor", codec=codec), workdir)
   state = trainer.abstract_state()
-  phases = [trainer.algorithm.phase_at(step) for step in range(1, trainer.config.num_steps + 1)]
-  phase = next((p for p in phases if getattr(p, "send", ())), phases[0])  # a send, if any
+  phase = _send_phase(trainer)
   for platform in PLATFORMS:
     with _target(platform, trainer.mesh), mesh_lib.tracing(trainer.mesh):
       # The kernels' custom calls carry no cross-version guarantee: the export says it accepts that.
@@ -249,8 +254,7 @@ def test_vmapped_replicas_encode_where_they_live():
   with tempfile.TemporaryDirectory() as workdir:
     trainer = Trainer(config, workdir)
   state = trainer.abstract_state()
-  phases = [trainer.algorithm.phase_at(step) for step in range(1, trainer.config.num_steps + 1)]
-  phase = next(p for p in phases if getattr(p, "send", ()))
+  phase = _send_phase(trainer)
   with mesh_lib.tracing(trainer.mesh):
     traced = trainer._jit_step((phase, None), state).trace(state, trainer._abstract_batch())
   maps = {id(eqn): eqn for eqn in _kernel_maps(traced.jaxpr.jaxpr)}.values()
