@@ -35,7 +35,8 @@ LAYOUTS = ("replicated", "fsdp", "tensor", "fsdp_tensor")
 CODECS = ("e3m0", "e2m1", "int4", "int8")
 
 
-def _config(algorithm, gradients="replicas", layout="replicated", codec="none", executor="inline"):
+def _config(algorithm, gradients="replicas", layout="replicated", codec="none", executor="inline",
+            **extra):
   replicas = 1 if algorithm == "dp" else 2
   c = config_lib.default_config()
   changes = {
@@ -50,37 +51,55 @@ def _config(algorithm, gradients="replicas", layout="replicated", codec="none", 
   if algorithm == "streaming_diloco":  # one fragment (embeddings folded in), τ = 1, α = 0.5
     changes.update({"diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1,
                     "diloco.merge_alpha": 0.5})
+  if algorithm == "noloco":  # NoLoCo's own codec (its gossip), diloco's stays none
+    changes.update({"diloco.codec": "none", "noloco.codec": codec, "noloco.codec_block_size": 256})
   if gradients == "skippipe":
     changes.update({"skippipe.paths": "0-1,0-1", "pipeline.num_stages": 2})
   if gradients == "pipeline":
     changes.update({"pipeline.num_stages": 2, "pipeline.num_routings": 1, "mesh.data": 1,
                     "mesh.tensor": 1, "mesh.stage": 2})
+  changes.update(extra)
   return config_lib.override(c, changes)
 
 
 def _setups():
   """(name, config) of every setup the battery lowers: every algorithm × gradient source, each
-  layout for dp, replicated and fsdp_tensor for the others; the codecs' kernels on every layout
-  (e3m0) and every codec on fsdp_tensor, inline and with the thread."""
+  layout; every codec on every layout for Streaming DiLoCo inline, with the thread every codec on
+  fsdp_tensor and e3m0 on every layout; every codec for DiLoCo (fsdp_tensor), e3m0 and int8 for
+  NoLoCo's gossip; e3m0 on the pipelines; stochastic rounding with error feedback; the model's
+  dot_product attention and dots rematerialisation."""
   out = []
   for algorithm in ("dp", "diloco", "streaming_diloco", "noloco"):
-    for layout in LAYOUTS if algorithm == "dp" else ("replicated", "fsdp_tensor"):
+    for layout in LAYOUTS:
       out.append((f"{algorithm}/replicas/{layout}/none/inline", _config(algorithm, layout=layout)))
     for gradients in ("skippipe", "pipeline"):
       out.append((f"{algorithm}/{gradients}/replicated/none/inline",
                   _config(algorithm, gradients)))
-  out.append(("diloco/replicas/fsdp_tensor/e3m0/inline",
-              _config("diloco", layout="fsdp_tensor", codec="e3m0")))
-  codec_layouts = [("e3m0", layout) for layout in LAYOUTS] + [
-      (codec, "fsdp_tensor") for codec in CODECS if codec != "e3m0"]
-  for codec, layout in codec_layouts:
-    for executor in ("inline", "thread"):
-      out.append((f"streaming_diloco/replicas/{layout}/{codec}/{executor}",
-                  _config("streaming_diloco", layout=layout, codec=codec, executor=executor)))
+  for algorithm, codecs in (("diloco", CODECS), ("noloco", ("e3m0", "int8"))):
+    for codec in codecs:
+      out.append((f"{algorithm}/replicas/fsdp_tensor/{codec}/inline",
+                  _config(algorithm, layout="fsdp_tensor", codec=codec)))
+  for codec in CODECS:
+    for layout in LAYOUTS:
+      # The thread's programs hold the kernels in the fragment program: once per codec and per layout.
+      for executor in ("inline", "thread") if "fsdp_tensor" in (layout,) or codec == "e3m0" else (
+          "inline",):
+        out.append((f"streaming_diloco/replicas/{layout}/{codec}/{executor}",
+                    _config("streaming_diloco", layout=layout, codec=codec, executor=executor)))
   for gradients in ("skippipe", "pipeline"):
     for executor in ("inline", "thread") if gradients == "skippipe" else ("inline",):
       out.append((f"streaming_diloco/{gradients}/replicated/e3m0/{executor}",
                   _config("streaming_diloco", gradients, codec="e3m0", executor=executor)))
+  for executor in ("inline", "thread"):
+    out.append((f"streaming_diloco/replicas/fsdp_tensor/e3m0/{executor}, stochastic rounding and "
+                "error feedback", _config("streaming_diloco", layout="fsdp_tensor", codec="e3m0",
+                                          executor=executor,
+                                          **{"diloco.codec_rounding": "stochastic",
+                                             "diloco.error_feedback": True})))
+  out.append(("dp/replicas/fsdp_tensor/none/inline, model.attention=dot_product",
+              _config("dp", layout="fsdp_tensor", **{"model.attention": "dot_product"})))
+  out.append(("dp/replicas/fsdp_tensor/none/inline, model.remat=dots",
+              _config("dp", layout="fsdp_tensor", **{"model.remat": "dots"})))
   return out
 
 
@@ -120,9 +139,14 @@ def _programs(trainer, state):
       delta = frag_lib.extract(frag, state.params)
       delta = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32, sharding=x.sharding),
                            delta)
+      # As the loop submits it: the residual with error feedback, a key with stochastic rounding.
+      residual = delta if tx.error_feedback else None
+      key = None
+      if tx.codec is not None and tx.codec.rounding == "stochastic":
+        key = jax.eval_shape(lambda: jax.random.fold_in(jax.random.key(p), 0))
       mean = comm.fragment_mean(p, tx.codec, tx.codec_kernels, tx.axis_name)
-      out.append((f"thread fragment {p}", True,
-                  functools.partial(lambda m, d: jax.jit(m).trace(d), mean, delta)))
+      out.append((f"thread fragment {p}", True, functools.partial(
+          lambda m, *args: jax.jit(m).trace(*args), mean, delta, residual, key)))
   return out
 
 
@@ -169,12 +193,20 @@ def test_every_step_program_lowers(platform):
               if isinstance(row, str)]
   assert not failures, "\n".join(failures)
   for name, rows in results.items():
-    codec = name.split("/")[3]
+    algorithm, codec = name.split("/")[0], name.split("/")[3].split(",")[0]
     for label, sends, kernels in rows:
-      # The compiled kernels are in every program that sends an encoded fragment, in no other.
-      assert (kernels > 0) == (codec != "none" and sends), (name, label, kernels)
+      # The compiled kernels are in every program that sends an encoded fragment, in no other
+      # (NoLoCo's gossip encodes with the jnp reference on every platform).
+      expected = codec != "none" and sends and algorithm != "noloco"
+      assert (kernels > 0) == expected, (name, label, kernels)
   # Identical programs were lowered once (a non-sync step does not depend on the codec).
   assert 1 < distinct < sum(len(rows) for rows in results.values())
+
+
+def _send_phase(trainer):
+  """The phase of the first step that sends a fragment, else the first step's."""
+  phases = [trainer.algorithm.phase_at(step) for step in range(1, trainer.config.num_steps + 1)]
+  return next((p for p in phases if getattr(p, "send", ())), phases[0])
 
 
 @pytest.mark.parametrize("algorithm", ["dp", "streaming_diloco"])
@@ -185,8 +217,7 @@ def test_export_for_gpu_and_tpu(algorithm):
   with tempfile.TemporaryDirectory() as workdir:
     trainer = Trainer(_config(algorithm, layout="fsdp_tensor", codec=codec), workdir)
   state = trainer.abstract_state()
-  phases = [trainer.algorithm.phase_at(step) for step in range(1, trainer.config.num_steps + 1)]
-  phase = next((p for p in phases if getattr(p, "send", ())), phases[0])  # a send, if any
+  phase = _send_phase(trainer)
   for platform in PLATFORMS:
     with _target(platform, trainer.mesh), mesh_lib.tracing(trainer.mesh):
       # The kernels' custom calls carry no cross-version guarantee: the export says it accepts that.
@@ -197,3 +228,41 @@ def test_export_for_gpu_and_tpu(algorithm):
     assert exported.platforms == (platform,)
     assert len(exported.mlir_module_serialized) > 0
     assert (KERNEL_MARK[platform] in exported.mlir_module()) == (codec != "none")
+
+
+def _kernel_maps(jaxpr):
+  """The `shard_map`s of a closed jaxpr (nested ones included) that run a Pallas kernel."""
+  out = []
+  for eqn in jaxpr.eqns:
+    subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+    subs += [b for v in eqn.params.values() if isinstance(v, tuple) for b in v
+             if hasattr(b, "eqns") or hasattr(b, "jaxpr")]
+    for sub in subs:
+      sub = getattr(sub, "jaxpr", sub)
+      if eqn.primitive.name == "shard_map" and "pallas_call" in str(sub):
+        out.append(eqn)
+      out += _kernel_maps(sub)
+  return out
+
+
+def test_vmapped_replicas_encode_where_they_live():
+  """With 1 < mesh.replica < M the step vmaps the M stacked replicas, sharded over `replica`: the
+  codec kernels' `shard_map` takes each replica's Δ over `replica` (its leading axis mapped), not
+  Δ replicated, which would all-gather every replica's Δ onto every device before encoding."""
+  config = config_lib.override(_config("streaming_diloco", layout="fsdp_tensor", codec="e3m0"), {
+      "num_replicas": 4, "mesh.replica": 2, "diloco.codec_kernels": "pallas"})
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer = Trainer(config, workdir)
+  state = trainer.abstract_state()
+  phase = _send_phase(trainer)
+  with mesh_lib.tracing(trainer.mesh):
+    traced = trainer._jit_step((phase, None), state).trace(state, trainer._abstract_batch())
+  maps = {id(eqn): eqn for eqn in _kernel_maps(traced.jaxpr.jaxpr)}.values()
+  # The blocks stacked over the M replicas, [M, blocks, values]: Δ into the encoder, codes into the
+  # decoder (the mean's codes, gathered from every replica, are one [blocks, values] for all).
+  stacked = [(spec, var.aval.shape) for eqn in maps
+             for spec, var in zip(eqn.params["in_specs"], eqn.invars)
+             if var.aval.ndim == 3 and var.aval.shape[0] == trainer.config.num_replicas]
+  assert len(stacked) >= 2, stacked
+  for spec, shape in stacked:
+    assert len(spec) and spec[0] == mesh_lib.REPLICA, (spec, shape)

@@ -93,11 +93,17 @@ class ReplicaGradients:
       updates, opt_state = algorithm.update(grads, opt_state, params, phase)
       return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
-    if 1 < self.mesh.shape[mesh_lib.REPLICA] == algorithm.num_replicas:
-      replicas = self._one_replica_per_slice(per_replica, axes)
-    else:
-      replicas = jax.vmap(per_replica, in_axes=(0, axes, 0), out_axes=(0, axes, 0, 0),
-                          axis_name=mesh_lib.REPLICA)
+    def replicas(*args):
+      if 1 < self.mesh.shape[mesh_lib.REPLICA] == algorithm.num_replicas:
+        return self._one_replica_per_slice(per_replica, axes)(*args)
+      # With 1 < mesh.replica < M the stacked replicas are sharded over `replica`: laying the vmap
+      # axis out over it (read when traced, under `mesh.tracing`) keeps each replica's Δ where it
+      # lives, so the codec kernels (a shard_map over every mesh axis) encode it there instead of
+      # after an all-gather over the replicas.
+      spmd = (mesh_lib.REPLICA if self.mesh.shape[mesh_lib.REPLICA] > 1
+              and mesh_lib.REPLICA in jax.sharding.get_abstract_mesh().axis_names else None)
+      return jax.vmap(per_replica, in_axes=(0, axes, 0), out_axes=(0, axes, 0, 0),
+                      axis_name=mesh_lib.REPLICA, spmd_axis_name=spmd)(*args)
 
     def train_step(state: step_lib.TrainState, batch_r):
       params_r, opt_state, loss_r, grad_norm_r = replicas(state.params, state.opt_state, batch_r)
