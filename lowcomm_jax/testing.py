@@ -388,3 +388,24 @@ def assert_within(actual, expected, bound, what: str = "") -> None:
   assert actual.shape == expected.shape and (excess.size == 0 or excess[worst] <= 0), (
       f"{what}: |difference| over the float32 bound by {excess[worst]:.3g} at {worst}"
       if excess.size else f"{what}: shapes {actual.shape} and {expected.shape}")
+
+
+def operation_error_bound(magnitude, num_operations: int, dtype=np.float32):
+  """Largest |a − b| between two evaluations of one formula of `num_operations` rounded operations
+  (elementwise, no sums: those take `sum_error_bound`) whose intermediate values are at most
+  `magnitude`: each rounding moves each side by at most u·magnitude (to first order, for a formula
+  that does not amplify its inputs' errors), so 2·n·u·magnitude. Independent of the CPU."""
+  u = float(np.finfo(dtype).eps) / 2
+  return 2 * int(num_operations) * u * np.asarray(magnitude, np.float64)
+
+
+def attention_error_bound(q, k, seq_len: int, reference):
+  """float32 rounding of attention's sums between two implementations, from their lengths and
+  magnitudes: a score sums K products (relative error ≲ K·ε·|q|·|k|/√K, which exp turns into a
+  relative error of the probabilities), a weighted sum adds S terms (≲ S·ε·max|v|); bounded by the
+  largest entry of what is compared. Factor 4 for the two implementations' independent roundings,
+  both ways. q, k: [..., K] (K the head dimension); seq_len: S, the keys per query."""
+  eps = float(np.finfo(np.float32).eps)
+  k_dim, s = np.shape(q)[-1], int(seq_len)
+  score_error = k_dim * eps * float(np.max(np.abs(q)) * np.max(np.abs(k))) / k_dim ** 0.5
+  return 4 * (score_error + s * eps) * float(np.max(np.abs(reference)))
