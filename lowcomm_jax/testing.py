@@ -409,3 +409,25 @@ def attention_error_bound(q, k, seq_len: int, reference):
   k_dim, s = np.shape(q)[-1], int(seq_len)
   score_error = k_dim * eps * float(np.max(np.abs(q)) * np.max(np.abs(k))) / k_dim ** 0.5
   return 4 * (score_error + s * eps) * float(np.max(np.abs(reference)))
+
+
+def trajectory_error_bound(reference, num_steps: int, terms_per_step: int):
+  """Bound between two float32 training trajectories that sum in other orders (vmap vs a mesh, one
+  batch vs its shards, a fused vs an unfused update): each step adds at most the rounding of sums
+  of `terms_per_step` terms at the scale of `reference` (its largest entry), and those errors add up
+  over `num_steps` (to first order; a contracting optimizer does not amplify them). Relative to the
+  compared values' scale and to u·n, so independent of the CPU; a wrong algorithm differs by the
+  size of an update, orders above it."""
+  scale = max((float(np.max(np.abs(np.asarray(x, np.float64)))) for x in jax.tree.leaves(reference)
+               if np.size(x)), default=0.0)
+  return sum_error_bound(scale, int(num_steps) * int(terms_per_step))
+
+
+def assert_trees_within(actual, expected, bound, what: str = "") -> None:
+  """`assert_within` on every leaf of two trees; `bound` a number or a function of the expected
+  leaf."""
+  leaves = jax.tree_util.tree_leaves_with_path(expected)
+  assert len(leaves) == len(jax.tree.leaves(actual)), f"{what}: trees differ"
+  for (path, b), a in zip(leaves, jax.tree.leaves(actual), strict=True):
+    assert_within(np.asarray(a), np.asarray(b), bound(b) if callable(bound) else bound,
+                  f"{what}{jax.tree_util.keystr(path)}")
