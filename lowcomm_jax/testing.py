@@ -431,3 +431,13 @@ def assert_trees_within(actual, expected, bound, what: str = "") -> None:
   for (path, b), a in zip(leaves, jax.tree.leaves(actual), strict=True):
     assert_within(np.asarray(a), np.asarray(b), bound(b) if callable(bound) else bound,
                   f"{what}{jax.tree_util.keystr(path)}")
+
+
+def tiny_chain_of_sums(seq_len: int, tokens: int) -> int:
+  """The longest chain of float32 sums behind a loss of the `tiny` model (d = 32, 2 blocks, d_ff = 64,
+  head dimension 16, V = 256) on windows of `seq_len` bytes, `tokens` per replica and step: per block
+  q, k, v and o over d, scores over the head dimension, weights over T, the MLP over d then d_ff; the
+  head over d, the softmax over V, the mean over the tokens. The `terms_per_step` of
+  `trajectory_error_bound` for tiny runs."""
+  d, d_ff, head_dim, vocab, layers = 32, 64, 16, 256, 2
+  return layers * (4 * d + head_dim + seq_len + d + d_ff) + d + vocab + tokens

@@ -21,10 +21,7 @@ ONE_DEVICE = {"pipeline_noloco": None, "pipeline_diloco": None}  # the pipeline 
 # the one-engine redesign) by tests/engine_golden_from_main.py: the Trainer for dp, diloco,
 # streaming_diloco and noloco; parallel/combined.py's own pipeline loop for pipeline_*; and
 # skippipe/training.py's make_path_train_step for skippipe. The engine must reproduce them to 1e-6.
-# The longest chain of float32 sums behind a loss of the tiny model on 32-byte windows of 4 per
-# replica: per block q, k, v, o over d = 32, scores over 16, weights over T = 32, the MLP over 32 then
-# 64 (272), 2 blocks, the head over 32, the softmax over V = 256, the mean over 4·32 tokens.
-CHAIN_OF_SUMS = 2 * 272 + 32 + 256 + 4 * 32
+CHAIN_OF_SUMS = testing.tiny_chain_of_sums(32, 4 * 32)  # engine_config's windows
 
 GOLDEN = {
     "diloco": {

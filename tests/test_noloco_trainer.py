@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax import codecs, config as config_lib, hlo
+from lowcomm_jax import codecs, config as config_lib, hlo, testing
 from lowcomm_jax.train import Trainer
 from lowcomm_jax.testing import collective_bytes, read_metrics, tiny_config
 
@@ -28,9 +28,13 @@ def test_replica_per_device_equals_simulated_replicas_and_logs_spread_and_replic
   simulated = Trainer(noloco_config(**{"mesh.replica": 1, "eval.every": H}), tmp_path / "one",
                       devices=jax.devices()[:1])
   a, b = on_devices.run(), simulated.run()
-  for x, y in zip(jax.tree.leaves(on_devices.final_state), jax.tree.leaves(simulated.final_state)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
-  np.testing.assert_allclose(a["final_eval_loss_replicas"], b["final_eval_loss_replicas"], rtol=1e-5)
+  # Devices sum the gossip means and gradients in other orders than vmap: within the tiny model's
+  # chain-of-sums bound per step (4·H steps), each leaf at its own scale.
+  chain = testing.tiny_chain_of_sums(32, 4 * 32)
+  testing.assert_trees_within(on_devices.final_state, simulated.final_state,
+                              lambda y: testing.trajectory_error_bound(y, 4 * H, chain) if np.size(y) else 0)
+  testing.assert_within(a["final_eval_loss_replicas"], b["final_eval_loss_replicas"],
+                        testing.trajectory_error_bound(b["final_eval_loss_replicas"], 4 * H, chain))
 
   # The replicas differ (no global average), and the logged spread is the RMS distance from the mean.
   slow = [np.asarray(x) for x in jax.tree.leaves(on_devices.final_state.opt_state.slow)]
