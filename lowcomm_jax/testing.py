@@ -433,11 +433,17 @@ def assert_trees_within(actual, expected, bound, what: str = "") -> None:
                   f"{what}{jax.tree_util.keystr(path)}")
 
 
+def chain_of_sums(model_cfg, seq_len: int, tokens: int = 0) -> int:
+  """The longest chain of float32 sums behind the decoder's loss (`tokens` > 0) or logits (0): per
+  block q, k, v and o over d, scores over the head dimension, weights over T = `seq_len`, the MLP over
+  d then d_ff; the head over d, then for a loss the softmax over V and the mean over `tokens`. The
+  `length` of `sum_error_bound` for one evaluation, the `terms_per_step` of `trajectory_error_bound`."""
+  c = model_cfg
+  per_block = 4 * c.d_model + c.head_dim + seq_len + c.d_model + c.d_ff
+  return c.num_layers * per_block + c.d_model + ((c.vocab_size + tokens) if tokens else 0)
+
+
 def tiny_chain_of_sums(seq_len: int, tokens: int) -> int:
-  """The longest chain of float32 sums behind a loss of the `tiny` model (d = 32, 2 blocks, d_ff = 64,
-  head dimension 16, V = 256) on windows of `seq_len` bytes, `tokens` per replica and step: per block
-  q, k, v and o over d, scores over the head dimension, weights over T, the MLP over d then d_ff; the
-  head over d, the softmax over V, the mean over the tokens. The `terms_per_step` of
-  `trajectory_error_bound` for tiny runs."""
-  d, d_ff, head_dim, vocab, layers = 32, 64, 16, 256, 2
-  return layers * (4 * d + head_dim + seq_len + d + d_ff) + d + vocab + tokens
+  """`chain_of_sums` of the `tiny` model's loss."""
+  from lowcomm_jax import models  # pylint: disable=g-import-not-at-top
+  return chain_of_sums(models.get_model_config("tiny"), seq_len, tokens)

@@ -61,12 +61,8 @@ def test_flops_formula_by_hand_and_against_xla():
 
 
 def _decoder_bound(cfg, logits, seq_len):
-  """float32 bound between two evaluations of the decoder's logits that sum in other orders: each
-  logit is the end of a chain of sums per block (q, k, v and o over d, scores over the head
-  dimension, weights over T, the MLP over d then d_ff), then the head over d; at the logits' scale."""
-  d, f, k = cfg.d_model, cfg.d_ff, cfg.head_dim
-  per_block = 4 * d + k + seq_len + d + f
-  return testing.sum_error_bound(np.max(np.abs(np.asarray(logits))), cfg.num_layers * per_block + d)
+  """float32 bound between two evaluations of the decoder's logits that sum in other orders."""
+  return testing.sum_error_bound(np.max(np.abs(np.asarray(logits))), testing.chain_of_sums(cfg, seq_len))
 
 
 def test_default_path_equals_plain_forward(tiny):
