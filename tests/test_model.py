@@ -195,7 +195,7 @@ def _rms_norm_formula(x, scale, eps=1e-5):
   return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
 
 
-@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, None), (jnp.bfloat16, 1e-2)])
 def test_rms_norm_equals_the_formula_with_its_gradients(dtype, rtol):
   x = (3 * jax.random.normal(jax.random.key(1), (2, 16, 24))).astype(dtype)
   scale = 1 + 0.1 * jax.random.normal(jax.random.key(2), (24,))
@@ -206,8 +206,12 @@ def test_rms_norm_equals_the_formula_with_its_gradients(dtype, rtol):
   d_out = jax.random.normal(jax.random.key(3), out.shape).astype(dtype)
   for hand, auto in zip(vjp_hand(d_out), vjp_auto(d_out)):
     assert hand.shape == auto.shape and hand.dtype == auto.dtype
-    np.testing.assert_allclose(np.asarray(hand, np.float32), np.asarray(auto, np.float32), rtol=rtol,
-                               atol=rtol * float(np.max(np.abs(np.asarray(auto, np.float32)))))
+    hand, auto = np.asarray(hand, np.float32), np.asarray(auto, np.float32)
+    # float32: dx sums a row of 24, d_scale sums 2·16 rows of those, at the leaf's scale; bfloat16:
+    # rtol of its scale, 2.5 bfloat16 ulps (2⁻⁸), relative and so independent of the CPU.
+    bound = (testing.sum_error_bound(np.max(np.abs(auto)), 24 + 32) if dtype == jnp.float32
+             else rtol * np.max(np.abs(auto)))
+    testing.assert_within(hand, auto, bound)
 
 
 def test_rms_norm_gradient_writes_fewer_activation_sized_arrays_than_autodiff():
