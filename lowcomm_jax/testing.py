@@ -388,3 +388,62 @@ def assert_within(actual, expected, bound, what: str = "") -> None:
   assert actual.shape == expected.shape and (excess.size == 0 or excess[worst] <= 0), (
       f"{what}: |difference| over the float32 bound by {excess[worst]:.3g} at {worst}"
       if excess.size else f"{what}: shapes {actual.shape} and {expected.shape}")
+
+
+def operation_error_bound(magnitude, num_operations: int, dtype=np.float32):
+  """Largest |a − b| between two evaluations of one formula of `num_operations` rounded operations
+  (elementwise, no sums: those take `sum_error_bound`) whose intermediate values are at most
+  `magnitude`: each rounding moves each side by at most u·magnitude (to first order, for a formula
+  that does not amplify its inputs' errors), so 2·n·u·magnitude. Independent of the CPU."""
+  u = float(np.finfo(dtype).eps) / 2
+  return 2 * int(num_operations) * u * np.asarray(magnitude, np.float64)
+
+
+def attention_error_bound(q, k, seq_len: int, reference):
+  """float32 rounding of attention's sums between two implementations, from their lengths and
+  magnitudes: a score sums K products (relative error ≲ K·ε·|q|·|k|/√K, which exp turns into a
+  relative error of the probabilities), a weighted sum adds S terms (≲ S·ε·max|v|); bounded by the
+  largest entry of what is compared. Factor 4 for the two implementations' independent roundings,
+  both ways. q, k: [..., K] (K the head dimension); seq_len: S, the keys per query."""
+  eps = float(np.finfo(np.float32).eps)
+  k_dim, s = np.shape(q)[-1], int(seq_len)
+  score_error = k_dim * eps * float(np.max(np.abs(q)) * np.max(np.abs(k))) / k_dim ** 0.5
+  return 4 * (score_error + s * eps) * float(np.max(np.abs(reference)))
+
+
+def trajectory_error_bound(reference, num_steps: int, terms_per_step: int):
+  """Bound between two float32 training trajectories that sum in other orders (vmap vs a mesh, one
+  batch vs its shards, a fused vs an unfused update): each step adds at most the rounding of sums
+  of `terms_per_step` terms at the scale of `reference` (its largest entry), and those errors add up
+  over `num_steps` (to first order; a contracting optimizer does not amplify them). Relative to the
+  compared values' scale and to u·n, so independent of the CPU; a wrong algorithm differs by the
+  size of an update, orders above it."""
+  scale = max((float(np.max(np.abs(np.asarray(x, np.float64)))) for x in jax.tree.leaves(reference)
+               if np.size(x)), default=0.0)
+  return sum_error_bound(scale, int(num_steps) * int(terms_per_step))
+
+
+def assert_trees_within(actual, expected, bound, what: str = "") -> None:
+  """`assert_within` on every leaf of two trees; `bound` a number or a function of the expected
+  leaf."""
+  leaves = jax.tree_util.tree_leaves_with_path(expected)
+  assert len(leaves) == len(jax.tree.leaves(actual)), f"{what}: trees differ"
+  for (path, b), a in zip(leaves, jax.tree.leaves(actual), strict=True):
+    assert_within(np.asarray(a), np.asarray(b), bound(b) if callable(bound) else bound,
+                  f"{what}{jax.tree_util.keystr(path)}")
+
+
+def chain_of_sums(model_cfg, seq_len: int, tokens: int = 0) -> int:
+  """The longest chain of float32 sums behind the decoder's loss (`tokens` > 0) or logits (0): per
+  block q, k, v and o over d, scores over the head dimension, weights over T = `seq_len`, the MLP over
+  d then d_ff; the head over d, then for a loss the softmax over V and the mean over `tokens`. The
+  `length` of `sum_error_bound` for one evaluation, the `terms_per_step` of `trajectory_error_bound`."""
+  c = model_cfg
+  per_block = 4 * c.d_model + c.head_dim + seq_len + c.d_model + c.d_ff
+  return c.num_layers * per_block + c.d_model + ((c.vocab_size + tokens) if tokens else 0)
+
+
+def tiny_chain_of_sums(seq_len: int, tokens: int) -> int:
+  """`chain_of_sums` of the `tiny` model's loss."""
+  from lowcomm_jax import models  # pylint: disable=g-import-not-at-top
+  return chain_of_sums(models.get_model_config("tiny"), seq_len, tokens)

@@ -11,7 +11,7 @@ import json
 import jax
 import numpy as np
 
-from lowcomm_jax import config as config_lib
+from lowcomm_jax import config as config_lib, testing
 from lowcomm_jax.train import Trainer
 
 
@@ -35,8 +35,12 @@ def test_diloco_one_replica_outer_sgd_lr1_is_data_parallel(tmp_path):
   curve = lambda wd: [r["eval_loss"] for r in map(json.loads, (wd / "metrics.jsonl").read_text().splitlines())
                       if "eval_loss" in r]
   assert len(curve(tmp_path / "dp")) == 3  # after steps 4, 8, 12: each right after an outer step
-  np.testing.assert_allclose(curve(tmp_path / "diloco"), curve(tmp_path / "dp"), rtol=1e-6)
-  np.testing.assert_allclose(diloco_summary["final_eval_loss"], dp_summary["final_eval_loss"], rtol=1e-6)
+  # The two differ only by φ − 1·(φ − θ)'s 2 roundings per step (12 steps), relative to each
+  # compared value's scale; the eval is one program on parameters that close.
+  curve_bound = testing.trajectory_error_bound(curve(tmp_path / "dp"), 12, 2)
+  testing.assert_within(curve(tmp_path / "diloco"), curve(tmp_path / "dp"), curve_bound, "eval curve")
+  testing.assert_within(diloco_summary["final_eval_loss"], dp_summary["final_eval_loss"], curve_bound,
+                        "final eval loss")
   phi = diloco.final_state.opt_state.outer_params
-  for a, b in zip(jax.tree.leaves(phi), jax.tree.leaves(dp.final_state.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b)[0], rtol=1e-5, atol=1e-6)
+  dp_params = jax.tree.map(lambda b: np.asarray(b)[0], dp.final_state.params)
+  testing.assert_trees_within(phi, dp_params, lambda b: testing.trajectory_error_bound(b, 12, 2), "φ")

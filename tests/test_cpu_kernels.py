@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowcomm_jax import models
+from lowcomm_jax import models, testing
 from lowcomm_jax.cpu_kernels import attention as cpu_attention
 from lowcomm_jax.cpu_kernels import build
 from lowcomm_jax.models import llama
@@ -37,14 +37,21 @@ def test_output_and_gradients_match_the_xla_attention(shape):
   q, k, v, w = (jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(shape[2]), 4))
   ref_out = llama.causal_attention(q, k, v)
   out = jax.jit(_kernel_bhtk)(q, k, v)
-  np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+  t = shape[2]
+  out_bound = testing.attention_error_bound(q, k, t, ref_out)
+  testing.assert_within(out, ref_out, out_bound, "output")
   (ref_loss, ref_grads), (loss, grads) = (_value_and_grads(f, q, k, v, w)
                                           for f in (llama.causal_attention, _kernel_bhtk))
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  for g, ref in zip(grads, ref_grads):
-    np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5 * max(1.0, float(jnp.max(jnp.abs(ref)))))
-  # causal: the first query sees only the first key, so its output is v's first row exactly
-  np.testing.assert_allclose(out[..., 0, :], v[..., 0, :], rtol=1e-6)
+  # Σ out·w: each output's error weighted by |w|, then the sum's own rounding over all its terms.
+  testing.assert_within(loss, ref_loss, float(np.sum(np.abs(w))) * out_bound
+                        + testing.sum_error_bound(np.sum(np.abs(np.asarray(ref_out) * np.asarray(w))), w.size),
+                        "loss")
+  for name, g, ref in zip("qkv", grads, ref_grads):
+    # the backward sums S (dV, dK) or S then K (dQ) more products of the forward's magnitudes
+    testing.assert_within(g, ref, testing.attention_error_bound(q, k, t, ref) * t, f"d{name}")
+  # causal: the first query sees only the first key (weight exp(0) / 1 = 1): v's first row, to
+  # the rounding of that product
+  testing.assert_within(out[..., 0, :], v[..., 0, :], testing.operation_error_bound(np.abs(v[..., 0, :]), 2))
 
 
 def test_vmap_over_a_stacked_axis_equals_the_slices_one_by_one():
@@ -53,10 +60,20 @@ def test_vmap_over_a_stacked_axis_equals_the_slices_one_by_one():
   qs = jnp.stack([q, 2 * q, -q])  # batched q, unbatched k and v (broadcast by the vmap rule)
   batched = jax.jit(jax.vmap(_kernel_bhtk, in_axes=(0, None, None)))(qs, k, v)
   for i in range(3):
-    np.testing.assert_allclose(batched[i], _kernel_bhtk(qs[i], k, v), rtol=1e-6)
+    np.testing.assert_array_equal(batched[i], _kernel_bhtk(qs[i], k, v))  # one kernel per slice
   grad = jax.vmap(jax.grad(lambda q: jnp.sum(_kernel_bhtk(q, k, v) ** 2)))(qs)
   ref = jax.vmap(jax.grad(lambda q: jnp.sum(llama.causal_attention(q, k, v) ** 2)))(qs)
-  np.testing.assert_allclose(grad, ref, rtol=1e-4, atol=1e-5)
+  for i in range(3):  # dQ: S then K more sums of the forward's magnitudes (d_out = 2·out here)
+    testing.assert_within(grad[i], ref[i], testing.attention_error_bound(qs[i], k, 16, ref[i]) * 16, f"dq {i}")
+
+
+def _assert_same_losses(rows, reference_rows):
+  """The kernel's attention sums in another order than XLA's: each step's loss within the tiny
+  model's chain-of-sums bound (tiny_config: 8 windows of 64 bytes)."""
+  chain = testing.tiny_chain_of_sums(64, 8 * 64)
+  for a, b in zip(rows, reference_rows, strict=True):
+    testing.assert_within(a["loss"], b["loss"], testing.trajectory_error_bound(b["loss"], b["step"], chain),
+                          f"loss at step {b['step']}")
 
 
 def test_trainer_on_eight_devices_matches_the_xla_path_without_gathering_the_batch(tmp_path):
@@ -64,8 +81,7 @@ def test_trainer_on_eight_devices_matches_the_xla_path_without_gathering_the_bat
   xla = Trainer(tiny_config(num_steps=4), tmp_path / "xla")
   kernel.run()
   xla.run()
-  np.testing.assert_allclose([m["loss"] for m in read_metrics(tmp_path / "kernel")],
-                             [m["loss"] for m in read_metrics(tmp_path / "xla")], rtol=2e-6)
+  _assert_same_losses(read_metrics(tmp_path / "kernel"), read_metrics(tmp_path / "xla"))
   compiled = kernel.program(None, kernel.init_state())[0].as_text()
   # The batch is split over mesh.data = 8: each device's custom call holds its own sequence
   # (custom_partitioning), where a bare custom call would be all-gathered to [.., 8, 64, heads, 16].
@@ -86,8 +102,8 @@ def test_diloco_one_replica_per_device_slice_matches_the_xla_path(tmp_path):
   for name, attention in (("kernel", "cpu_kernel"), ("xla", "xla")):
     Trainer(tiny_config(**diloco, **{"model.attention": attention}), tmp_path / name,
             devices=jax.devices()[:2]).run()
-    runs[name] = [m["loss"] for m in read_metrics(tmp_path / name)]
-  np.testing.assert_allclose(runs["kernel"], runs["xla"], rtol=2e-6)
+    runs[name] = read_metrics(tmp_path / name)
+  _assert_same_losses(runs["kernel"], runs["xla"])
 
 
 def test_bad_values_are_named_before_anything_is_written(tmp_path):
@@ -121,8 +137,8 @@ def test_nan_propagates_as_in_the_xla_attention():
   nan_rows[0, 0, 3], nan_rows[1, 1, 5:] = True, True
   np.testing.assert_array_equal(np.isnan(out).any(-1), nan_rows)
   np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
-  np.testing.assert_allclose(np.where(nan_rows[..., None], 0, out), np.where(nan_rows[..., None], 0, ref),
-                             rtol=1e-5, atol=1e-5)
+  clean = lambda x: np.where(nan_rows[..., None], 0, x)
+  testing.assert_within(clean(out), clean(ref), testing.attention_error_bound(clean(q), clean(k), 9, clean(ref)))
   for g, g_ref in zip(_value_and_grads(_kernel_bhtk, q, k, v, w)[1],
                       _value_and_grads(llama.causal_attention, q, k, v, w)[1]):
     # the two backwards reach a NaN by other formulas (rowsum(dO ⊙ O) against rowsum(P ⊙ dP)), so
@@ -130,7 +146,7 @@ def test_nan_propagates_as_in_the_xla_attention():
     poisoned = np.isnan(g).any(axis=(-2, -1))
     np.testing.assert_array_equal(poisoned, [[True, False], [False, True]])
     np.testing.assert_array_equal(poisoned, np.isnan(g_ref).any(axis=(-2, -1)))
-    np.testing.assert_allclose(g[0, 1], g_ref[0, 1], rtol=1e-4, atol=1e-5)
+    testing.assert_within(g[0, 1], g_ref[0, 1], testing.attention_error_bound(q[0, 1], k[0, 1], 9, g_ref[0, 1]) * 9)
 
 
 _SOURCE = pathlib.Path(cpu_attention.__file__).with_name("attention.cc")

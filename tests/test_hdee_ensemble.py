@@ -6,7 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowcomm_jax import testing
 from lowcomm_jax.hdee import ensemble
+
+
+def _log_domain_bound(expected, log_magnitude, num_operations=8):
+  """exp of a float32 log-domain result of ≤ `num_operations` roundings of values ≤ `log_magnitude`
+  (the inputs' logs, their running sums, a log-sum-exp): an absolute error Δ there is a relative
+  error Δ of the probability, plus exp's own rounding."""
+  return np.abs(expected) * testing.operation_error_bound(log_magnitude + 1, num_operations)
 
 # Two experts, one sequence of three tokens, with known next-token probabilities.
 P1 = [0.5, 0.25, 0.8]
@@ -19,11 +27,11 @@ def test_posterior_weights_equal_hand_computation_uniform_prior():
   # t=0: the prior. t=1: proportional to (0.5, 0.25). t=2: to (0.5*0.25, 0.25*0.5).
   expected = np.array([[1 / 2, 2 / 3, 1 / 2],
                        [1 / 2, 1 / 3, 1 / 2]])
-  np.testing.assert_allclose(weights, expected, rtol=1e-6)
+  # logs ≤ |log 0.25| + |log 0.5| + log 2 < 3 in magnitude
+  testing.assert_within(weights, expected, _log_domain_bound(expected, 3), "weights")
   mixture = np.exp(ensemble.ensemble_log_probs(LOG_PROBS))[0]
-  np.testing.assert_allclose(mixture, [0.5 * 0.5 + 0.5 * 0.25,
-                                       2 / 3 * 0.25 + 1 / 3 * 0.5,
-                                       0.5 * 0.8 + 0.5 * 0.1], rtol=1e-6)
+  expected = np.array([0.5 * 0.5 + 0.5 * 0.25, 2 / 3 * 0.25 + 1 / 3 * 0.5, 0.5 * 0.8 + 0.5 * 0.1])
+  testing.assert_within(mixture, expected, _log_domain_bound(expected, 3), "mixture")
 
 
 def test_posterior_weights_with_a_prior():
@@ -32,7 +40,7 @@ def test_posterior_weights_with_a_prior():
   # t=1: (0.8*0.5, 0.2*0.25) = (0.4, 0.05); t=2: (0.4*0.25, 0.05*0.5) = (0.1, 0.025).
   expected = np.array([[0.8, 0.4 / 0.45, 0.1 / 0.125],
                        [0.2, 0.05 / 0.45, 0.025 / 0.125]])
-  np.testing.assert_allclose(weights, expected, rtol=1e-6)
+  testing.assert_within(weights, expected, _log_domain_bound(expected, 4), "weights")  # |log 0.2| + 3
 
 
 def test_weights_sum_to_one_everywhere():
@@ -75,8 +83,10 @@ def test_cached_prior_equals_hand_computation():
     prior = np.log(0.3**k * np.exp(prior) + posterior)
   expected = _softmax(prior)
   got = np.exp(ensemble.cached_log_prior(seq_log_probs, num_sequences=2, decay=0.3))
-  np.testing.assert_allclose(got, expected, rtol=1e-5)
-  assert got.sum() == pytest.approx(1.0, rel=1e-6)
+  # logs ≤ 2·|log 0.2| + 1 < 5; ≤ 16 roundings over the two sequences' updates and the softmax
+  bound = _log_domain_bound(expected, 5, 16)
+  testing.assert_within(got, expected, bound, "prior")
+  testing.assert_within(got.sum(), 1.0, bound.sum() + testing.operation_error_bound(1.0, 1), "prior's sum")
   assert got[0] > got[1]  # Expert 0 explains the first two sequences better.
 
 

@@ -60,12 +60,19 @@ def test_flops_formula_by_hand_and_against_xla():
   assert 1.0 <= xla_flops / (2 * t * 53248) < 1.15
 
 
+def _decoder_bound(cfg, logits, seq_len):
+  """float32 bound between two evaluations of the decoder's logits that sum in other orders."""
+  return testing.sum_error_bound(np.max(np.abs(np.asarray(logits))), testing.chain_of_sums(cfg, seq_len))
+
+
 def test_default_path_equals_plain_forward(tiny):
   cfg, model = tiny
   tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 256)
   plain = model(tokens)
   pathed = model(tokens, path=jnp.arange(cfg.num_layers))
-  np.testing.assert_allclose(pathed, plain, rtol=1e-6, atol=1e-6)
+  # The same blocks in the same order, compiled apart (a gathered layer vs a sliced one): sums may be
+  # blocked otherwise, so within the decoder's chain of sums at the logits' scale.
+  testing.assert_within(pathed, plain, _decoder_bound(cfg, plain, 24))
 
 
 def test_swapped_path_equals_blocks_run_by_hand_in_that_order(tiny):
@@ -81,7 +88,8 @@ def test_swapped_path_equals_blocks_run_by_hand_in_that_order(tiny):
   for layer in (1, 0):
     x = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], blocks))(x, cos, sin)
   by_hand = model.final_norm(x) @ model.head[...]
-  np.testing.assert_allclose(model(tokens, path=[1, 0]), by_hand, rtol=1e-5, atol=1e-5)
+  # The same blocks in that order, run op by op by hand: sums may be blocked otherwise.
+  testing.assert_within(model(tokens, path=[1, 0]), by_hand, _decoder_bound(cfg, by_hand, 16))
   assert not np.allclose(model(tokens, path=[1, 0]), model(tokens), atol=1e-3)
 
 
@@ -108,11 +116,18 @@ def test_unrolled_layers_equal_scanned_layers(dtype):
   make = lambda loop: models.get_model_config("tiny", num_layers=3, dtype=dtype, layer_loop=loop)
   loss_scan, grads_scan = jax.jit(lambda t: _loss_and_grads(make("scan"), t))(tokens)
   loss_unroll, grads_unroll = jax.jit(lambda t: _loss_and_grads(make("unroll"), t))(tokens)
-  # Same operations in the same order: only XLA's fusion choices may differ, so float32 agrees to
-  # a few ulps; bfloat16 activations to their own rounding.
-  tol = 1e-6 if dtype == "float32" else 1e-2
-  np.testing.assert_allclose(loss_unroll, loss_scan, rtol=tol)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=tol, atol=tol * 1e-2),
+  # Same operations in the same order; only XLA's fusion choices may differ (an intermediate kept in
+  # float32 or rounded to the compute dtype, a sum blocked otherwise). float32: each leaf within the
+  # sum bound of its scale, each value through at most 6 chained sums of ≤ d_ff = 64 terms (3 blocks
+  # forward and back). bfloat16: 2.5 of its ulps (2⁻⁸) of each leaf's scale, a relative bound
+  # independent of the CPU; a wrong layer order or dtype differs by whole units.
+  if dtype == "float32":
+    bound = lambda b: testing.sum_error_bound(np.max(np.abs(b)), 6 * 64)
+  else:
+    bound = lambda b: 1e-2 * np.max(np.abs(np.asarray(b, np.float32)))
+  testing.assert_within(loss_unroll, loss_scan, bound(loss_scan), "loss")
+  jax.tree.map(lambda a, b: testing.assert_within(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                  bound(np.asarray(b, np.float32))),
                grads_unroll, grads_scan)
 
 
@@ -136,7 +151,8 @@ def test_attention_backward_equals_autodiff():
   _, vjp_hand = jax.vjp(llama.causal_attention, q, k, v)
   _, vjp_auto = jax.vjp(_autodiff_attention, q, k, v)
   for hand, auto in zip(vjp_hand(d_out), vjp_auto(d_out)):
-    np.testing.assert_allclose(hand, auto, rtol=1e-5, atol=1e-6)
+    # the backward sums S (dV, dK) or S then K (dQ) more products of the forward's magnitudes
+    testing.assert_within(hand, auto, testing.attention_error_bound(q, k, 16, auto) * 16)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -166,8 +182,11 @@ def test_rotary_tables_are_constants_of_the_compiled_step():
   cos, sin = jax.jit(lambda: llama.rotary_tables(24, cfg.head_dim, cfg.rope_base))()
   positions, pairs = np.arange(24)[:, None], np.arange(0, cfg.head_dim, 2)[None, :]
   angles = positions / cfg.rope_base ** (pairs / cfg.head_dim)  # float64 reference
-  np.testing.assert_allclose(cos, np.cos(angles), atol=1e-5)
-  np.testing.assert_allclose(sin, np.sin(angles), atol=1e-5)
+  # float32 angles: a power, a division and a product, each within u of its value (≤ 3u·|angle| of
+  # absolute error, passed on by cos and sin at slope ≤ 1), then cos/sin's own few ulps of 1.
+  bound = testing.operation_error_bound(angles, 3) + testing.operation_error_bound(1.0, 4)
+  testing.assert_within(cos, np.cos(angles), bound, "cos")
+  testing.assert_within(sin, np.sin(angles), bound, "sin")
 
 
 def _rms_norm_formula(x, scale, eps=1e-5):
@@ -176,7 +195,7 @@ def _rms_norm_formula(x, scale, eps=1e-5):
   return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
 
 
-@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, None), (jnp.bfloat16, 1e-2)])
 def test_rms_norm_equals_the_formula_with_its_gradients(dtype, rtol):
   x = (3 * jax.random.normal(jax.random.key(1), (2, 16, 24))).astype(dtype)
   scale = 1 + 0.1 * jax.random.normal(jax.random.key(2), (24,))
@@ -187,8 +206,12 @@ def test_rms_norm_equals_the_formula_with_its_gradients(dtype, rtol):
   d_out = jax.random.normal(jax.random.key(3), out.shape).astype(dtype)
   for hand, auto in zip(vjp_hand(d_out), vjp_auto(d_out)):
     assert hand.shape == auto.shape and hand.dtype == auto.dtype
-    np.testing.assert_allclose(np.asarray(hand, np.float32), np.asarray(auto, np.float32), rtol=rtol,
-                               atol=rtol * float(np.max(np.abs(np.asarray(auto, np.float32)))))
+    hand, auto = np.asarray(hand, np.float32), np.asarray(auto, np.float32)
+    # float32: dx sums a row of 24, d_scale sums 2·16 rows of those, at the leaf's scale; bfloat16:
+    # rtol of its scale, 2.5 bfloat16 ulps (2⁻⁸), relative and so independent of the CPU.
+    bound = (testing.sum_error_bound(np.max(np.abs(auto)), 24 + 32) if dtype == jnp.float32
+             else rtol * np.max(np.abs(auto)))
+    testing.assert_within(hand, auto, bound)
 
 
 def test_rms_norm_gradient_writes_fewer_activation_sized_arrays_than_autodiff():
@@ -221,16 +244,28 @@ def test_swiglu_with_one_gate_up_matmul_equals_separate_matmuls():
     return out, vjp(d_out)
   out_new, grads_new = vjp_of(lambda m, x: m(x))
   out_old, grads_old = vjp_of(_swiglu_separate_matmuls)
-  np.testing.assert_allclose(out_new, out_old, rtol=1e-5, atol=1e-7)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_new, grads_old)
+  # The same products summed in other blockings: every value goes through a sum over d = 32 and one
+  # over d_ff = 64 (forward or back), so within the sum bound of 96 terms of its leaf's scale.
+  for a, b in zip(jax.tree.leaves((out_new, grads_new)), jax.tree.leaves((out_old, grads_old))):
+    testing.assert_within(a, b, testing.sum_error_bound(np.max(np.abs(np.asarray(b))), 32 + 64))
 
 
 def test_gated_silu_backward_equals_autodiff():
   gate_up, d_hidden = jax.random.normal(jax.random.key(7), (3, 5, 2, 8)), jax.random.normal(jax.random.key(8), (3, 5, 8))
   autodiff = lambda a: jax.nn.silu(a[..., 0, :]) * a[..., 1, :]
-  np.testing.assert_allclose(llama.gated_silu(gate_up), autodiff(gate_up), rtol=1e-6)
+  a, b, d = (np.asarray(x, np.float64) for x in (gate_up[..., 0, :], gate_up[..., 1, :], d_hidden))
+  sigmoid = 1 / (1 + np.exp(-a))
+  # silu(a)·b: exp, add, divide and two products, each a relative rounding of the value (exp's own
+  # few ulps included in 8).
+  testing.assert_within(llama.gated_silu(gate_up), autodiff(gate_up),
+                        testing.operation_error_bound(np.abs(a * sigmoid * b), 8), "forward")
   hand = jax.vjp(llama.gated_silu, gate_up)[1](d_hidden)[0]
-  np.testing.assert_allclose(hand, jax.vjp(autodiff, gate_up)[1](d_hidden)[0], rtol=1e-5, atol=1e-7)
+  # d_gate = d·b·σ(a)·(1 + a·(1 − σ(a))), d_up = d·silu(a): at most 10 roundings of terms bounded
+  # by the magnitudes below (the sum 1 + a·(1 − σ) bounded term by term).
+  magnitude = np.stack([np.abs(d * b) * sigmoid * (1 + np.abs(a) * (1 - sigmoid)),
+                        np.abs(d * a) * sigmoid], axis=-2)
+  testing.assert_within(hand, jax.vjp(autodiff, gate_up)[1](d_hidden)[0],
+                        testing.operation_error_bound(magnitude, 10), "backward")
 
 
 @pytest.mark.parametrize("spec, x_shape, w_shape", [

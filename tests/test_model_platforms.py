@@ -14,20 +14,10 @@ from lowcomm_jax import config as config_lib
 from lowcomm_jax import models
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.models import llama
-from lowcomm_jax.testing import read_metrics, tiny_config
+from lowcomm_jax.testing import attention_error_bound, read_metrics, tiny_config
 from lowcomm_jax.train import Trainer
 
 _EPS = float(jnp.finfo(jnp.float32).eps)
-
-
-def _attention_tolerance(q, k, v, reference):
-  """float32 rounding of attention's sums, from their lengths and magnitudes: a score sums K
-  products (relative error ≲ K·ε·|q|·|k|/√K, which exp turns into a relative error of the
-  probabilities), a weighted sum adds S terms (≲ S·ε·max|v|); bounded by the largest entry of what
-  is compared. Factor 4 for the two implementations' independent roundings, both ways."""
-  k_dim, s = q.shape[-1], k.shape[-3]
-  score_error = k_dim * _EPS * float(jnp.max(jnp.abs(q)) * jnp.max(jnp.abs(k))) / k_dim ** 0.5
-  return 4 * (score_error + s * _EPS) * float(jnp.max(jnp.abs(reference)))
 
 
 def test_dot_product_attention_equals_the_xla_attention_with_gradients():
@@ -36,12 +26,12 @@ def test_dot_product_attention_equals_the_xla_attention_with_gradients():
   bhtk = lambda f: lambda q, k, v: jnp.swapaxes(f(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v))), 1, 2)
   loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))
   out_xla, out_dp = bhtk(llama.causal_attention)(q, kk, v), llama.dot_product_attention(q, kk, v)
-  np.testing.assert_allclose(out_dp, out_xla, rtol=0, atol=_attention_tolerance(q, kk, v, out_xla))
+  np.testing.assert_allclose(out_dp, out_xla, rtol=0, atol=attention_error_bound(q, kk, t, out_xla))
   (_, grads_xla), (_, grads_dp) = loss(bhtk(llama.causal_attention))(q, kk, v), loss(llama.dot_product_attention)(q, kk, v)
   for name, g_dp, g_xla in zip("qkv", grads_dp, grads_xla):
     # the backward sums S (dV, dK) or S then K (dQ) more products of these magnitudes
     np.testing.assert_allclose(g_dp, g_xla, rtol=0, err_msg=name,
-                               atol=_attention_tolerance(q, kk, v, g_xla) * t)
+                               atol=attention_error_bound(q, kk, t, g_xla) * t)
 
 
 _CFG = models.get_model_config("tiny", num_layers=4, d_model=64, num_heads=2, d_ff=128, layer_loop="scan")

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax import config as config_lib
+from lowcomm_jax import config as config_lib, testing
 from lowcomm_jax.data import pipeline, stats
 from lowcomm_jax.testing import read_metrics, tiny_config, tree_hash  # pylint: disable=unused-import
 from lowcomm_jax.train import Trainer
@@ -44,8 +44,11 @@ def test_eight_devices_match_one_device_and_shardings_follow_the_rules(tmp_path,
   one = Trainer(c1, tmp_path / "one", devices=jax.devices()[:1])
   many.run()
   one.run()
-  np.testing.assert_allclose([m["loss"] for m in read_metrics(tmp_path / "many")],
-                             [m["loss"] for m in read_metrics(tmp_path / "one")], rtol=2e-5)
+  # 8 devices sum in other orders than one: each step's loss within the chain-of-sums bound.
+  chain = testing.tiny_chain_of_sums(64, 8 * 64)
+  for m, o in zip(read_metrics(tmp_path / "many"), read_metrics(tmp_path / "one"), strict=True):
+    testing.assert_within(m["loss"], o["loss"], testing.trajectory_error_bound(o["loss"], o["step"], chain),
+                          f"loss at step {o['step']}")
   # The compiled step's parameter shardings are the ones the rules ask for.
   compiled, _ = many.program(None, many.init_state())
   out_params = compiled.output_shardings[0].params  # [replica, layers, ...]
