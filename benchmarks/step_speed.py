@@ -89,7 +89,7 @@ _PEERS_DIR = pathlib.Path(__file__).parent / "peers"
 _KERNEL = ", attention=cpu_kernel" if "attention" in config_lib.default_config().model else ""
 # Each setup name's suffix → its model.attention (None: the config's default).
 _ATTENTIONS = {"": None, **({_KERNEL: "cpu_kernel"} if _KERNEL else {})}
-# MaxText's CPU test shape (issue 20: 1,115,264 parameters, 4,096 tokens per step on 8 fake devices),
+# MaxText's CPU test shape (1,115,264 parameters, 4,096 tokens per step on 8 fake devices),
 # in our architecture's terms; head_dim = 128 / 4 = 32. MaxText builds the same tensors
 # (q, k, v, o, SwiGLU wi_0, wi_1, wo, two norms per layer, untied embedding and head).
 _MAXTEXT_SHAPE = dict(vocab_size=256, d_model=128, num_layers=4, num_heads=4, d_ff=512)
