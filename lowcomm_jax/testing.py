@@ -399,6 +399,28 @@ def operation_error_bound(magnitude, num_operations: int, dtype=np.float32):
   return 2 * int(num_operations) * u * np.asarray(magnitude, np.float64)
 
 
+def logsumexp_error_bound(magnitude, num_terms: int, num_passes: int = 1):
+  """Largest |a − b| between two float32 evaluations of `num_passes` chained log_softmax or
+  logsumexp over `num_terms` terms, from their own roundings (not their inputs' errors): per pass
+  the max's subtraction, exp, log and the final add round once each relative to `magnitude` (the
+  largest |input − max| or output; a term's e^d·|d| ≤ 1/e where exp damps it), and the sum of the
+  exps, in [1, n], has relative error γ_n, which log turns into that absolute error. Independent of
+  the CPU."""
+  return int(num_passes) * (operation_error_bound(magnitude, 4) + sum_error_bound(1.0, num_terms))
+
+
+def perplexity_error_bound(perplexity, log_probs, log_prob_error=0.0):
+  """Largest |a − b| between two float32 evaluations of exp(−mean log p) over the n real tokens
+  `log_probs`: the mean's sum (`sum_error_bound` of Σ|log p|, over n), its division and exp
+  (`operation_error_bound`), plus `log_prob_error` (elementwise, averaged) already in the
+  log-probs; a change Δ of the mean is a relative change Δ of the perplexity (Δ ≪ 1)."""
+  a = np.abs(np.asarray(log_probs, np.float64))
+  n = max(a.size, 1)
+  mean_error = (sum_error_bound(a.sum(), n) / n + operation_error_bound(a.max() + 1, 2)
+                + float(np.mean(log_prob_error)))
+  return float(perplexity) * mean_error
+
+
 def attention_error_bound(q, k, seq_len: int, reference):
   """float32 rounding of attention's sums between two implementations, from their lengths and
   magnitudes: a score sums K products (relative error ≲ K·ε·|q|·|k|/√K, which exp turns into a

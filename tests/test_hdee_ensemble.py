@@ -49,7 +49,11 @@ def test_weights_sum_to_one_everywhere():
   log_prior = jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4]))
   for prior in (None, log_prior):
     total = np.exp(ensemble.posterior_log_weights(log_probs, prior)).sum(axis=0)
-    np.testing.assert_allclose(total, np.ones((3, 50)), rtol=1e-5)
+    # each weight's relative error: one log_softmax over E = 4 (|d − L|·e^d ≤ log E + 1), numpy's
+    # exp; then numpy's sum of 4 weights of total 1
+    bound = (testing.logsumexp_error_bound(math.log(4) + 1, 4) + testing.operation_error_bound(1.0, 2)
+             + testing.sum_error_bound(1.0, 4))
+    testing.assert_within(total, np.ones((3, 50)), bound, "Σ weights")
 
 
 def test_identical_experts_equal_one_expert():
@@ -57,14 +61,25 @@ def test_identical_experts_equal_one_expert():
   one = np.log(rng.uniform(1e-3, 1.0, size=(1, 2, 40))).astype(np.float32)
   three = np.repeat(one, 3, axis=0)
   prior = jnp.log(jnp.array([0.7, 0.2, 0.1]))
+  # Σ_e w_e p = p for any normalized w, so only the two passes' own roundings count (log_softmax
+  # over E = 3, logsumexp of log w + log p): magnitudes ≤ |log p| + |log 0.1| + log 3 + 1
+  mixture_bound = testing.logsumexp_error_bound(np.abs(one[0]) + 2.31 + math.log(3) + 1, 3, 2)
   for log_prior in (None, prior):
-    np.testing.assert_allclose(ensemble.ensemble_log_probs(three, log_prior), one[0], rtol=1e-5,
-                               atol=1e-5)
-  np.testing.assert_allclose(ensemble.simple_average_log_probs(three), one[0], rtol=1e-6)
-  np.testing.assert_allclose(np.exp(ensemble.cached_log_prior(three)), [1 / 3] * 3, rtol=1e-6)
+    testing.assert_within(ensemble.ensemble_log_probs(three, log_prior), one[0], mixture_bound,
+                          f"mixture, prior {log_prior}")
+  # (x + x + x) / 3: one inexact add and the division, relative to |x|
+  testing.assert_within(ensemble.simple_average_log_probs(three), one[0],
+                        testing.operation_error_bound(np.abs(one[0]), 2), "simple average")
+  # the experts' totals over T = 40 agree to sum_error_bound; each of the N = 2 folds' log_softmax
+  # doubles its input's gap (×2 again at the end); 2N + 1 passes of magnitude ≤ 2|log 0.3| + log 3 + 1
+  totals_gap = testing.sum_error_bound(np.abs(one[0]).sum(axis=1), 40).sum()
+  prior_bound = (4 * totals_gap + testing.logsumexp_error_bound(2 * 1.21 + math.log(3) + 1, 3, 5)
+                 + testing.operation_error_bound(1.0, 2)) / 3
+  testing.assert_within(np.exp(ensemble.cached_log_prior(three)), [1 / 3] * 3, prior_bound, "prior")
   scores = ensemble.evaluate_domain(three, three)
-  assert scores["uniform_prior"] == pytest.approx(scores["best_expert"], rel=1e-5)
-  assert scores["cached_prior"] == pytest.approx(scores["best_expert"], rel=1e-5)
+  for method in ("uniform_prior", "cached_prior"):  # log-probs within mixture_bound of the expert's
+    assert abs(scores[method] - scores["best_expert"]) <= testing.perplexity_error_bound(
+        scores["best_expert"], one[0], mixture_bound), method
 
 
 def _softmax(x):
@@ -91,16 +106,27 @@ def test_cached_prior_equals_hand_computation():
 
 
 def test_perplexity_best_expert_and_masks():
-  assert float(ensemble.perplexity(jnp.full((2, 5), math.log(1 / 4)))) == pytest.approx(4.0)
+  # hand values from exact logs: add the inputs' float32 rounding (1 rounding; numpy's float32 log
+  # below is within 4 ulps) to the perplexity's own
+  quarter = np.full((2, 5), math.log(1 / 4))
+  testing.assert_within(float(ensemble.perplexity(jnp.asarray(quarter, jnp.float32))), 4.0,
+                        testing.perplexity_error_bound(4.0, quarter, testing.operation_error_bound(
+                            np.abs(quarter), 1)), "perplexity")
   log_probs = jnp.array([[math.log(0.5), math.log(0.1)]])
   mask = jnp.array([[1, 0]])
-  assert float(ensemble.perplexity(log_probs, mask)) == pytest.approx(2.0)
+  testing.assert_within(float(ensemble.perplexity(log_probs, mask)), 2.0, testing.perplexity_error_bound(
+      2.0, [math.log(0.5)], testing.operation_error_bound(math.log(2), 1)), "masked perplexity")
   assert ensemble.best_expert(LOG_PROBS) == 0  # Geometric means 0.43 vs 0.23.
   scores = ensemble.evaluate_domain(LOG_PROBS, LOG_PROBS)
   assert scores["best_expert_index"] == 0
-  assert scores["best_expert"] == pytest.approx((0.5 * 0.25 * 0.8) ** (-1 / 3), rel=1e-5)
-  assert scores["simple_average"] == pytest.approx(
-      math.exp(-np.mean(np.log(P1) + np.log(P2)) / 2), rel=1e-5)
+  best = (0.5 * 0.25 * 0.8) ** (-1 / 3)
+  testing.assert_within(scores["best_expert"], best, testing.perplexity_error_bound(
+      best, LOG_PROBS[0], testing.operation_error_bound(np.abs(LOG_PROBS[0]), 4)), "best expert")
+  average = math.exp(-np.mean(np.log(P1) + np.log(P2)) / 2)
+  # the experts' mean first: one add and a halving (exact) per token before the tokens' mean
+  testing.assert_within(scores["simple_average"], average, testing.perplexity_error_bound(
+      average, LOG_PROBS.mean(axis=0), testing.operation_error_bound(np.abs(LOG_PROBS).max(axis=0), 5)),
+      "simple average")
   assert scores["cached_prior"] <= scores["uniform_prior"]
 
 
