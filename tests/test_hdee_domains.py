@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from lowcomm_jax import testing
 from lowcomm_jax.data import debian
 from lowcomm_jax.data import domains as data_domains
 from lowcomm_jax.data import tokenizer
@@ -87,7 +88,14 @@ def test_bigram_difficulty_matches_hand_values():
   table = domains.bigram_log_prob_table(alternating, smoothing=0.0 + 1e-9)
   log_probs = domains.bigram_token_log_probs(table, np.frombuffer(b"abab", np.uint8)[None])
   assert log_probs.shape == (1, 4)
-  np.testing.assert_allclose(log_probs[0, 1:], 0.0, atol=1e-6)
+  # add-s counts: p(b|a) = (5000 + s)/(5000 + 256 s), p(a|b) = (4999 + s)/(4999 + 256 s): float64's
+  # row sum of 256 terms and ≤ 3 roundings near 1 (add, quotient, log), then the float32 cast of
+  # |log p| ≈ 5e-11
+  s = 1e-9
+  exact = np.log1p(-255 * s / (np.array([5000.0, 4999.0, 5000.0]) + 256 * s))
+  bound = (testing.sum_error_bound(1.0, 256, np.float64) + testing.operation_error_bound(1.0, 3, np.float64)
+           + testing.operation_error_bound(np.abs(exact), 1))
+  testing.assert_within(log_probs[0, 1:], exact, bound, "log p")
 
 
 def test_measured_difficulty_of_real_domains(cache_dir):
