@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+from lowcomm_jax import testing
 from lowcomm_jax.data import debian
 from lowcomm_jax.hdee import ensemble, experiment, experts, plan, scoring
 
@@ -71,11 +72,12 @@ def test_compute_spent_per_setting_is_equal(trained):
   spent = {s: info["spent_flops"] for s, info in results["settings"].items()}
   # Tiny plan: hard/moderate/easy = 5/4/3 steps of M, or 4 steps of L/M/S, against 4/4/4 of M;
   # the FLOPs formula is linear in d_ff and S/L are 0.75x/1.25x M's width, so the sums agree.
+  # Integer-valued float64 products and sums far below 2^53: exact in any order.
   for setting, flops in spent.items():
-    assert flops == pytest.approx(spent["homogeneous"], rel=1e-9), setting
+    assert flops == spent["homogeneous"], setting
   tokens_per_step = _SETUP.tokens_per_step
   expected = 3 * _STEPS * tokens_per_step * _SETUP.flops_per_token("M")
-  assert spent["homogeneous"] == pytest.approx(expected, rel=1e-9)
+  assert spent["homogeneous"] == expected
   # And it is what the runs really trained: the tokens in each run's summary.
   hard = _plans()["heterogeneous_steps"].chain("hard")
   summary = json.loads((experts.chain_workdirs(root, hard)[0] / "summary.json").read_text())
@@ -127,19 +129,27 @@ def test_ensemble_of_identical_trained_experts_equals_the_expert(trained):
   single_BxT = scoring.token_log_probs(expert, windows)
   assert single_BxT.shape == (4, _SETUP.seq_len) and np.all(single_BxT <= 0)
   copies_ExBxT = np.stack([single_BxT] * 3)
-  np.testing.assert_allclose(ensemble.ensemble_log_probs(copies_ExBxT), single_BxT,
-                             rtol=1e-5, atol=1e-5)
+  # Σ_e w_e p = p for any normalized w: only the two passes' own roundings count (log_softmax over
+  # E = 3, logsumexp of log w + log p), magnitudes ≤ |log p| + |log 0.1| + log 3 + 1
+  mixture_bound = testing.logsumexp_error_bound(np.abs(single_BxT) + 2.31 + np.log(3) + 1, 3, 2)
+  testing.assert_within(ensemble.ensemble_log_probs(copies_ExBxT), single_BxT, mixture_bound,
+                        "uniform prior")
   skewed_prior = np.log(np.array([0.7, 0.2, 0.1], np.float32))
-  np.testing.assert_allclose(ensemble.ensemble_log_probs(copies_ExBxT, skewed_prior), single_BxT,
-                             rtol=1e-5, atol=1e-5)
+  testing.assert_within(ensemble.ensemble_log_probs(copies_ExBxT, skewed_prior), single_BxT,
+                        mixture_bound, "skewed prior")
   scores = ensemble.evaluate_domain(copies_ExBxT, copies_ExBxT)
   expected = float(ensemble.perplexity(single_BxT))
+  # log-probs within mixture_bound (the simple average: (x + x + x) / 3, 2 roundings of |x|)
+  log_prob_error = np.maximum(mixture_bound, testing.operation_error_bound(np.abs(single_BxT), 2))
   for method in ("uniform_prior", "cached_prior", "simple_average", "best_expert"):
-    assert scores[method] == pytest.approx(expected, rel=1e-5)
-  # The parameter average of identical experts is the expert itself.
+    testing.assert_within(scores[method], expected, testing.perplexity_error_bound(
+        expected, single_BxT, log_prob_error), method)
+  # The parameter average of identical experts is the expert itself: (p + p + p) / 3 rounds ≤ 2
+  # times per parameter, a relative change of every product no larger than the forward's own
+  # rounding over its chain of sums (one token's log-softmax over V), so two such forwards' bound.
   averaged = scoring.average_parameters([expert] * 3)
-  np.testing.assert_allclose(scoring.token_log_probs(averaged, windows), single_BxT,
-                             rtol=1e-5, atol=1e-5)
+  testing.assert_within(scoring.token_log_probs(averaged, windows), single_BxT, testing.sum_error_bound(
+      np.abs(single_BxT).max(), testing.tiny_chain_of_sums(_SETUP.seq_len, 1)), "parameter average")
 
 
 def test_rerun_skips_finished_runs_and_gives_the_same_table(trained):
