@@ -122,6 +122,18 @@ def collective_bytes(line: str) -> int:
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository (an editable install)
 LAUNCHER = ROOT / "experiments" / "launch_local.py"
+
+
+def launcher_module():
+  """experiments/launch_local.py as a module, loaded once per process: its absl flags are defined
+  when it is executed, and a second execution in the same process would define them twice."""
+  module = sys.modules.get("launch_local")
+  if module is None:
+    spec = importlib.util.spec_from_file_location("launch_local", LAUNCHER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["launch_local"] = module
+    spec.loader.exec_module(module)
+  return module
 CONFIGS = ROOT / "experiments" / "configs"
 TOLERANCE = 1e-5
 

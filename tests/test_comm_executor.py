@@ -7,7 +7,6 @@ benchmarks/comm_overlap.py, not here: the test asserts only which finished first
 1.0 s late.
 """
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -19,17 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowcomm_jax import codecs, comm
+from lowcomm_jax import codecs, comm, testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "comm_executor_worker.py"
 
 
 def _launch_local():
-  spec = importlib.util.spec_from_file_location("launch_local", ROOT / "experiments" / "launch_local.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return testing.launcher_module()
 
 
 def test_two_processes_equal_inline_in_order_and_compute_not_blocked_by_a_late_peer(tmp_path):

@@ -1,7 +1,6 @@
 """experiments/launch_local.py: its processes die with it (SIGKILL included), and each can be given
 its own GPUs."""
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -11,11 +10,10 @@ import time
 import pytest
 from absl import app
 
+from lowcomm_jax import testing
 from lowcomm_jax.testing import ROOT
 
-_spec = importlib.util.spec_from_file_location("launch_local", ROOT / "experiments" / "launch_local.py")
-launch_local = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(launch_local)
+launch_local = testing.launcher_module()
 
 # A worker that ignores its flags, says it runs, and waits forever (the default SIGTERM ends it).
 _WORKER = "import time\nprint('ready', flush=True)\nwhile True:\n  time.sleep(1)\n"
