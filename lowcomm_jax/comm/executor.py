@@ -12,31 +12,31 @@ thread.
 
 How it is used (the train loop's side of Streaming DiLoCo with τ ≥ 1):
 
-  executor = OuterCommExecutor(codec=None)             # or a codec, kernels, error feedback
-  future = executor.submit(step, p, delta_R)           # when fragment p is due: Δ_p of every replica
+  executor = OuterCommExecutor()
+  future = executor.submit(step, name, delta_R, plan=plan)  # when plan `name` is due: every replica's tree
   ...                                                  # τ inner steps, no collective in them
   mean_R = future.result()                             # at the merge (step + τ): waits on this only
   executor.close()
 
 `delta_R` is a pytree of arrays whose leading axis is the replica axis (M), laid out like the
 Trainer's per-replica state: stacked on one device (replicas simulated with vmap) or sharded over
-the mesh axis `replica` (one slot per process or per device group). Each fragment gets its own
-jitted program, `jax.vmap(mean, axis_name="replica")` over that leading axis, compiled once per
-input layout: `fragment_mean`, the same computation as the inline mean inside the step's program,
-and its result is bit-identical to it (`tests/test_comm_executor.py`, on two processes). A step
+the mesh axis `replica` (one slot per process or per device group). Each plan gets its own
+jitted program, `comm.dispatch.over_replicas`: `comm.carry` vmapped over that leading axis,
+compiled once per input layout, the same computation as the inline carry inside the step's
+program, and its result is bit-identical to it (`tests/test_comm_executor.py`, on two processes). A step
 program that holds the mean and the outer update together may round the update differently from
 one that receives the mean as an input: Streaming DiLoCo with τ = 1 and the float32 mean ends within
 6.0e-8 of the inline run (18 steps, M = 4); with τ = 2 or a codec it is bit-identical.
 
 Order: the thread runs submissions one at a time in the order they were submitted, and refuses a
-submission that goes back in (step, fragment) order. Every process submits in schedule order, so
+submission for an earlier step than the last, or a name submitted twice in one step. Every process submits in schedule order, so
 every process issues the same collectives in the same order and none can deadlock on another.
 Cross-process collectives issued by the training thread (metric gathers, barriers, checkpoints)
 are a second ordered stream beside this one; whether gloo keeps two streams between the same
 processes apart has not been checked here, so call `drain()` before them.
 
-Ledger: each fragment's program records its collectives once, when it is traced (in the
-executor's thread); `entries(p)` gives them and `sent_bytes` adds them up for every submission.
+Ledger: each plan's program records its collectives once, when it is traced (in the
+executor's thread); `entries(name)` gives them and `sent_bytes` adds them up for every submission.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from typing import Any
 import jax
 
 from lowcomm_jax import codecs, mesh as mesh_lib
-from lowcomm_jax.comm import collectives
-from lowcomm_jax.comm.compressed_mean import compressed_mean
+from lowcomm_jax.comm import dispatch
 from lowcomm_jax.comm import ledger as ledger_lib
+from lowcomm_jax.comm.plan import Plan
 
 __all__ = ["OuterCommExecutor", "Issued", "check_layout", "fragment_mean"]
 
@@ -65,14 +65,14 @@ class Issued:
 
   Attributes:
     step: the inner step the submission was made for.
-    fragment: the fragment p.
+    name: the plan's name (Streaming DiLoCo: "fragment p").
     submitted_s: when `submit` was called.
     started_s: when the thread dispatched the program.
     finished_s: when its result was ready.
   """
 
   step: int
-  fragment: int
+  name: str
   submitted_s: float
   started_s: float
   finished_s: float
@@ -105,9 +105,10 @@ class OuterCommExecutor:
   """A dedicated thread that alone issues the outer loop's cross-replica collectives.
 
   Args:
-    codec: None for a float32 mean (`comm.mean`, an all-reduce), or a `lowcomm_jax.codecs` Codec
-      for the compressed mean (`comm.compressed_mean`: all_to_all + all_gather of encoded chunks).
-    kernels: the codec's encode/decode ("reference", "pallas", "auto"; see
+    codec: the plan of a submission that names none: None for a float32 mean (`comm.mean`, an
+      all-reduce), or a `lowcomm_jax.codecs` Codec for the compressed mean
+      (`comm.compressed_mean`: all_to_all + all_gather of encoded chunks).
+    kernels: that codec's encode/decode ("reference", "pallas", "auto"; see
       `lowcomm_jax.codecs.kernel_options`).
     axis_name: the replica axis the programs bind (`vmap` over the leading axis).
     mesh: when given, checked with `check_layout` (inner axes inside one process).
@@ -120,10 +121,10 @@ class OuterCommExecutor:
     codecs.kernel_options(kernels, codec)  # a mode that cannot run is refused before the thread starts
     self.codec, self.kernels, self.axis_name, self.mesh = codec, kernels, axis_name, mesh
     self.issued: list[Issued] = []  # in the order the thread ran them
-    self._programs: dict[tuple, Any] = {}  # (fragment, input layout) -> compiled program
-    self._entries: dict[int, list[ledger_lib.Entry]] = {}
+    self._programs: dict[tuple, Any] = {}  # (name, input layout) -> compiled program
+    self._entries: dict[str, list[ledger_lib.Entry]] = {}
     self._sent_bytes = 0.0
-    self._last: tuple[int, int] | None = None
+    self._last: tuple[int, set] = (-1, set())  # the last step submitted and its names
     self._lock = threading.Lock()
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
     self._closed = False
@@ -131,38 +132,44 @@ class OuterCommExecutor:
     self._thread.start()
 
   # ----------------------------------------------------------------------------- the loop's API
-  def submit(self, step: int, fragment: int, delta_tree, residual=None, key=None
+  def submit(self, step: int, name: str, tree, residual=None, key=None, plan: Plan | None = None
              ) -> concurrent.futures.Future:
-    """Queues fragment `fragment`'s mean over replicas; returns a future of it.
+    """Queues `tree` carried as `plan` over replicas; returns a future of the result.
 
     Args:
-      step: the inner step the outer gradient belongs to (schedule order: nondecreasing).
-      fragment: p; within one step, fragments go in increasing order.
-      delta_tree: Δ_p, a pytree of arrays with a leading replica axis M.
-      residual: with a codec, the error-feedback residuals (same structure, leading M), or None.
+      step: the inner step the tree belongs to (schedule order: nondecreasing).
+      name: the plan's name; within one step, in the order the algorithm lists its plans.
+      tree: a pytree of arrays with a leading replica axis M.
+      residual: with error feedback, the residuals (same structure, leading M), or None.
       key: with stochastic rounding, the PRNG key (the same on every replica).
+      plan: the `comm.Plan`; default the executor's codec's mean (error feedback when a residual
+        is given).
 
     Returns:
-      A `concurrent.futures.Future` whose `result()` is the mean (every replica's copy, leading
-      M, float32), or `(mean, new residual)` when `residual` is given.
+      A `concurrent.futures.Future` whose `result()` is the carried tree (every replica's copy,
+      leading M, float32), or `(result, new residual)` when `residual` is given.
 
     Raises:
-      ValueError: a submission that goes back in (step, fragment) order, or a residual without a
-        codec; RuntimeError after `close()`.
+      ValueError: a submission for an earlier step, a name twice in one step, or a residual without
+        a codec; RuntimeError after `close()`.
     """
-    if residual is not None and self.codec is None:
-      raise ValueError("residual: error feedback needs a codec (diloco.codec), got codec=None")
+    if plan is None:
+      if residual is not None and self.codec is None:
+        raise ValueError("residual: error feedback needs a codec (diloco.codec), got codec=None")
+      plan = Plan("mean" if self.codec is None else "compressed_mean", self.codec,
+                  error_feedback=residual is not None, kernels=self.kernels)
     with self._lock:
       if self._closed:
         raise RuntimeError("OuterCommExecutor.submit after close()")
-      if self._last is not None and (step, fragment) <= self._last:
+      last_step, names = self._last
+      if step < last_step or (step == last_step and name in names):
         raise ValueError(
-            f"submit(step={step}, fragment={fragment}) after (step={self._last[0]}, fragment="
-            f"{self._last[1]}): submissions must follow the schedule order on every process, or "
-            "processes issue their collectives in different orders and deadlock")
-      self._last = (step, fragment)
+            f"submit(step={step}, name={name!r}) after step {last_step} ({sorted(names)}): "
+            "submissions must follow the schedule order on every process, or processes issue "
+            "their collectives in different orders and deadlock")
+      self._last = (step, names | {name} if step == last_step else {name})
       future: concurrent.futures.Future = concurrent.futures.Future()
-      self._queue.put((step, fragment, delta_tree, residual, key, future, time.perf_counter()))
+      self._queue.put((step, name, plan, tree, residual, key, future, time.perf_counter()))
     return future
 
   def drain(self) -> None:
@@ -186,9 +193,9 @@ class OuterCommExecutor:
   def __exit__(self, *exc):
     self.close()
 
-  def entries(self, fragment: int) -> list[ledger_lib.Entry]:
-    """The ledger entries of fragment `fragment`'s program (after its first submission ran)."""
-    return list(self._entries.get(fragment, []))
+  def entries(self, name: str) -> list[ledger_lib.Entry]:
+    """The ledger entries of plan `name`'s program (after its first submission ran)."""
+    return list(self._entries.get(name, []))
 
   @property
   def sent_bytes(self) -> float:
@@ -196,18 +203,18 @@ class OuterCommExecutor:
     return self._sent_bytes
 
   # ------------------------------------------------------------------------------ the thread
-  def _program(self, fragment: int, args: tuple):
+  def _program(self, name: str, plan: Plan, args: tuple):
     layout = tuple((x.shape, x.dtype, getattr(x, "sharding", None))
                    for x in jax.tree.leaves(args))
-    cache_key = (fragment, jax.tree.structure(args), layout)
+    cache_key = (name, id(plan), jax.tree.structure(args), layout)
     if cache_key not in self._programs:
       ledger = ledger_lib.Ledger()
       tracing = contextlib.nullcontext() if self.mesh is None else mesh_lib.tracing(self.mesh)
       with ledger.recording(), tracing:
-        lowered = jax.jit(fragment_mean(fragment, self.codec, self.kernels, self.axis_name)).lower(
-            *args)
-      self._programs[cache_key] = lowered.compile()
-      self._entries[fragment] = ledger.entries
+        lowered = jax.jit(dispatch.over_replicas(plan, name, self.axis_name)).lower(*args)
+      self._programs[cache_key] = (lowered.compile(), plan)  # the plan kept: its id stays unique
+      self._entries[name] = ledger.entries
+    return self._programs[cache_key][0]
     return self._programs[cache_key]
 
   def _serve(self) -> None:
@@ -218,11 +225,11 @@ class OuterCommExecutor:
       if isinstance(item, concurrent.futures.Future):  # drain(): everything before it finished
         item.set_result(None)
         continue
-      step, fragment, delta, residual, key, future, submitted = item
+      step, name, plan, delta, residual, key, future, submitted = item
       if not future.set_running_or_notify_cancel():
         continue
       try:
-        program = self._program(fragment, (delta, residual, key))
+        program = self._program(name, plan, (delta, residual, key))
         started = time.perf_counter()
         result = program(delta, residual, key)
         result = jax.block_until_ready(result)
@@ -230,35 +237,22 @@ class OuterCommExecutor:
       except Exception as error:  # pylint: disable=broad-except
         future.set_exception(error)
         continue
-      self._sent_bytes += sum(e.sent_bytes for e in self._entries[fragment])
-      self.issued.append(Issued(step, fragment, submitted, started, finished))
+      self._sent_bytes += sum(e.sent_bytes for e in self._entries[name])
+      self.issued.append(Issued(step, name, submitted, started, finished))
       future.set_result(result)
 
 
 def fragment_mean(fragment: int, codec=None, kernels: str = "auto",
                   axis_name: str = mesh_lib.REPLICA):
-  """The body of fragment p's program: `(delta_R, residual_R, key) -> mean_R` (or with a residual
-  `(mean_R, new residual_R)`), vmapped over the leading replica axis.
-
-  The executor compiles it on its thread; called inside a step's program on the training thread
-  it is the inline mean the executor must equal. Traced under a mesh holding `axis_name`
-  (`mesh.tracing`), the leading axis is laid out over it (`spmd_axis_name`), so that a codec's
-  compiled kernels, which run under a `shard_map` over every mesh axis, take each replica's
-  slice where it lives instead of gathering Δ.
-  """
+  """Streaming DiLoCo's fragment p program as the thread runs it: `(delta_R, residual_R, key) ->
+  mean_R` (or with a residual `(mean_R, new residual_R)`), `comm.dispatch.over_replicas` of the
+  plan "fragment p" (the float32 mean, or `codec`'s compressed mean; error feedback when a residual
+  is passed)."""
   name = f"fragment {fragment}"
+  kind = "mean" if codec is None else "compressed_mean"
 
-  def per_replica(delta, residual, key):
-    if codec is None:
-      return collectives.mean(delta, axis_name, name=name)
-    return compressed_mean(delta, axis_name, codec, name, key=key,
-                           residual=residual, kernels=kernels)
+  def run(delta, residual=None, key=None):
+    plan = Plan(kind, codec, error_feedback=residual is not None, kernels=kernels)
+    return dispatch.over_replicas(plan, name, axis_name)(delta, residual, key)
 
-  def over_replicas(delta, residual=None, key=None):
-    # Δ and the residual are per replica; the key is the same on every replica.
-    in_axes = (0, None if residual is None else 0, None)
-    spmd = axis_name if axis_name in jax.sharding.get_abstract_mesh().axis_names else None
-    return jax.vmap(per_replica, in_axes=in_axes, axis_name=axis_name,
-                    spmd_axis_name=spmd)(delta, residual, key)
-
-  return over_replicas
+  return run

@@ -15,6 +15,7 @@ import contextvars
 import dataclasses
 
 _ACTIVE: contextvars.ContextVar["Ledger | None"] = contextvars.ContextVar("ledger", default=None)
+_PLAN: contextvars.ContextVar["str | None"] = contextvars.ContextVar("ledger_plan", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Entry:
     num_workers: size of the replica group.
     repeats: how many times one run of the program issues it (the pipeline's ticks that share one
       transfer pattern trace one permute); `sent_bytes` already counts them.
+    plan: the name of the algorithm's `comm.Plan` it carries (`comm.dispatch.carry`), or None for
+      the gradient source's own transfers (the pipeline's stage-to-stage permutes).
   """
 
   name: str
@@ -37,6 +40,7 @@ class Entry:
   sent_bytes: float
   num_workers: int
   repeats: int = 1
+  plan: str | None = None
 
 
 class Ledger:
@@ -58,21 +62,32 @@ class Ledger:
     return sum(e.sent_bytes for e in self.entries)
 
 
+@contextlib.contextmanager
+def carrying(plan_name: str):
+  """Entries recorded inside belong to the plan `plan_name` (`Entry.plan`)."""
+  token = _PLAN.set(plan_name)
+  try:
+    yield
+  finally:
+    _PLAN.reset(token)
+
+
 def ring_factor(num_workers: int) -> float:
   """Bytes a worker sends in a ring all-reduce per byte of payload: 2(M−1)/M (0 for M = 1)."""
   return 2 * (num_workers - 1) / num_workers
 
 
 def record(name: str, kind: str, payload_bytes: int, sent_bytes: float, num_workers: int,
-           repeats: int = 1) -> None:
-  """Adds an entry to the active ledger; a no-op when none is active."""
+           repeats: int = 1, plan: str | None = None) -> None:
+  """Adds an entry to the active ledger (to the plan being carried, if any); a no-op when none is
+  active."""
   ledger = _ACTIVE.get()
   if ledger is not None:
     ledger.entries.append(Entry(name, kind, int(payload_bytes), float(sent_bytes), int(num_workers),
-                                int(repeats)))
+                                int(repeats), plan if plan is not None else _PLAN.get()))
 
 
 def add(entries) -> None:
   """Adds `Entry`s recorded elsewhere (one traced branch of several alike) to the active ledger."""
   for e in entries:
-    record(e.name, e.kind, e.payload_bytes, e.sent_bytes, e.num_workers, e.repeats)
+    record(e.name, e.kind, e.payload_bytes, e.sent_bytes, e.num_workers, e.repeats, e.plan)

@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from lowcomm_jax import checks, comm, mesh as mesh_lib
+from lowcomm_jax.comm import dispatch
 from lowcomm_jax.codecs import all_finite
 from lowcomm_jax.optim.outer import check_transformation
 
@@ -39,6 +40,10 @@ class NoLoCoState(NamedTuple):
   slow: Any  # φ_i, float32, per replica
   momentum: Any  # δ_i, float32, per replica
   refused: jax.Array  # int32[]: outer steps this replica refused because φ_i would hold NaN or inf
+  comm: comm.CommState  # nothing kept between steps: both group means are consumed at once
+
+
+SLOW, DELTA = "noloco slow weights", "noloco outer gradient"  # the plans' names
 
 
 class NoLoCoPhase(NamedTuple):
@@ -72,7 +77,11 @@ class NoLoCo:
     self.group_size, self.momentum, self.learning_rate, self.gamma = group_size, momentum, learning_rate, gamma
     self.seed, self.axis_name, self.codec = seed, axis_name, codec
     self.pool = groupings(num_replicas, group_size, num_groupings, seed)
-    self.state_axes = NoLoCoState(count=None, inner_state=0, slow=0, momentum=0, refused=0)
+    self.state_axes = NoLoCoState(count=None, inner_state=0, slow=0, momentum=0, refused=0,
+                                  comm=comm.COMM_STATE_AXES)
+    self.phases = (NoLoCoPhase(False), NoLoCoPhase(True))
+    self._plans = {SLOW: comm.Plan("group_mean", groupings=self.pool),
+                   DELTA: comm.Plan("group_mean", codec, groupings=self.pool)}
 
   def grouping_index(self, outer_step):
     """Pool index of outer step k (0-based): a multiplicative hash of (seed, k) modulo the pool size.
@@ -98,7 +107,8 @@ class NoLoCo:
   def init(self, params) -> NoLoCoState:
     slow = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     return NoLoCoState(jnp.zeros((), jnp.int32), self.inner.init(params), slow,
-                       jax.tree.map(jnp.zeros_like, slow), jnp.zeros((), jnp.int32))
+                       jax.tree.map(jnp.zeros_like, slow), jnp.zeros((), jnp.int32),
+                       comm.CommState({}, {}))
 
   def init_replicated(self, params, num_replicas: int):
     if num_replicas != self.num_replicas:
@@ -122,52 +132,50 @@ class NoLoCo:
     branches = [functools.partial(self._apply, o, **extra_args) for o in (False, True)]
     return jax.lax.switch(outer.astype(jnp.int32), branches, grads, state, params)
 
-  def _group_means(self, outer_step, slow, delta):
-    """The group means of φ and Δ under outer step `outer_step`'s grouping (traced int).
+  # -- the outer step as plans (`comm.plan.OuterStep`) -------------------------------------------
+  def plans(self, phase) -> dict:
+    """The outer phase sends φ_i and Δ_i = φ_i − θ_i, each averaged within the step's groups."""
+    return dict(self._plans) if NoLoCoPhase(*phase).outer else {}
 
-    One `lax.switch` branch per pool entry, each with its own static permutations; the index is
-    computed from the unmapped step count, so it is the same on every replica and only the taken
-    branch's collectives run (a batched index would turn the switch into a select that runs them
-    all). Every branch moves the same bytes, so the ledger records one branch's entries.
-    """
-    recorded = []
+  def consumes(self, phase) -> tuple:
+    return tuple(self.plans(phase))
 
-    def exchange(groups, slow, delta):
-      with comm.Ledger().recording() as branch_ledger:
-        means = (comm.group_mean(slow, self.axis_name, groups, name="noloco slow weights"),
-                 comm.group_mean(delta, self.axis_name, groups, name="noloco outer gradient",
-                                 codec=self.codec))
-      recorded.append(branch_ledger.entries)
-      return means
+  def without_delayed(self, phase) -> NoLoCoPhase:
+    return phase  # nothing is delayed
 
-    branches = [functools.partial(exchange, groups) for groups in self.pool]
-    if len(branches) == 1:
-      means = branches[0](slow, delta)
-    else:
-      means = jax.lax.switch(self.grouping_index(outer_step), branches, slow, delta)
-    comm.ledger.add(recorded[0])
-    return means
+  def local(self, state: NoLoCoState, params, phase) -> dict:
+    if not NoLoCoPhase(*phase).outer:
+      return {}
+    return {SLOW: state.slow,
+            DELTA: jax.tree.map(lambda s, l: s - l.astype(jnp.float32), state.slow, params)}
+
+  def apply(self, state: NoLoCoState, params, incoming: dict, phase=None):
+    """δ_i ← α·δ_i − β·mean_G(Δ) − γ·(φ_i − mean_G(φ)); φ_i ← φ_i + δ_i; θ_i ← φ_i."""
+    del phase
+    slow = state.slow
+    momentum = jax.tree.map(
+        lambda d, gd, s, gs: self.momentum * d - self.learning_rate * gd - self.gamma * (s - gs),
+        state.momentum, incoming[DELTA], slow, incoming[SLOW])
+    new_slow = jax.tree.map(jnp.add, slow, momentum)
+    # A NaN or inf never reaches φ_i: this replica refuses the outer step (φ_i and δ_i kept),
+    # restarts θ_i from φ_i and counts it; the loop raises or logs it (config `nonfinite`).
+    finite = all_finite(new_slow)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    slow, momentum = keep(new_slow, slow), keep(momentum, state.momentum)
+    refused = state.refused + jnp.where(finite, 0, 1)
+    params = jax.tree.map(lambda s, l: s.astype(l.dtype), slow, params)
+    return params, state._replace(slow=slow, momentum=momentum, refused=refused)
 
   def _apply(self, outer: bool, grads, state: NoLoCoState, params, **extra_args):
     inner_updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
     local = optax.apply_updates(params, inner_updates)
-    slow, momentum, refused = state.slow, state.momentum, state.refused
+    phase = NoLoCoPhase(outer)
     if outer:
-      delta = jax.tree.map(lambda s, l: s - l.astype(jnp.float32), slow, local)
       outer_step = jnp.maximum((state.count + 1) // self.sync_every - 1, 0)
-      group_slow, group_delta = self._group_means(outer_step, slow, delta)
-      momentum = jax.tree.map(
-          lambda d, gd, s, gs: self.momentum * d - self.learning_rate * gd - self.gamma * (s - gs),
-          momentum, group_delta, slow, group_slow)
-      new_slow = jax.tree.map(jnp.add, slow, momentum)
-      # A NaN or inf never reaches φ_i: this replica refuses the outer step (φ_i and δ_i kept),
-      # restarts θ_i from φ_i and counts it; the loop raises or logs it (config `nonfinite`).
-      finite = all_finite(new_slow)
-      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-      slow, momentum = keep(new_slow, slow), keep(momentum, state.momentum)
-      refused = refused + jnp.where(finite, 0, 1)
-      local = jax.tree.map(lambda s, l: s.astype(l.dtype), slow, local)
-    new_state = NoLoCoState(state.count + 1, inner_state, slow, momentum, refused)
+      carried, state = dispatch.carry_phase(self, state, local, phase, self.axis_name,
+                                            delayed=False, grouping=self.grouping_index(outer_step))
+      local, state = self.apply(state, local, carried, phase)
+    new_state = state._replace(count=state.count + 1, inner_state=inner_state)
     return jax.tree.map(lambda n, o: n - o, local, params), new_state
 
 

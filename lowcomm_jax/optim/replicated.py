@@ -12,7 +12,8 @@ must know about it without naming it:
   eval_replicas                    whether each replica's own model is evaluated too (no global model)
   refused(state)                   outer steps refused because the global model would hold NaN/inf
   diagnostics(state, phase)        host-side per-step figures (NoLoCo's weight spread on sync steps)
-  comm_events(...)                 the run's collectives for the virtual clock (`sim.clock`)
+  comm_events(...)                 the run's collectives for the virtual clock (`sim.clock.CommEvent`
+                                   fields), derived from the algorithm's plans and the ledger
   comm_summary(...)                the bytes a worker sends, for summary.json
 
 Every adapter guards the global model: an outer step (data parallel: every step) whose result holds
@@ -31,8 +32,8 @@ import optax
 from lowcomm_jax import comm
 from lowcomm_jax.codecs import all_finite
 from lowcomm_jax.optim.noloco import NoLoCo, weight_spread
+from lowcomm_jax.comm import plan as plan_lib
 from lowcomm_jax.optim.streaming import StreamingDiLoCo
-from lowcomm_jax.sim import clock
 
 
 class GuardedState(NamedTuple):
@@ -108,13 +109,12 @@ class ReplicatedAlgorithm:
     return {}
 
   def comm_events(self, num_steps: int, entries_of: Callable, data_workers: int,
-                  num_params: int) -> list[clock.CommEvent]:
+                  num_params: int) -> list[tuple]:
     """Data parallel: XLA's gradient all-reduce over the data axis, blocking, every step (its overlap
     with the backward is not modelled)."""
     if data_workers == 1:
       return []
-    return [clock.CommEvent(s, s + 1, 4 * num_params, "all_reduce", data_workers)
-            for s in range(num_steps - 1)]
+    return [(s, s + 1, 4 * num_params, "all_reduce", data_workers) for s in range(num_steps - 1)]
 
   def comm_summary(self, steps: int, sent_bytes: float, peak_sync_bytes: float, data_workers: int,
                    num_params: int) -> dict:
@@ -150,6 +150,10 @@ class _Phased(ReplicatedAlgorithm):
   def comm_summary(self, steps, sent_bytes, peak_sync_bytes, data_workers, num_params) -> dict:
     return _bytes_summary(self.num_replicas, sent_bytes, peak_sync_bytes, num_params, steps)
 
+  def comm_events(self, num_steps, entries_of, data_workers, num_params):
+    """From the plans each phase sends and their ledger entries (`comm.plan.clock_events`)."""
+    return plan_lib.clock_events(num_steps, self.phase_at, self.tx.plans, entries_of)
+
 
 class DiLoCoFamily(_Phased):
   """DiLoCo and Streaming DiLoCo (`optim.streaming_diloco`): fragments of a global φ, all-reduced
@@ -171,24 +175,6 @@ class DiLoCoFamily(_Phased):
   def refusal_names(self):
     return [f"the averaged outer gradient of fragment {p} ({n})"
             for p, n in enumerate(self.fragment_names)]
-
-  def comm_events(self, num_steps, entries_of, data_workers, num_params):
-    """Clock steps are 0-based. A blocking reduce taken after step t (τ = 0) is issued at clock step
-    t−1 and consumed at t. An overlapped reduce is issued from the parameters entering step s, i.e.
-    ready when step s−1 ends: clock step s−2, consumed τ steps later (s−2+1+τ)."""
-    events, delay = [], self.tx.schedule.delay
-    for step in range(1, num_steps + 1):
-      phase = self.phase_at(step)
-      if not phase.send:
-        continue
-      by_name = {e.name: e for e in entries_of(phase)}
-      for p in phase.send:
-        entry, tau = by_name[f"fragment {p}"], int(delay[p])
-        issued = step - 2 if tau else step - 1
-        if issued + 1 + tau <= num_steps:  # a result consumed after the last step is never waited for
-          events.append(clock.CommEvent(issued, issued + 1 + tau, entry.payload_bytes, "all_reduce",
-                                        entry.num_workers))
-    return events
 
 
 class NoLoCoAlgorithm(_Phased):
@@ -215,10 +201,3 @@ class NoLoCoAlgorithm(_Phased):
 
   def final_diagnostics(self, state) -> dict:
     return {"final_weight_spread": weight_spread(state.slow)}
-
-  def comm_events(self, num_steps, entries_of, data_workers, num_params):
-    """The pairwise exchange blocks the step after its outer step."""
-    return [clock.CommEvent(step - 1, step, e.payload_bytes, "gossip", e.num_workers)
-            for step in range(1, num_steps)
-            if self.phase_at(step).outer
-            for e in entries_of(self.phase_at(step))]

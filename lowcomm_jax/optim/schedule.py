@@ -115,3 +115,10 @@ def phase_table(schedule: FragmentSchedule) -> tuple[list[Phase], np.ndarray, in
       phases.append(ph)
     table.append(phases.index(ph))
   return phases, np.asarray(table, np.int32), s0
+
+
+def without_delayed(delay, phase: Phase) -> Phase:
+  """`phase` without the overlapped (τ ≥ 1) fragments' sends and merges: what a step's program runs
+  when the outer-communication thread carries those (`train.overlap`)."""
+  return Phase(tuple(p for p in phase.send if not delay[p]),
+               tuple(p for p in phase.receive if not delay[p]))

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import optax
 
 from lowcomm_jax import checks, codecs, comm, mesh as mesh_lib
+from lowcomm_jax.comm import dispatch
 from lowcomm_jax.optim import fragments as frag_lib
 from lowcomm_jax.optim import schedule as schedule_lib
 from lowcomm_jax.optim.outer import check_transformation, outer_nesterov
@@ -50,8 +51,7 @@ class StreamingDiLoCoState(NamedTuple):
   inner_state: Any  # the inner optimizer's state, per replica
   outer_params: Any  # φ: the global parameters, float32, the parameters' tree
   outer_states: tuple  # per fragment: the outer optimizer's state of φ_p (its sub-tree)
-  in_flight: tuple  # per fragment: its averaged outer gradient while in flight (τ ≥ 1), else ()
-  residuals: tuple  # per fragment: this replica's error-feedback residual (codec + feedback), else ()
+  comm: comm.CommState  # by plan name "fragment p": the mean in flight (τ ≥ 1), the residual
   nonfinite: jax.Array  # int32[F]: outer steps refused because the averaged Δ held NaN or inf
 
 
@@ -86,12 +86,53 @@ class StreamingDiLoCo:
     if isinstance(schedule, schedule_lib.FragmentSchedule):
       self._set_schedule(schedule)
     self.state_axes = StreamingDiLoCoState(count=None, inner_state=0, outer_params=None,
-                                           outer_states=None, in_flight=None, residuals=0,
+                                           outer_states=None, comm=comm.COMM_STATE_AXES,
                                            nonfinite=None)
 
   def _set_schedule(self, schedule: schedule_lib.FragmentSchedule) -> None:
     self._schedule = schedule
     self.phases, self._table, self._s0 = schedule_lib.phase_table(schedule)
+    kind = "mean" if self.codec is None else self.plan_kind
+    # fragment p's plan; stochastic rounding keys fold the fragment in (seed p)
+    self._plans = [comm.Plan(kind, self.codec, int(schedule.delay[p]), self.error_feedback,
+                             self.feedback_decay, self.codec_kernels, seed=p)
+                   for p in range(schedule.num_fragments)]
+
+  plan_kind = "compressed_mean"  # how a fragment's Δ travels when a codec is set
+  feedback_decay = 1.0  # β: e ← β·e + Δ before encoding
+
+  @staticmethod
+  def plan_name(p: int) -> str:
+    return f"fragment {p}"
+
+  # -- the outer step as plans (`comm.plan.OuterStep`) -------------------------------------------
+  def plans(self, phase) -> dict:
+    """{"fragment p": its Plan} for the fragments whose Δ_p this phase's program sends."""
+    return {self.plan_name(p): self._plans[p] for p in phase.send}
+
+  def consumes(self, phase) -> tuple:
+    return tuple(self.plan_name(p) for p in phase.receive)
+
+  def without_delayed(self, phase) -> schedule_lib.Phase:
+    """`phase` without its overlapped (τ ≥ 1) sends and merges (the communication thread's)."""
+    return schedule_lib.without_delayed(self.schedule.delay, phase)
+
+  def local(self, state, params, phase) -> dict:
+    """Δ_p = φ_p − θ_p of every fragment p this phase sends, from `params`."""
+    frags = self.fragments(params)
+    return {self.plan_name(p): self.outer_gradient(frags[p], state.outer_params, params)
+            for p in phase.send}
+
+  def apply(self, state, params, incoming: dict, phase=None):
+    """(params, state) after the outer step and merge of each fragment in `incoming` (its averaged
+    Δ_p by plan name); elementwise, no collective."""
+    del phase
+    frags = self.fragments(params)
+    means = {int(name.split()[-1]): mean for name, mean in incoming.items()}
+    local, outer_params, outer_states, nonfinite = self._merge(
+        frags, means, params, state.outer_params, state.outer_states, state.nonfinite)
+    return local, state._replace(outer_params=outer_params, outer_states=outer_states,
+                                 nonfinite=nonfinite)
 
   @property
   def schedule(self) -> schedule_lib.FragmentSchedule:
@@ -126,18 +167,20 @@ class StreamingDiLoCo:
     sub_trees = self._sub_trees(outer_params)
     zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
     outer_states = tuple(self.outer.init(t) for t in sub_trees)
-    in_flight = tuple(zeros(t) if self.schedule.delay[p] else () for p, t in enumerate(sub_trees))
-    residuals = tuple(zeros(t) if self.error_feedback else () for t in sub_trees)
+    names = [self.plan_name(p) for p in range(len(sub_trees))]
+    in_flight = {n: zeros(t) for n, t, tau in zip(names, sub_trees, self.schedule.delay) if tau}
+    residuals = {n: zeros(t) for n, t in zip(names, sub_trees)} if self.error_feedback else {}
     return StreamingDiLoCoState(jnp.zeros((), jnp.int32), self.inner.init(params), outer_params,
-                                outer_states, in_flight, residuals,
+                                outer_states, comm.CommState(in_flight, residuals),
                                 jnp.zeros((len(sub_trees),), jnp.int32))
 
   def init_replicated(self, params, num_replicas: int):
     """(params_R, state): every replica starts from `params`, with its own inner optimizer state."""
     state = self.init(params)
     stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape), t)
-    return stack(params), state._replace(inner_state=stack(state.inner_state),
-                                         residuals=stack(state.residuals))
+    return stack(params), state._replace(
+        inner_state=stack(state.inner_state),
+        comm=state.comm._replace(residuals=stack(state.comm.residuals)))
 
   def update(self, grads, state: StreamingDiLoCoState, params, phase=None, **extra_args):
     if phase is not None:
@@ -154,51 +197,15 @@ class StreamingDiLoCo:
     return jax.tree.map(lambda g, l: g.astype(jnp.float32) - l.astype(jnp.float32),
                         frag_lib.extract(frag, outer_params), frag_lib.extract(frag, local_params))
 
-  def _reduce(self, p: int, frag, outer_params, local_params, residuals: list, count):
-    """mean_m(φ_p − θ_{m,p}) over replicas (fragment p's sub-tree), through the codec when one is set."""
-    delta = self.outer_gradient(frag, outer_params, local_params)
-    if self.codec is None:
-      return comm.mean(delta, self.axis_name, name=f"fragment {p}")
-    key = None
-    if self.codec.rounding == "stochastic":  # the same bits on every replica and run, fresh per sync
-      key = jax.random.fold_in(jax.random.key(p), count)
-    if not self.error_feedback:
-      return comm.compressed_mean(delta, self.axis_name, self.codec, f"fragment {p}", key=key,
-                                  kernels=self.codec_kernels)
-    mean, residuals[p] = comm.compressed_mean(delta, self.axis_name, self.codec, f"fragment {p}",
-                                              key=key, residual=residuals[p],
-                                              kernels=self.codec_kernels)
-    return mean
-
   def _apply(self, phase: schedule_lib.Phase, grads, state: StreamingDiLoCoState, params, **extra_args):
-    frags = self.fragments(params)
-    in_flight, residuals = list(state.in_flight), list(state.residuals)
     # Overlapped sends read the parameters entering this step, so they do not wait for its backward.
-    for p in phase.send:
-      if self.schedule.delay[p]:
-        in_flight[p] = self._reduce(p, frags[p], state.outer_params, params, residuals, state.count)
+    _, state = dispatch.carry_phase(self, state, params, phase, self.axis_name, delayed=True)
     inner_updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
     local = optax.apply_updates(params, inner_updates)
-    blocking = {p: self._reduce(p, frags[p], state.outer_params, local, residuals, state.count)
-                for p in phase.send if not self.schedule.delay[p]}
-    means = {p: blocking[p] if p in blocking else in_flight[p] for p in phase.receive}
-    local, outer_params, outer_states, nonfinite = self._merge(
-        frags, means, local, state.outer_params, state.outer_states, state.nonfinite)
-    new_state = StreamingDiLoCoState(state.count + 1, inner_state, outer_params, outer_states,
-                                     tuple(in_flight), tuple(residuals), nonfinite)
+    carried, state = dispatch.carry_phase(self, state, local, phase, self.axis_name, delayed=False)
+    local, state = self.apply(state, local, dispatch.incoming(self, state, phase, carried))
+    new_state = state._replace(count=state.count + 1, inner_state=inner_state)
     return jax.tree.map(lambda n, o: n - o, local, params), new_state
-
-  def merge_in_flight(self, receive: tuple, state: StreamingDiLoCoState, params):
-    """(params, state) once fragments `receive` merged their in-flight means into `params`, the
-    parameters after a step that ran without those merges (the outer-communication thread's merge
-    step: its inner step runs while the mean is still on the wire). The same outer step and merge as
-    `update` with them in the phase; one replica's view, as `update`."""
-    frags = self.fragments(params)
-    local, outer_params, outer_states, nonfinite = self._merge(
-        frags, {p: state.in_flight[p] for p in receive}, params, state.outer_params,
-        state.outer_states, state.nonfinite)
-    return local, state._replace(outer_params=outer_params, outer_states=outer_states,
-                                 nonfinite=nonfinite)
 
   def _merge(self, frags, means: dict, local, outer_params, outer_states, nonfinite):
     """The outer step of each fragment p in `means` (its averaged Δ_p) and its merge into `local`.

@@ -1,30 +1,32 @@
-"""Streaming DiLoCo's overlapped all-reduces on their own thread, as the Trainer's loop runs them.
+"""Outer communication with delay τ ≥ 1 on its own thread, as the Trainer's loop runs it.
 
-`diloco.overlap_executor` picks how a fragment p with τ ≥ 1 travels (docs/overlap.md):
+`diloco.overlap_executor` picks how a plan (`comm.Plan`) with τ ≥ 1 travels (docs/overlap.md):
 
-  inline  its mean sits in the send step's own program (`streaming.py`), issued by the training
-          thread: on XLA:CPU the steps dispatched after it wait for every peer to join.
-  thread  `comm.OuterCommExecutor`: on the send step the loop computes Δ_p = φ_p − θ_p from the
-          parameters entering the step (a small program without collectives), submits it and
-          runs the step without that send. The merge step's program runs without the merge (its
-          forward, backward and inner update do not need the mean: they overlap the all-reduce
-          too); after dispatching it, the loop waits on that future only, writes the mean into
-          the fragment's in-flight buffer and runs the outer step and merge as a program of
-          their own (`StreamingDiLoCo.merge_in_flight`, no collective).
-  auto    (default) thread where it works: Streaming DiLoCo with τ ≥ 1 on the `replicas` or
-          `skippipe` gradient sources; inline elsewhere (DiLoCo and τ = 0 have nothing to overlap,
-          NoLoCo and data parallel have no outer all-reduce, the pipeline keeps a grid layout).
+  inline  its collective sits in the send step's own program (`comm.dispatch.carry_phase`), issued
+          by the training thread: on XLA:CPU the steps dispatched after it wait for every peer.
+  thread  `comm.OuterCommExecutor`: on the send step the loop computes the algorithm's `local`
+          trees from the parameters entering the step (a small program without collectives),
+          submits each with its plan and runs the step without that send. The consuming step's
+          program runs without the consumption (its forward, backward and inner update do not
+          need the result: they overlap the collective too); after dispatching it, the loop waits
+          on those futures only, writes the results into the state's `comm.CommState` and runs the
+          algorithm's `apply` as a program of its own (no collective).
+  auto    (default) thread where it works: an algorithm with a plan of τ ≥ 1 on the `replicas` or
+          `skippipe` gradient sources; inline elsewhere (nothing to overlap, or the pipeline's
+          grid layout).
 
-The loop sees `Overlap`: `before_step` (the phase the step's program runs), `after_step` (the
-state once the merges left out of that program ran), `settle` (every future written into the
-state: before a checkpoint and at the end, so a checkpoint holds the in-flight mean exactly as the
-inline state does), `quiet` (no collective of the executor running: before the training thread's
-own cross-process work, e.g. metric gathers) and `close`.
+The loop knows only the plan interface (`comm.plan.OuterStep` plus `phases`, `consumes` and
+`without_delayed`), not the algorithm. It sees `Overlap`: `before_step` (the phase the step's
+program runs), `after_step` (the state once the consumptions left out of that program ran),
+`settle` (every future written into the state: before a checkpoint and at the end, so a checkpoint
+holds the in-flight result exactly as the inline state does), `quiet` (no collective of the
+executor running: before the training thread's own cross-process work, e.g. metric gathers) and
+`close`.
 
-Same results as inline within 1e-7 (max abs over parameters and state; tests/test_overlap_loop.py):
-the thread's merge program applies the outer step to the parameters the step's program wrote,
-inline applies it inside the step, where XLA fuses it with the inner update and the step's
-`θ + (merged − θ)`; the two round differently at the ulp scale.
+Same results as inline within the float32 rounding of the outer step (tests/test_overlap_loop.py):
+the thread's apply program runs the outer step on the parameters the step's program wrote, inline
+runs it inside the step, where XLA fuses it with the inner update; the two round differently at the
+ulp scale.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ import jax
 import numpy as np
 
 from lowcomm_jax import comm, distributed
-from lowcomm_jax.optim.schedule import Phase
-from lowcomm_jax.optim.streaming import StreamingDiLoCo
+from lowcomm_jax.comm import dispatch
+from lowcomm_jax.optim.schedule import Phase, without_delayed
 
 OVERLAP_EXECUTORS = ("auto", "thread", "inline")
 _THREAD_SOURCES = ("replicas", "skippipe")  # per-replica state with a leading [M] axis
+_THREAD_KINDS = ("mean", "compressed_mean", "sparse_gather")  # the same result on every replica
 
 
 class Inline:
@@ -73,13 +76,16 @@ def choose(mode: str, algorithm, source, mesh) -> str:
     raise ValueError(f"diloco.overlap_executor must be one of {', '.join(OVERLAP_EXECUTORS)}, "
                      f"got {mode!r}")
   tx = getattr(algorithm, "tx", None)
-  overlapped = isinstance(tx, StreamingDiLoCo) and bool(np.any(tx.schedule.delay > 0))
-  works = overlapped and source.name in _THREAD_SOURCES
+  plans = [plan for phase in getattr(tx, "phases", ()) for plan in _plans(tx, phase).values()]
+  overlapped = any(plan.delay for plan in plans)
+  carried = overlapped and all(plan.kind in _THREAD_KINDS for plan in plans if plan.delay)
+  works = carried and source.name in _THREAD_SOURCES
   if mode == "inline" or (mode == "auto" and not works):
     return "inline"
   if not works:
-    why = ("gradients=pipeline keeps its state in grid layout" if overlapped else
-           "only Streaming DiLoCo with diloco.overlap_steps (τ) >= 1 has an all-reduce to overlap")
+    why = ("gradients=pipeline keeps its state in grid layout" if carried else
+           "only a group-free plan (Streaming DiLoCo, SparseLoCo) with diloco.overlap_steps (τ) "
+           ">= 1 has a collective to overlap")
     raise ValueError(f"diloco.overlap_executor=thread: {why}; use diloco.overlap_executor=inline "
                      "or auto")
   comm.check_layout(mesh)
@@ -91,89 +97,95 @@ def start(choice: str, algorithm, mesh):
   return Threaded(algorithm.tx, mesh) if choice == "thread" else Inline()
 
 
+def _plans(tx, phase) -> dict:
+  return tx.plans(phase) if isinstance(tx, comm.OuterStep) else {}
+
+
 def program_phase(delay, phase: Phase) -> Phase:
-  """The phase a step's program runs with the thread: `phase` without the overlapped (τ ≥ 1)
-  fragments' sends and merges, which the thread and `Threaded.after_step` run."""
-  return Phase(tuple(p for p in phase.send if not delay[p]),
-               tuple(p for p in phase.receive if not delay[p]))
+  """Streaming DiLoCo's phase as a step's program runs it with the thread (`without_delayed`)."""
+  return without_delayed(delay, phase)
 
 
 class Threaded:
-  """Streaming DiLoCo's overlapped fragments (τ ≥ 1) through a `comm.OuterCommExecutor`."""
+  """An algorithm's plans with τ ≥ 1 through a `comm.OuterCommExecutor`."""
 
-  def __init__(self, tx: StreamingDiLoCo, mesh):
+  def __init__(self, tx, mesh):
     self.tx = tx
-    self.delay = tx.schedule.delay
-    self.executor = comm.OuterCommExecutor(tx.codec, tx.codec_kernels, tx.axis_name, mesh)
-    self._futures: dict = {}  # fragment p -> the future of its mean, while in flight
-    self._deltas: dict = {}  # fragment p -> the compiled Δ_p program
-    self._merges: dict = {}  # fragments merged together -> their compiled merge program
-    self._due: list = []  # fragments the step just dispatched left for after_step to merge
+    self.executor = comm.OuterCommExecutor(axis_name=tx.axis_name, mesh=mesh)
+    self._futures: dict = {}  # plan name -> the future of its result, while in flight
+    self._locals: dict = {}  # phase -> the compiled program of its delayed plans' trees
+    self._applies: dict = {}  # (phase, names) -> the compiled apply program
+    self._due: tuple = ()  # (phase, names) the step just dispatched left for after_step
     self._multiprocess = jax.process_count() > 1
-    self._frags = None
 
-  def _delta_program(self, p: int, frag):
-    """(θ_R, φ, residual_R) -> (Δ_p per replica, a copy of the residual): no collective. The copy
-    is the executor's own: the state's buffers are donated to the next step."""
-    if p not in self._deltas:
-      outer_gradient = self.tx.outer_gradient
-      per_replica = jax.vmap(lambda local, outer: outer_gradient(frag, outer, local), in_axes=(0, None))
-      self._deltas[p] = jax.jit(lambda params_r, outer, residual: (
-          per_replica(params_r, outer), jax.tree.map(lambda x: x + 0, residual)))
-    return self._deltas[p]
+  def _delayed(self, phase) -> dict:
+    return {n: p for n, p in self.tx.plans(phase).items() if p.delay}
 
-  def before_step(self, step: int, phase: Phase, state):
-    """Submits the overlapped sends of `step`.
+  def _local_program(self, phase, names: tuple):
+    """(θ_R, opt_state) -> (each name's tree per replica, a copy of its residual): no collective.
+    The copy is the executor's own: the state's buffers are donated to the next step."""
+    if phase not in self._locals:
+      tx = self.tx
 
-    Returns (the phase the step's program runs: `phase` without the overlapped sends and without
-    the merges of fragments still in flight, which `after_step` runs; the state).
+      def trees(params_r, opt):
+        per_replica = jax.vmap(lambda params, state: tx.local(state, params, phase),
+                               in_axes=(0, tx.state_axes))(params_r, opt)
+        residuals = {n: jax.tree.map(lambda x: x + 0, opt.comm.residuals[n])
+                     for n in names if n in opt.comm.residuals}
+        return {n: per_replica[n] for n in names}, residuals
+
+      self._locals[phase] = jax.jit(trees)
+    return self._locals[phase]
+
+  def before_step(self, step: int, phase, state):
+    """Submits the delayed (τ ≥ 1) sends of `step`.
+
+    Returns (the phase the step's program runs: `phase` without the delayed sends and without the
+    consumptions of delayed plans, which `after_step` runs; the state).
     """
-    opt = state.opt_state
-    if self._frags is None:  # from one replica's shapes (the parameters carry a leading [M])
-      self._frags = self.tx.fragments(jax.eval_shape(lambda t: jax.tree.map(lambda x: x[0], t),
-                                                     state.params))
-    frags = self._frags
-    sends = [p for p in phase.send if self.delay[p]]
-    for p in sends:  # fragments in increasing order: the schedule order every process follows
-      residual = opt.residuals[p] if self.tx.error_feedback else None
-      delta_r, residual_copy = self._delta_program(p, frags[p])(state.params, opt.outer_params,
-                                                                residual)
-      key = None
-      if self.tx.codec is not None and self.tx.codec.rounding == "stochastic":
-        # As inline: fold_in(key(p), count), count = inner steps taken before this step.
-        key = jax.random.fold_in(jax.random.key(p), step - 1)
-      self._futures[p] = self.executor.submit(step, p, delta_r, residual_copy, key)
-    # Overlapped merges leave the program: its inner step does not need the mean. Also a merge
-    # without a future (after a resume the checkpoint's in-flight buffer holds the mean), so that
-    # a resumed run rounds as the uninterrupted one.
-    self._due = [p for p in phase.receive if self.delay[p]]
-    return program_phase(self.delay, phase), state
+    sends = self._delayed(phase)
+    if sends:
+      trees, residuals = self._local_program(phase, tuple(sends))(state.params, state.opt_state)
+      for name, plan in sends.items():  # the algorithm's order: the same on every process
+        # as inline: the key folds in the inner steps taken before this step
+        key = dispatch.plan_key(plan, step - 1)
+        self._futures[name] = self.executor.submit(step, name, trees[name], residuals.get(name),
+                                                   key, plan=plan)
+    # Delayed consumptions leave the program: its inner step does not need the result. Also one
+    # without a future (after a resume the checkpoint's in-flight buffer holds it), so that a
+    # resumed run rounds as the uninterrupted one.
+    delayed = {n for ph in self.tx.phases for n, p in self.tx.plans(ph).items() if p.delay}
+    due = tuple(n for n in self.tx.consumes(phase) if n in delayed)
+    self._due = (phase, due) if due else ()
+    return self.tx.without_delayed(phase), state
 
   def after_step(self, state):
-    """After the step's program is dispatched: waits on the futures of the merges it left out,
-    writes their means into the state and runs their outer steps and merges (one program)."""
+    """After the step's program is dispatched: waits on the futures of the consumptions it left
+    out, writes their results into the state and runs the algorithm's apply (one program)."""
     if not self._due:
       return state
-    due, self._due = tuple(self._due), []
-    state = self._write(state, [p for p in due if p in self._futures])
-    params, opt_state = self._merge_program(due, state)(state.params, state.opt_state)
+    (phase, due), self._due = self._due, ()
+    state = self._write(state, [n for n in due if n in self._futures])
+    params, opt_state = self._apply_program(phase, due, state)(state.params, state.opt_state)
     return state._replace(params=params, opt_state=opt_state)
 
-  def _merge_program(self, due: tuple, state):
-    """(params_R, opt_state) -> the same after `StreamingDiLoCo.merge_in_flight(due)` per replica:
+  def _apply_program(self, phase, due: tuple, state):
+    """(params_R, opt_state) -> the same after the algorithm's apply of `due` per replica:
     elementwise, no collective; the state keeps its layout (the next step's program expects it)."""
-    if due not in self._merges:
-      axes = self.tx.state_axes
-      per_replica = jax.vmap(lambda params, opt: self.tx.merge_in_flight(due, opt, params),
-                             in_axes=(0, axes), out_axes=(0, axes))
+    if (phase, due) not in self._applies:
+      tx, axes = self.tx, self.tx.state_axes
+      apply = lambda params, opt: tx.apply(opt, params, {n: opt.comm.in_flight[n] for n in due},
+                                           phase)
+      per_replica = jax.vmap(apply, in_axes=(0, axes), out_axes=(0, axes))
       layout = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
-      self._merges[due] = jax.jit(per_replica, out_shardings=layout, donate_argnums=(0, 1))
-    return self._merges[due]
+      self._applies[(phase, due)] = jax.jit(per_replica, out_shardings=layout,
+                                            donate_argnums=(0, 1))
+    return self._applies[(phase, due)]
 
   def settle(self, state):
-    """Every fragment in flight waited for and written into the state (its in-flight buffer, and
-    its error-feedback residual). A resumed loop then has no future and merges the buffer."""
-    return self._write(state, sorted(self._futures))
+    """Every plan in flight waited for and written into the state (its in-flight buffer, and its
+    error-feedback residual). A resumed loop then has no future and applies the buffer."""
+    return self._write(state, list(self._futures))
 
   def quiet(self) -> None:
     """With several processes, waits until the executor's collectives are done: the training
@@ -185,17 +197,16 @@ class Threaded:
   def close(self) -> None:
     self.executor.close()
 
-  def _write(self, state, fragments):
+  def _write(self, state, names):
     opt = state.opt_state
-    in_flight, residuals = list(opt.in_flight), list(opt.residuals)
-    for p in fragments:
-      result = self._futures.pop(p).result()
-      mean_r, new_residual = result if self.tx.error_feedback else (result, None)
-      in_flight[p] = jax.tree.map(_first_row, mean_r, in_flight[p])
+    in_flight, residuals = dict(opt.comm.in_flight), dict(opt.comm.residuals)
+    for name in names:
+      result = self._futures.pop(name).result()
+      mean_r, new_residual = result if name in residuals else (result, None)
+      in_flight[name] = jax.tree.map(_first_row, mean_r, in_flight[name])
       if new_residual is not None:
-        residuals[p] = jax.tree.map(_laid_out_as, new_residual, residuals[p])
-    return state._replace(opt_state=opt._replace(in_flight=tuple(in_flight),
-                                                 residuals=tuple(residuals)))
+        residuals[name] = jax.tree.map(_laid_out_as, new_residual, residuals[name])
+    return state._replace(opt_state=opt._replace(comm=comm.CommState(in_flight, residuals)))
 
 
 def _laid_out_as(value: jax.Array, like: jax.Array) -> jax.Array:

@@ -181,12 +181,13 @@ class PipelineGradients:
     (ℓ + 8S/B) issued at clock step s − 1 and needed by step s: a tick waits for the message the
     previous tick sent, so a step's transfers add to its compute, one after the other (sends of
     one tick on different devices run in parallel; activations and gradients of one tick are two).
-    `entries_at(step)` is the ledger of step `step`'s program; a permute traced once stands for the
-    `repeats` ticks that share its pattern."""
+    `entries_at(step)` is the ledger of step `step`'s program: the source's own entries are those
+    of no plan (`Entry.plan` None); a permute traced once stands for the `repeats` ticks that share
+    its pattern."""
     from lowcomm_jax.sim import clock  # pylint: disable=g-import-not-at-top
     return [clock.CommEvent(step - 1, step, e.payload_bytes, "send", 2)
             for step in range(1, num_steps + 1) for e in entries_at(step)
-            if e.kind == "ppermute" and e.name.startswith("pipeline") for _ in range(e.repeats)]
+            if e.plan is None for _ in range(e.repeats)]
 
   def compile(self, lowered):
     """Compiles without the persistent compilation cache on CPU: there (jax 0.10.2) this step's

@@ -218,14 +218,15 @@ class Trainer:
     return self._traced_entries[(phase, route)]
 
   def comm_events(self, num_steps: int, state) -> list:
-    """The run's transfers as `sim.clock.CommEvent`s: the algorithm's collectives, and the gradient
-    source's own (the pipeline's stage-to-stage messages, which depend on the step's routing)."""
-    entries_of = lambda phase: [e for e in self.phase_entries(phase, state, self.source.route_at(1))
-                                if e.kind != "ppermute" or not e.name.startswith("pipeline")]
+    """The run's transfers as `sim.clock.CommEvent`s: the algorithm's plans (their ledger entries,
+    `Entry.plan`), and the gradient source's own (the pipeline's stage-to-stage messages, which
+    depend on the step's routing)."""
+    from lowcomm_jax.sim import clock  # pylint: disable=g-import-not-at-top
+    entries_of = lambda phase: self.phase_entries(phase, state, self.source.route_at(1))
     entries_at = lambda step: self.phase_entries(self.algorithm.phase_at(step), state,
                                                  self.source.route_at(step))
-    return (self.algorithm.comm_events(num_steps, entries_of, self.mesh.shape[mesh_lib.DATA],
-                                       self.num_params)
+    return ([clock.CommEvent(*e) for e in self.algorithm.comm_events(
+                num_steps, entries_of, self.mesh.shape[mesh_lib.DATA], self.num_params)]
             + self.source.comm_events(num_steps, entries_at))
 
   def simulated_wall_time(self, num_steps: int, step_seconds: float, state) -> float:
