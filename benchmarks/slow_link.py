@@ -246,7 +246,7 @@ def plot_timelines(timelines: dict, path: pathlib.Path) -> None:
     for i in timeline["issued"]:
       if i["started_s"] >= origin and i["step"] <= _STEPS.value:
         ax.barh(y + 1.4, i["finished_s"] - i["started_s"], left=i["started_s"] - origin, height=0.7,
-                color="tab:orange" if i["fragment"] else "tab:red", edgecolor="black")
+                color="tab:orange" if i["plan"] != "fragment 0" else "tab:red", edgecolor="black")
         ax.text(i["started_s"] - origin + 0.02, y + 1.4, f"Δ{i['fragment']} (step {i['step']})",
                 va="center", fontsize=6)
   ax.set_yticks([2 * l + t for l in range(len(timelines)) for t in (0.5, 1.4)])

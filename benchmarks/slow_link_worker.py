@@ -23,7 +23,7 @@ class TimedTrainer(train.Trainer):
       (self.workdir / "timeline.json").write_text(json.dumps({
           "executor": self.overlap_executor,
           "steps": [{"step": s, "dispatched_s": d, "finished_s": f} for s, d, f in self.step_times],
-          "issued": [{"step": i.step, "fragment": i.fragment, "submitted_s": i.submitted_s,
+          "issued": [{"step": i.step, "plan": i.name, "submitted_s": i.submitted_s,
                       "started_s": i.started_s, "finished_s": i.finished_s}
                      for i in self.comm_issued]}))
     return summary

@@ -73,7 +73,7 @@ def main(coordinator, num_processes, process_id, out_path):
   step = 0
   for name, (codec, args) in cases.items():
     step += 1
-    future = executors[name].submit(step, 0, delta, *args)
+    future = executors[name].submit(step, "fragment 0", delta, *args)
     got = future.result()
     inline = jax.jit(comm.fragment_mean(0, codec))(delta, *args)
     in_step = jax.jit(lambda d, x, *a, c=codec: (comm.fragment_mean(0, c)(d, *a), compute(x)))(
@@ -86,16 +86,16 @@ def main(coordinator, num_processes, process_id, out_path):
 
   # Order: four submissions of two fragments in schedule order, on one executor.
   ex = executors["float32 all-reduce"]
-  futures = [ex.submit(s, p, delta) for s, p in [(10, 0), (10, 1), (12, 0), (14, 1)]]
+  futures = [ex.submit(s, f"fragment {p}", delta) for s, p in [(10, 0), (10, 1), (12, 0), (14, 1)]]
   for f in futures:
     f.result()
-  report["issued_order"] = [[i.step, i.fragment] for i in ex.issued]
+  report["issued_order"] = [[i.step, int(i.name.split()[-1])] for i in ex.issued]
   try:
-    ex.submit(13, 0, delta)
+    ex.submit(13, "fragment 0", delta)
     report["out_of_order_refused"] = False
   except ValueError as error:
     report["out_of_order_refused"] = "schedule order" in str(error)
-  report["entries"] = [[e.kind, e.payload_bytes, e.num_workers] for e in ex.entries(0)]
+  report["entries"] = [[e.kind, e.payload_bytes, e.num_workers] for e in ex.entries("fragment 0")]
 
   # Late peer: the program is compiled (above); process 1 joins 1.0 s late.
   jax.block_until_ready(compute(x))
@@ -103,7 +103,7 @@ def main(coordinator, num_processes, process_id, out_path):
   if me == 1:
     time.sleep(LATE_S)
   start = time.perf_counter()
-  future = ex.submit(20, 0, delta)
+  future = ex.submit(20, "fragment 0", delta)
   time.sleep(0.2)  # the executor thread has dispatched the all-reduce by now
   jax.block_until_ready(compute(x))
   compute_done = time.perf_counter() - start

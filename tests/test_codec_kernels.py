@@ -117,7 +117,7 @@ def test_training_with_pallas_kernels_on_the_wire_is_bit_identical_to_the_refere
                   jax.tree.leaves((state_r.params, state_r.opt_state)), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The run really quantized (the residuals are not zero).
-  assert any(float(jnp.abs(r).max()) > 0 for r in jax.tree.leaves(state_r.opt_state.residuals))
+  assert any(float(jnp.abs(r).max()) > 0 for r in jax.tree.leaves(state_r.opt_state.comm.residuals))
 
 
 def test_bad_codec_kernels_is_refused_naming_the_option():

@@ -63,7 +63,8 @@ def test_one_process_vmap_equals_inline_and_ledger_counts_each_submission():
   residual = jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), delta)
   codec = codecs.get_codec("e2m1", block_size=16)
   with comm.OuterCommExecutor() as plain, comm.OuterCommExecutor(codec) as coded:
-    futures = [plain.submit(4, 0, delta), plain.submit(4, 1, delta), coded.submit(8, 1, delta, residual)]
+    futures = [plain.submit(4, "fragment 0", delta), plain.submit(4, "fragment 1", delta),
+               coded.submit(8, "fragment 1", delta, residual)]
     means = [f.result() for f in futures]
     for got, want in zip(means, [jax.jit(comm.fragment_mean(0))(delta),
                                  jax.jit(comm.fragment_mean(1))(delta),
@@ -74,28 +75,29 @@ def test_one_process_vmap_equals_inline_and_ledger_counts_each_submission():
     # integers over 4 replicas: every partial sum and the division are exact in any order).
     np.testing.assert_array_equal(np.asarray(means[0]["b"][2]), np.asarray(delta["b"]).mean(0))
     payload = (50 * 3 + 9) * 4
-    assert plain.entries(1) == [comm.Entry("fragment 1", "all_reduce", payload,
-                                           comm.ring_factor(4) * payload, 4)]
+    assert plain.entries("fragment 1") == [comm.Entry("fragment 1", "all_reduce", payload,
+                                                      comm.ring_factor(4) * payload, 4,
+                                                      plan="fragment 1")]
     assert plain.sent_bytes == 2 * comm.ring_factor(4) * payload
     assert coded.sent_bytes == comm.compressed_mean_wire_bytes(
         jax.tree.map(lambda x: x[0], delta), codec, 4)
-    assert [(i.step, i.fragment) for i in plain.issued] == [(4, 0), (4, 1)]
+    assert [(i.step, i.name) for i in plain.issued] == [(4, "fragment 0"), (4, "fragment 1")]
     with pytest.raises(ValueError, match=r"schedule order"):
-      plain.submit(4, 0, delta)
+      plain.submit(4, "fragment 0", delta)
     with pytest.raises(ValueError, match=r"error feedback needs a codec"):
-      plain.submit(5, 0, delta, residual)
+      plain.submit(5, "fragment 0", delta, residual)
   with pytest.raises(RuntimeError, match="after close"):
-    plain.submit(9, 0, delta)
+    plain.submit(9, "fragment 0", delta)
   with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of auto, pallas, reference"):
     comm.OuterCommExecutor(codec, kernels="cuda")
 
 
 def test_a_failing_program_fails_its_future_only():
   with comm.OuterCommExecutor() as executor:
-    bad = executor.submit(1, 0, {"w": jnp.ones((2, 3)), "b": jnp.ones((3, 3))})  # replica axes differ
+    bad = executor.submit(1, "fragment 0", {"w": jnp.ones((2, 3)), "b": jnp.ones((3, 3))})  # replica axes differ
     with pytest.raises(ValueError):
       bad.result()
-    good = executor.submit(2, 0, jnp.ones((2, 3)))
+    good = executor.submit(2, "fragment 0", jnp.ones((2, 3)))
     np.testing.assert_array_equal(np.asarray(good.result()), np.ones((2, 3)))
 
 
@@ -145,15 +147,17 @@ def _train(tx, params, data, loss_fn, executor=None):
                                      in_axes=(0, None)))(params_r, state.outer_params)
           key = (jax.random.fold_in(jax.random.key(p), state.count)
                  if tx.codec is not None and tx.codec.rounding == "stochastic" else None)
-          residual = state.residuals[p] if tx.error_feedback else None
-          futures[p] = executor.submit(t, p, delta_r, residual, key)
-      in_flight, residuals = list(state.in_flight), list(state.residuals)
+          residual = state.comm.residuals[f"fragment {p}"] if tx.error_feedback else None
+          futures[p] = executor.submit(t, f"fragment {p}", delta_r, residual, key)
+      in_flight, residuals = dict(state.comm.in_flight), dict(state.comm.residuals)
       for p in phase.receive:
+        name = f"fragment {p}"
         if delay[p]:
           result = futures.pop(p).result()
-          mean_r, residuals[p] = result if tx.error_feedback else (result, residuals[p])
-          in_flight[p] = jax.tree.map(lambda m: m[0], mean_r)  # every replica holds the same mean
-      state = state._replace(in_flight=tuple(in_flight), residuals=tuple(residuals))
+          mean_r, residuals[name] = result if tx.error_feedback else (result, residuals.get(name))
+          in_flight[name] = jax.tree.map(lambda m: m[0], mean_r)  # every replica holds the same mean
+      state = state._replace(comm=comm.CommState(in_flight, {k: v for k, v in residuals.items()
+                                                             if v is not None}))
       phase = schedule_lib.Phase(tuple(p for p in phase.send if not delay[p]), phase.receive)
     params_r, state = program(phase)(params_r, state, batch_r)
   assert not futures
@@ -181,8 +185,8 @@ def test_streaming_diloco_with_the_executor_equals_inline(tau, codec_name, error
   inline = _train(tx, params, data, loss_fn)
   with comm.OuterCommExecutor(codec) as executor:
     threaded = _train(tx, params, data, loss_fn, executor)
-    assert [(i.step, i.fragment) for i in executor.issued] == [
-        (t, p) for t in range(1, 19) for p in tx.phase_at(t).send]
+    assert [(i.step, i.name) for i in executor.issued] == [
+        (t, f"fragment {p}") for t in range(1, 19) for p in tx.phase_at(t).send]
     assert len(executor.issued) == 5  # fragment 0 after steps 3, 9, 15; fragment 1 after 6, 12
   for a, b in zip(jax.tree.leaves(inline), jax.tree.leaves(threaded), strict=True):
     if tolerance:

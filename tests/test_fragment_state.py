@@ -49,8 +49,8 @@ def param_shaped_fields(opt_state):
   fields = [("outer_params", opt_state.outer_params, False)]
   for p, (trace, _) in enumerate(opt_state.outer_states):  # outer Nesterov: (TraceState, EmptyState)
     fields.append((f"outer_states[{p}].trace", trace.trace, False))
-  fields += [(f"in_flight[{p}]", t, False) for p, t in enumerate(opt_state.in_flight)]
-  fields += [(f"residuals[{p}]", t, True) for p, t in enumerate(opt_state.residuals)]
+  fields += [(f"in_flight[{n}]", t, False) for n, t in opt_state.comm.in_flight.items()]
+  fields += [(f"residuals[{n}]", t, True) for n, t in opt_state.comm.residuals.items()]
   return fields
 
 
@@ -106,8 +106,8 @@ def test_tree_map_params_reaches_every_param_shaped_leaf_and_only_those():
   mapped = optax.tree_map_params(tx, lambda x: x + 1, state)
   plus_one = lambda a, b: assert_trees_equal(a, jax.tree.map(lambda x: x + 1, b))
   plus_one(mapped.outer_params, state.outer_params)
-  plus_one(mapped.in_flight, state.in_flight)
-  plus_one(mapped.residuals, state.residuals)
+  plus_one(mapped.comm.in_flight, state.comm.in_flight)
+  plus_one(mapped.comm.residuals, state.comm.residuals)
   plus_one([s[0].trace for s in mapped.outer_states], [s[0].trace for s in state.outer_states])
   plus_one((mapped.inner_state[0].mu, mapped.inner_state[0].nu), (state.inner_state[0].mu, state.inner_state[0].nu))
   assert_trees_equal((mapped.count, mapped.nonfinite, mapped.inner_state[0].count),

@@ -68,7 +68,7 @@ def test_thread_equals_inline(tmp_path_factory, layout, tau):
   inline = _run(tmp_path_factory, layout, tau, "inline")
   threaded = _run(tmp_path_factory, layout, tau, "thread")
   assert (inline.overlap_executor, threaded.overlap_executor) == ("inline", "thread")
-  assert [(i.step, i.fragment) for i in threaded.comm_issued] == ISSUED
+  assert [(i.step, int(i.name.split()[-1])) for i in threaded.comm_issued] == ISSUED
   assert inline.comm_issued == []
   _assert_close(inline.final_state, threaded.final_state)
   # Not vacuous: the replicas trained apart and both outer steps moved φ.
@@ -120,8 +120,9 @@ def test_thread_step_programs_hold_no_cross_replica_collective(tmp_path_factory)
   state = threaded.final_state
   merges = overlap.Threaded(threaded.algorithm.tx, threaded.mesh)
   try:
-    for due in ((0,), (1,)):
-      text = merges._merge_program(due, state).lower(state.params, state.opt_state).compile().as_text()  # pylint: disable=protected-access
+    for p in (0, 1):
+      phase, due = Phase((), (p,)), (f"fragment {p}",)
+      text = merges._apply_program(phase, due, state).lower(state.params, state.opt_state).compile().as_text()  # pylint: disable=protected-access
       assert "fusion" in text and not any(f" {op}(" in text for op in hlo.COLLECTIVE_OPS), due
   finally:
     merges.close()
@@ -156,13 +157,13 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("resume") / "run"
   first = Trainer(config, workdir, devices=jax.devices()[:1])
   first.run()
-  in_flight = first.final_state.opt_state.in_flight[0]
+  in_flight = first.final_state.opt_state.comm.in_flight["fragment 0"]
   assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(in_flight))
-  assert [(i.step, i.fragment) for i in first.comm_issued] == [(4, 0)]
+  assert [(i.step, int(i.name.split()[-1])) for i in first.comm_issued] == [(4, 0)]
   config.stop_at_step = -1
   second = Trainer(config, workdir, devices=jax.devices()[:1])
   second.run()
-  assert [(i.step, i.fragment) for i in second.comm_issued] == [(7, 1)]
+  assert [(i.step, int(i.name.split()[-1])) for i in second.comm_issued] == [(7, 1)]
   _assert_close(whole.final_state, second.final_state, exact=True)
 
 
@@ -192,7 +193,7 @@ def test_two_processes_thread_equals_inline(tmp_path, run):
   print(f"two processes, {run}:", end=" ")
   _assert_close(states["inline"], states["thread"])
   if codec:  # not vacuous: the residuals the thread wrote back are the inline ones, and not zero
-    residuals = jax.tree.leaves(states["thread"].opt_state.residuals)
+    residuals = jax.tree.leaves(states["thread"].opt_state.comm.residuals)
     assert residuals and any(np.any(np.asarray(r) != 0) for r in residuals)
 
 

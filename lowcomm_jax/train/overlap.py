@@ -84,8 +84,8 @@ def choose(mode: str, algorithm, source, mesh) -> str:
     return "inline"
   if not works:
     why = ("gradients=pipeline keeps its state in grid layout" if carried else
-           "only a group-free plan (Streaming DiLoCo, SparseLoCo) with diloco.overlap_steps (τ) "
-           ">= 1 has a collective to overlap")
+           "only Streaming DiLoCo with diloco.overlap_steps (τ) >= 1 (or SparseLoCo with "
+           "sparseloco.overlap_steps >= 1) has a collective to overlap")
     raise ValueError(f"diloco.overlap_executor=thread: {why}; use diloco.overlap_executor=inline "
                      "or auto")
   comm.check_layout(mesh)
