@@ -88,7 +88,8 @@ def test_compiled_sync_step_has_only_permutation_collectives():
   mesh = jax.make_mesh((8,), ("replica",), axis_types=(jax.sharding.AxisType.Auto,))
   params_r, state = tx.init_replicated(params, 8)
   axes = tx.state_axes._replace(count=P(), inner_state=P("replica"), slow=P("replica"), momentum=P("replica"),
-                                refused=P("replica"))
+                                refused=P("replica"),
+                                comm=comm.CommState(in_flight=P(), residuals=P("replica")))
 
   def step(p, s, b):
     p, b = jax.tree.map(lambda x: x[0], (p, b))

@@ -92,11 +92,12 @@ def test_one_outer_program_runs_only_its_groupings_permutations(tmp_path):
     assert sum(map(collective_bytes, lines)) == sum(e.payload_bytes for e in entries)
   assert [(e.name, e.sent_bytes) for e in entries] == [
       ("noloco slow weights", 4 * trainer.num_params), ("noloco outer gradient", 4 * trainer.num_params)]
-  # The virtual clock sees one pairwise exchange of both tensors per outer step, blocking the next step.
+  # The virtual clock sees one pairwise exchange of both tensors per outer step, blocking the next
+  # step (the last one, after step 3H, holds back the end of the run).
   events = trainer.comm_events(3 * H, state)
   assert [(e.issued_step, e.consumed_step, e.kind, e.num_workers) for e in events] == [
-      (s - 1, s, "gossip", 2) for s in (H, H, 2 * H, 2 * H)]
-  assert [e.payload_bytes for e in events] == [4 * trainer.num_params] * 4
+      (s - 1, s, "gossip", 2) for s in (H, H, 2 * H, 2 * H, 3 * H, 3 * H)]
+  assert [e.payload_bytes for e in events] == [4 * trainer.num_params] * 6
 
 
 def test_codec_sends_encoded_outer_gradients(tmp_path):
