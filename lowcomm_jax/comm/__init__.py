@@ -4,7 +4,8 @@ from lowcomm_jax.comm.collectives import group_mean, mean, permute, tree_bytes
 from lowcomm_jax.comm.compressed_mean import compressed_mean, compressed_mean_wire_bytes
 from lowcomm_jax.comm.executor import Issued, OuterCommExecutor, check_layout, fragment_mean
 from lowcomm_jax.comm.ledger import Entry, Ledger, record, ring_factor
+from lowcomm_jax.comm.sparse_mean import sparse_mean, sparse_mean_wire_bytes
 
 __all__ = ["compressed_mean", "compressed_mean_wire_bytes", "group_mean", "Entry", "Issued", "Ledger",
            "OuterCommExecutor", "check_layout", "fragment_mean", "mean", "permute", "record",
-           "ring_factor", "tree_bytes"]
+           "ring_factor", "sparse_mean", "sparse_mean_wire_bytes", "tree_bytes"]
