@@ -133,7 +133,7 @@ class TopKCompressor:
     # chunk has fewer than k real values; it is then left out of the levels and never decoded.
     ranked, index = lax.top_k(jnp.where(real, jnp.abs(chunks), -1.0), k)
     value = jnp.take_along_axis(chunks, index, axis=1)
-    kept = ranked >= 0
+    kept = jnp.take_along_axis(real, index, axis=1)  # by position: a NaN is a real value
     magnitude = jnp.abs(value)
     if self.num_levels == 1:
       level_of = jnp.zeros((c, k), jnp.int32)
