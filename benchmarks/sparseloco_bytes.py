@@ -42,6 +42,7 @@ def main(argv):
 
   from lowcomm_jax import codecs, comm, models
   from lowcomm_jax.models import llama
+  from lowcomm_jax.train import workdir
 
   sparse = codecs.TopKCompressor(_CHUNK.value, _TOP_K.value, _BITS.value)
   e3m0 = codecs.get_codec("e3m0", block_size=_BLOCK.value)
@@ -73,9 +74,7 @@ def main(argv):
             "e3m0_block_size": _BLOCK.value, "rows": rows}
   out = pathlib.Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = out.with_suffix(".tmp")
-  tmp.write_text(json.dumps(result, indent=1) + "\n")
-  os.replace(tmp, out)
+  workdir.write_atomic(out, json.dumps(result, indent=1) + "\n")
   print(f"wrote {out}")
 
 
