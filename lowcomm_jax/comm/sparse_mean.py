@@ -42,16 +42,33 @@ from lowcomm_jax.comm.compressed_mean import gather_to_every_worker
 __all__ = ["sparse_mean", "sparse_mean_wire_bytes"]
 
 
-def _sum_of_payloads(compressor: TopKCompressor, parts, num_elements: int, shape, axis_size: int):
-  """The M gathered payloads of one tensor (each part ``[M, ...]``) to their float32 mean."""
-  c, chunk_len, _, _ = compressor.layout(num_elements)
-  positions, values = jax.vmap(
-      lambda i, q, s: compressor.decode_sparse(i, q, s, num_elements))(*parts)
+def _mean_of_payloads(compressor: TopKCompressor, encoded, gathered, leaves, axis_size: int):
+  """The float32 mean of every leaf from the M gathered payloads of the whole tree.
 
-  total = jnp.zeros(c * chunk_len, jnp.float32)
+  ``gathered`` holds the three parts, each ``[M, every leaf's part laid end to end]``; ``encoded``
+  is this worker's payload, whose shapes say where each leaf's part lies. All leaves are added
+  into one dense buffer, so the program has M scatter-adds, whatever the number of leaves.
+  """
+  positions, values, spans = [], [], []
+  offsets, dense_size = [0, 0, 0], 0
+  for parts, leaf in zip(encoded, leaves):
+    pieces = []
+    for i, part in enumerate(parts):
+      pieces.append(gathered[i][:, offsets[i]:offsets[i] + part.size].reshape(
+          (axis_size,) + part.shape))
+      offsets[i] += part.size
+    position, value = jax.vmap(
+        lambda i, q, s, n=leaf.size: compressor.decode_sparse(i, q, s, n))(*pieces)
+    positions.append(position.reshape(axis_size, -1) + dense_size)
+    values.append(value.reshape(axis_size, -1))
+    spans.append((dense_size, leaf.size, leaf.shape))
+    layout = compressor.layout(leaf.size)
+    dense_size += layout.num_chunks * layout.chunk_len
+  positions, values = jnp.concatenate(positions, axis=1), jnp.concatenate(values, axis=1)
+  total = jnp.zeros(dense_size, jnp.float32)
   for w in range(axis_size):  # static slices: a traced worker index would not partition
-    total = total.at[positions[w].reshape(-1)].add(values[w].reshape(-1), unique_indices=True)
-  return (total[:num_elements] / axis_size).reshape(shape)
+    total = total.at[positions[w]].add(values[w], unique_indices=True)
+  return [(total[start:start + n] / axis_size).reshape(shape) for start, n, shape in spans]
 
 
 def sparse_mean(tree: Any, axis_name, compressor: TopKCompressor, name: str = "sparse mean", *,
@@ -83,14 +100,7 @@ def sparse_mean(tree: Any, axis_name, compressor: TopKCompressor, name: str = "s
     # One all-gather per part for the whole tree: the leaves' parts laid end to end.
     gathered = [gather_to_every_worker(jnp.concatenate([parts[i].reshape(-1) for parts in encoded]),
                                        axis_name) for i in range(3)]
-    offsets = [0, 0, 0]
-    means = []
-    for parts, leaf in zip(encoded, leaves):
-      pieces = []
-      for i, part in enumerate(parts):
-        pieces.append(gathered[i][:, offsets[i]:offsets[i] + part.size].reshape((m,) + part.shape))
-        offsets[i] += part.size
-      means.append(_sum_of_payloads(compressor, pieces, leaf.size, leaf.shape, m))
+    means = _mean_of_payloads(compressor, encoded, gathered, leaves, m)
     return jax.tree.unflatten(treedef, means), jax.tree.unflatten(treedef, sent)
 
   if not jax.tree.leaves(tree):
