@@ -9,7 +9,6 @@ remains is the float32 rounding of the level means, of the sum over workers and 
 bounded from their lengths and magnitudes (`sum_error_bound`).
 """
 
-import math
 import re
 
 import jax
