@@ -31,6 +31,7 @@ from lowcomm_jax.codecs.float4 import E2M1, E3M0
 from lowcomm_jax.codecs.integer import INT4, INT8
 from lowcomm_jax.codecs.passthrough import BF16, FP32
 from lowcomm_jax.codecs.registry import CODECS, get_codec
+from lowcomm_jax.codecs.topk import SparseLayout, TopKCompressor
 
 __all__ = [
     "Codec",
@@ -52,4 +53,6 @@ __all__ = [
     "FP32",
     "CODECS",
     "get_codec",
+    "SparseLayout",
+    "TopKCompressor",
 ]

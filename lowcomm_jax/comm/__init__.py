@@ -6,7 +6,8 @@ from lowcomm_jax.comm.plan import COMM_STATE_AXES, CommState, OuterStep, Plan
 from lowcomm_jax.comm.dispatch import carry
 from lowcomm_jax.comm.executor import Issued, OuterCommExecutor, check_layout, fragment_mean
 from lowcomm_jax.comm.ledger import Entry, Ledger, record, ring_factor
+from lowcomm_jax.comm.sparse_mean import sparse_mean, sparse_mean_wire_bytes
 
 __all__ = ["COMM_STATE_AXES", "CommState", "OuterStep", "Plan", "carry", "compressed_mean", "compressed_mean_wire_bytes", "group_mean", "Entry", "Issued", "Ledger",
            "OuterCommExecutor", "check_layout", "fragment_mean", "mean", "permute", "record",
-           "ring_factor", "tree_bytes"]
+           "ring_factor", "sparse_mean", "sparse_mean_wire_bytes", "tree_bytes"]

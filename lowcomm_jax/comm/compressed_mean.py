@@ -39,7 +39,7 @@ from jax import lax
 from lowcomm_jax import codecs
 from lowcomm_jax.comm import ledger
 
-__all__ = ["compressed_mean", "compressed_mean_wire_bytes"]
+__all__ = ["compressed_mean", "compressed_mean_wire_bytes", "gather_to_every_worker"]
 
 
 def _chunk_len(num_elements: int, axis_size: int) -> int:
@@ -85,14 +85,20 @@ def _array_mean(x: jax.Array, axis_name, codec: codecs.Codec, axis_size: int,
   mean_codes, mean_scales = codec.encode_blocks(mean_blocks, mean_key, **kernel_options)
 
   # All-gather: every worker gets every chunk's encoded mean.
-  # Under shard_map (codes varying over the axis) the gathered mean is the same on every worker:
-  # say so (to="invarying"), so it may leave shard_map replicated (the in-flight buffer, φ).
-  # vmap has no varying axes (and no invariant all-gather): a plain all-gather.
-  varying = lambda a: axis_name in jax.typeof(a).manual_axis_type.varying
-  gather = lambda a: None if a is None else lax.all_gather(
-      a, axis_name, to="invarying" if varying(a) else "varying")
+  gather = lambda a: None if a is None else gather_to_every_worker(a, axis_name)
   mean = decode_per_worker(gather(mean_codes), gather(mean_scales))
   return mean.reshape(-1)[:num_elements].reshape(x.shape), sent
+
+
+def gather_to_every_worker(a: jax.Array, axis_name) -> jax.Array:
+  """``lax.all_gather`` of ``a`` (result ``[M, ...]``), typed as the same on every worker.
+
+  Under ``shard_map`` (``a`` varying over the axis) the result is marked invariant
+  (``to="invarying"``), so what is decoded from it may leave ``shard_map`` replicated (the
+  in-flight buffer, φ). vmap has no varying axes (and no invariant all-gather): a plain all-gather.
+  """
+  varying = axis_name in jax.typeof(a).manual_axis_type.varying
+  return lax.all_gather(a, axis_name, to="invarying" if varying else "varying")
 
 
 def compressed_mean(tree: Any, axis_name, codec: codecs.Codec, name: str = "compressed mean", *,
