@@ -36,7 +36,9 @@ def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # dp: synchronous data parallel (one gradient all-reduce per step); diloco: M replicas (mesh.replica)
   # train alone for H steps, then an outer step; streaming_diloco: fragments, overlap τ, merge α;
-  # noloco: outer steps by gossip in random groups of replicas, no all-reduce (the `noloco` section).
+  # noloco: outer steps by gossip in random groups of replicas, no all-reduce (the `noloco` section);
+  # sparseloco: Streaming DiLoCo's schedule with top-k, 1-2 bit outer gradients and error feedback
+  # (the `sparseloco` section).
   c.algorithm = "dp"
   # Where gradients come from (lowcomm_jax.train.sources): replicas (each replica's forward/backward
   # on its own batch) | skippipe (micro-batches along SkipPipe stage paths, the `skippipe` section)
@@ -140,6 +142,23 @@ def default_config() -> ml_collections.ConfigDict:
       num_groupings=16,  # >= 1: random partitions drawn from `seed` (one outer program switches among them)
       codec="none",  # none (float32) | a diloco.codec name: the outer gradients' wire format
       codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2
+  ))
+  # SparseLoCo (docs/sparseloco.md): fragment p's Δ, plus its error buffer e ← β·e + Δ, travels as
+  # the top_k largest entries of every chunk of chunk_size values, each at `bits` bits (all-gather
+  # of the sparse payloads, scatter-add mean); the outer step is SGD with no momentum (the error
+  # buffer is the momentum); outer_optimizer.* is not read. The fragments' layout and the overlap
+  # thread follow diloco.fragment_pattern, non_block_fragment, staggered, overlap_anchor and
+  # overlap_executor.
+  c.sparseloco = ml_collections.ConfigDict(dict(
+      sync_every=50,  # H: inner steps between two syncs of a fragment, at most num_steps
+      num_fragments=1,  # P: block fragments (1 = the whole model, the paper's)
+      overlap_steps=0,  # τ: inner steps a fragment's gather overlaps before it is applied
+      merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied, in [0, 1]
+      chunk_size=4096,  # values per top-k chunk, an integer >= 2 (the paper: 4096)
+      top_k=64,  # values kept per chunk, in [1, chunk_size] (the paper: 64, 1.56 %)
+      bits=2,  # bits per kept value: 1 (scaled sign) or 2 (the paper's)
+      feedback_decay=0.95,  # β of the error buffer, in [0, 1]
+      outer_learning_rate=1.0,  # η of the outer SGD step, > 0
   ))
   c.outer_optimizer = ml_collections.ConfigDict(dict(
       name="nesterov",  # nesterov | sgd | adam, applied to the outer gradient Δ = φ − θ

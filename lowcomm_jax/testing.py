@@ -71,6 +71,12 @@ ENGINE_CASES = {
         "diloco.merge_alpha": 0.5}, "sync": 3},
     "noloco": {"config": {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 3,
                           "noloco.num_groupings": 2}, "sync": 3},
+    # Streaming DiLoCo's case with SparseLoCo's sparse gather (chunks of 64, 4 kept, 2 bits)
+    "sparseloco": {"config": {
+        "algorithm": "sparseloco", "num_replicas": 2, "sparseloco.num_fragments": 2,
+        "diloco.non_block_fragment": "fold", "sparseloco.sync_every": 4,
+        "sparseloco.overlap_steps": 1, "sparseloco.merge_alpha": 0.5, "sparseloco.chunk_size": 64,
+        "sparseloco.top_k": 4}, "sync": 3},
     "skippipe": {"config": {"gradients": "skippipe", "pipeline.num_stages": 4,
                             "skippipe.paths": "0-1-2,0-2-3,0-3-1,0-1-3"}, "sync": 1},
     "pipeline_noloco": {"config": {**_PIPELINE, "algorithm": "noloco", "noloco.sync_every": 3,

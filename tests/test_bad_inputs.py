@@ -30,6 +30,7 @@ DILOCO = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 4}
 STREAMING = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 6,
              "diloco.num_fragments": 2, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5}
 NOLOCO = {"algorithm": "noloco", "num_replicas": 2, "noloco.sync_every": 4, "mesh.data": 1}
+SPARSELOCO = {"algorithm": "sparseloco", "num_replicas": 2, "sparseloco.sync_every": 4}
 SKIPPIPE = {"gradients": "skippipe", "pipeline.num_stages": 6}
 
 # (config changes, the option the message must name, the allowed values it must state)
@@ -148,6 +149,19 @@ CONFIG_CASES = [
     ({"diloco.merge_alpha": 2.0}, "diloco.merge_alpha", "[0, 1]"),
     ({"diloco.overlap_steps": -1}, "diloco.overlap_steps", ">= 0"),
     ({"outer_optimizer.momentum": -0.1}, "outer_optimizer.momentum", "[0, 1)"),
+    ({"sparseloco.feedback_decay": 1.5}, "sparseloco.feedback_decay", "[0, 1]"),
+    # SparseLoCo's section
+    ({**SPARSELOCO, "sparseloco.top_k": 65, "sparseloco.chunk_size": 64}, "sparseloco.top_k",
+     "[1, sparseloco.chunk_size = 64]"),
+    ({**SPARSELOCO, "sparseloco.chunk_size": 1}, "sparseloco.chunk_size", "an integer >= 2"),
+    ({**SPARSELOCO, "sparseloco.bits": 3}, "sparseloco.bits", "1 or 2"),
+    ({**SPARSELOCO, "sparseloco.outer_learning_rate": 0.0}, "sparseloco.outer_learning_rate", "> 0"),
+    ({**SPARSELOCO, "sparseloco.overlap_steps": 4}, "sparseloco.overlap_steps", "smaller than H/P = 4"),
+    ({**SPARSELOCO, "sparseloco.merge_alpha": -0.5}, "sparseloco.merge_alpha", "[0, 1]"),
+    ({**SPARSELOCO, "sparseloco.num_fragments": 3, "sparseloco.sync_every": 6},
+     "sparseloco.sync_every", "multiple of"),
+    ({**SPARSELOCO, "gradients": "skippipe", "pipeline.num_stages": 6, "sparseloco.num_fragments": 2},
+     "sparseloco.num_fragments", "1 with gradients=skippipe"),
     # options whose refusal must name them, before compute
     ({**SKIPPIPE, "skippipe.topology": "reference_data"}, "skippipe.topology", "'gcp_12_regions'"),
     ({**SKIPPIPE, "skippipe.placement_seed": -1}, "skippipe.placement_seed", "[0, 4294967296)"),
@@ -386,9 +400,12 @@ SYNC_EVERY_ENTRIES = [
         optax.sgd(0.1), sync_every=h, fragments=lambda params: ()), True),
     ("diloco.sync_every", lambda h: schedule.make_schedule(1, h), True),
     ("noloco.sync_every", lambda h: lowcomm_jax.noloco(optax.sgd(0.1), num_replicas=2, sync_every=h), True),
+    ("sparseloco.sync_every", lambda h: lowcomm_jax.sparseloco(optax.sgd(0.1), sync_every=h), True),
     ("Method.sync_every", utilization.diloco, True),
     ("diloco.sync_every", lambda h: config_lib.validate(tiny_config(**{**DILOCO, "diloco.sync_every": h})), False),
     ("noloco.sync_every", lambda h: config_lib.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": h})), False),
+    ("sparseloco.sync_every", lambda h: config_lib.validate(
+        tiny_config(**{**SPARSELOCO, "sparseloco.sync_every": h})), False),
 ]
 
 

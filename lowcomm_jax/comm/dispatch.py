@@ -18,6 +18,7 @@ from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax.comm import collectives, ledger
 from lowcomm_jax.comm.compressed_mean import compressed_mean
 from lowcomm_jax.comm.plan import CommState, Plan
+from lowcomm_jax.comm.sparse_mean import sparse_mean
 
 __all__ = ["carry", "carry_phase", "incoming", "over_replicas", "plan_key"]
 
@@ -63,12 +64,8 @@ def carry(plan: Plan, tree: Any, axis_name: str, *, name: str, residual: Any = N
       if residual is not None:
         raise ValueError(f"plan {name!r}: group_mean has no error feedback")
       return _group_mean(plan, tree, axis_name, name, grouping)
-    try:
-      from lowcomm_jax.comm import sparse_mean  # pylint: disable=g-import-not-at-top
-    except ImportError:
-      raise NotImplementedError("plan kind sparse_gather needs lowcomm_jax.comm.sparse_mean") from None
-    return sparse_mean.sparse_mean(tree, axis_name, plan.codec, name, residual=residual,
-                                   decay=1.0)
+    # β was applied above, as for the compressed mean
+    return sparse_mean(tree, axis_name, plan.codec, name, residual=residual, decay=1.0)
 
 
 def _group_mean(plan: Plan, tree, axis_name: str, name: str, grouping):

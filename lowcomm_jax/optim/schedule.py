@@ -23,6 +23,7 @@ is always the step whose parameters are sent); with τ = 0 both are the same.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -55,29 +56,41 @@ OVERLAP_ANCHORS = ("send", "apply")
 
 def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
                   merge_alpha: float = 0.0, staggered: bool = True,
-                  overlap_anchor: str = "send") -> FragmentSchedule:
+                  overlap_anchor: str = "send", section: str = "diloco") -> FragmentSchedule:
   """The Streaming DiLoCo schedule; one clear ValueError per bad option, before any compute.
 
   `overlap_anchor`: "send" sends at the nominal sync step and merges τ steps later (the paper's);
   "apply" sends τ steps before the nominal step and merges at it (torchft's), see the table above.
+  `section` names the config section in the messages (`diloco`, `sparseloco`). Built once per
+  distinct arguments (the config's check and the algorithm share it); its arrays are read-only.
   """
+  return _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered,
+                   overlap_anchor, section)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered, overlap_anchor,
+              section) -> FragmentSchedule:
   if overlap_anchor not in OVERLAP_ANCHORS:
     raise ValueError(f"diloco.overlap_anchor must be one of {OVERLAP_ANCHORS}, got {overlap_anchor!r}")
   if num_fragments < 1:
-    raise ValueError(f"diloco.num_fragments (P) must be >= 1, got {num_fragments}")
-  sync_every = checks.sync_every(sync_every, num_fragments=num_fragments if staggered else 1)
+    raise ValueError(f"{section}.num_fragments (P) must be >= 1, got {num_fragments}")
+  sync_every = checks.sync_every(sync_every, f"{section}.sync_every",
+                                 num_fragments=num_fragments if staggered else 1)
   stride = sync_every // num_fragments if staggered else sync_every
   if overlap_steps < 0 or (overlap_steps and overlap_steps >= stride):
-    raise ValueError(f"diloco.overlap_steps (τ={overlap_steps}) must be >= 0 and smaller than "
+    raise ValueError(f"{section}.overlap_steps (τ={overlap_steps}) must be >= 0 and smaller than "
                      f"H/P = {stride} so that one fragment is in flight at a time")
   if not 0.0 <= merge_alpha <= 1.0:
-    raise ValueError(f"diloco.merge_alpha (α) must be in [0, 1], got {merge_alpha}")
+    raise ValueError(f"{section}.merge_alpha (α) must be in [0, 1], got {merge_alpha}")
   # τ < H/P keeps the earliest "apply" send, (p+1)·H/P − τ, at step 1 or later.
   shift = overlap_steps if overlap_anchor == "apply" else 0
   offsets = [((p + 1) * stride if staggered else sync_every) - shift for p in range(num_fragments)]
-  return FragmentSchedule(
-      period=np.full(num_fragments, sync_every), offset=np.asarray(offsets),
-      delay=np.full(num_fragments, overlap_steps), alpha=np.full(num_fragments, float(merge_alpha)))
+  rows = (np.full(num_fragments, sync_every), np.asarray(offsets),
+          np.full(num_fragments, overlap_steps), np.full(num_fragments, float(merge_alpha)))
+  for row in rows:
+    row.flags.writeable = False
+  return FragmentSchedule(*rows)
 
 
 def _synced_after(schedule: FragmentSchedule, p: int, t: int) -> bool:

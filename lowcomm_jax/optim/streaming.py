@@ -275,18 +275,31 @@ def streaming_diloco(inner: optax.GradientTransformation,
       (the Pallas kernels; interpreted on CPU, bit-identical to the reference) or "auto" (Pallas
       where the platform compiles them, GPU/TPU; the reference elsewhere).
   """
-  checks.sync_every(sync_every)  # now, even when a callable's fragment count is known only at init
   outer = outer if outer is not None else outer_nesterov()
-  resolve = _resolve_fragments(fragments, fragment_pattern, non_block_fragment)
-  schedule = functools.partial(schedule_lib.make_schedule, sync_every=sync_every,
-                               overlap_steps=overlap_steps, merge_alpha=merge_alpha, staggered=staggered,
-                               overlap_anchor=overlap_anchor)
-  if not callable(fragments):  # the rows are known now: bad options fail here, before any compute
-    schedule = schedule(count_fragments(fragments, non_block_fragment))
+  schedule, resolve = schedule_and_fragments(sync_every, fragments, overlap_steps, merge_alpha,
+                                             staggered, fragment_pattern, non_block_fragment,
+                                             overlap_anchor)
   if isinstance(codec, str):
     codec = codecs.get_codec(codec)
   return StreamingDiLoCo(inner, outer, schedule, resolve, axis_name, codec, error_feedback,
                          codec_kernels)
+
+
+def schedule_and_fragments(sync_every: int, fragments: FragmentsArg, overlap_steps: int,
+                           merge_alpha: float, staggered: bool, fragment_pattern: str,
+                           non_block_fragment: str, overlap_anchor: str, section: str = "diloco"):
+  """(the schedule, or the function of the fragment count that makes it; the fragment rule), as
+  `streaming_diloco` takes them. Bad options fail here, before any compute, naming `section`'s
+  keys."""
+  # now, even when a callable's fragment count is known only at init
+  checks.sync_every(sync_every, f"{section}.sync_every")
+  resolve = _resolve_fragments(fragments, fragment_pattern, non_block_fragment)
+  schedule = functools.partial(schedule_lib.make_schedule, sync_every=sync_every,
+                               overlap_steps=overlap_steps, merge_alpha=merge_alpha, staggered=staggered,
+                               overlap_anchor=overlap_anchor, section=section)
+  if not callable(fragments):  # the rows are known now
+    schedule = schedule(count_fragments(fragments, non_block_fragment))
+  return schedule, resolve
 
 
 def count_fragments(fragments: int | frag_lib.Rules, non_block: str) -> int:

@@ -3,7 +3,8 @@
 Data parallel is one replica with the inner optimizer (guarded against NaN/inf); DiLoCo and
 Streaming DiLoCo are M replicas with `lowcomm_jax.streaming_diloco`, whose phase (which fragment
 is sent or applied) is read on the host for each step; NoLoCo is M replicas with
-`lowcomm_jax.noloco`, whose phase is the outer step's random grouping. The loop sees only the
+`lowcomm_jax.noloco`, whose phase is the outer step's random grouping; SparseLoCo is M replicas
+with `lowcomm_jax.sparseloco`, phased as Streaming DiLoCo. The loop sees only the
 interface, never the name.
 
 Each entry of ALGORITHMS pairs the builder with `check_config`, the checks of the config sections
@@ -20,6 +21,7 @@ import optax
 
 from lowcomm_jax import checks, codecs, optim
 from lowcomm_jax.codecs import base as codec_base
+from lowcomm_jax.codecs.topk import TopKCompressor
 from lowcomm_jax.optim import fragments as frag_lib
 from lowcomm_jax.optim import replicated, schedule
 from lowcomm_jax.optim import streaming
@@ -114,12 +116,16 @@ def _diloco_family(config, inner, num_replicas, abstract_params):
   return replicated.DiLoCoFamily(config.algorithm, tx, num_replicas, names)
 
 
-def _check_streaming_diloco(c) -> None:
-  d = c.diloco
+def _check_replica_counts(c) -> None:
   checks.require(c.num_replicas >= 1, "num_replicas", ">= 1 (the number of DiLoCo workers M)",
                  c.num_replicas)
   checks.require(c.mesh.replica >= 1 and c.num_replicas % c.mesh.replica == 0, "mesh.replica",
                  f"a divisor of num_replicas={c.num_replicas}", c.mesh.replica)
+
+
+def _check_streaming_diloco(c) -> None:
+  d = c.diloco
+  _check_replica_counts(c)
   checks.require(not d.fragment_rules or d.num_fragments == 1, "diloco.num_fragments",
                  "1 when diloco.fragment_rules is set (the rules give the fragments)", d.num_fragments)
   num_rows = streaming.count_fragments(fragments_of(c), d.non_block_fragment)
@@ -155,6 +161,43 @@ def _check_outer_optimizer(c) -> None:
   checks.number(c, "outer_optimizer.momentum", 0, 1)
 
 
+def _sparseloco(config, inner, num_replicas, abstract_params):
+  s, d = config.sparseloco, config.diloco
+  tx = optim.sparseloco(
+      inner, sync_every=s.sync_every, fragments=s.num_fragments, overlap_steps=s.overlap_steps,
+      merge_alpha=s.merge_alpha, chunk_size=s.chunk_size, top_k=s.top_k, bits=s.bits,
+      feedback_decay=s.feedback_decay, outer_learning_rate=s.outer_learning_rate,
+      staggered=d.staggered, fragment_pattern=d.fragment_pattern,
+      non_block_fragment=d.non_block_fragment, overlap_anchor=d.overlap_anchor)
+  names = [] if abstract_params is None else [f.name for f in tx.fragments(abstract_params)]
+  return replicated.DiLoCoFamily(config.algorithm, tx, num_replicas, names)
+
+
+def _check_sparseloco(c) -> None:
+  s, d = c.sparseloco, c.diloco
+  _check_replica_counts(c)
+  checks.require(c.gradients == "replicas" or s.num_fragments == 1, "sparseloco.num_fragments",
+                 f"1 with gradients={c.gradients} (fragments are cut by layer, stages too)",
+                 s.num_fragments)
+  num_rows = streaming.count_fragments(s.num_fragments, d.non_block_fragment)
+  checks.sync_every(s.sync_every, "sparseloco.sync_every", num_steps=c.num_steps,
+                    num_fragments=num_rows if d.staggered else 1)
+  _check_sparseloco_values(c)
+  schedule.make_schedule(num_rows, s.sync_every, s.overlap_steps, s.merge_alpha, d.staggered,
+                         d.overlap_anchor, "sparseloco")
+
+
+def _check_sparseloco_values(c) -> None:
+  """The `sparseloco` section's values that are wrong whatever the rest of the config says."""
+  s = c.sparseloco
+  checks.integer(c, "sparseloco.num_fragments", 1)
+  checks.integer(c, "sparseloco.overlap_steps", 0)
+  checks.number(c, "sparseloco.merge_alpha", 0, 1, high_open=False)
+  checks.number(c, "sparseloco.feedback_decay", 0, 1, high_open=False)
+  checks.number(c, "sparseloco.outer_learning_rate", 0, low_open=True)
+  TopKCompressor(s.chunk_size, s.top_k, s.bits)  # chunk_size, top_k <= chunk_size, bits: named
+
+
 def check_every_section(c: ml_collections.ConfigDict) -> None:
   """The values of every algorithm's section, read or not by the config's algorithm.
 
@@ -163,6 +206,7 @@ def check_every_section(c: ml_collections.ConfigDict) -> None:
   """
   _check_diloco_values(c)
   _check_noloco_values(c)
+  _check_sparseloco_values(c)
   _check_outer_optimizer(c)
 
 
@@ -190,6 +234,7 @@ ALGORITHMS = {
     "diloco": Algorithm(_diloco_family, _check_diloco),
     "streaming_diloco": Algorithm(_diloco_family, _check_streaming_diloco),
     "noloco": Algorithm(_noloco, _check_noloco),
+    "sparseloco": Algorithm(_sparseloco, _check_sparseloco),
 }
 
 
