@@ -46,6 +46,14 @@ GOLDEN = {
         4: (5.501721382141113, 1.1417150497436523),
     },
     "skippipe": {1: (5.558516979217529, 1.0339123010635376), 2: (5.544247150421143, 0.6955036520957947)},
+    # Until its first merge (after step 3) SparseLoCo's replicas run Streaming DiLoCo's inner steps:
+    # steps 1 and 3 are streaming_diloco's goldens. Step 4 (after one sparse merge) was produced by
+    # the first run of algorithm=sparseloco (chunks of 64, k = 4, 2 bits, β = 0.95, η = 1).
+    "sparseloco": {
+        1: (5.551083564758301, 1.017744541168213),
+        3: (5.518357276916504, 1.5341157913208008),
+        4: (5.509421348571777, 1.1415849924087524),
+    },
     "streaming_diloco": {
         1: (5.551083564758301, 1.017744541168213),
         3: (5.518357276916504, 1.5341157913208008),
@@ -97,6 +105,7 @@ MESHES = {
     "dp": ({"mesh.data": 8, "data.batch_size": 8, "eval.batch_size": 8}, {"data.batch_size": 8}),
     "diloco": ({"mesh.replica": 2, "mesh.data": 4}, {}),
     "streaming_diloco": ({"mesh.replica": 2, "mesh.data": 4}, {}),
+    "sparseloco": ({"mesh.replica": 2, "mesh.data": 4}, {}),
     "noloco": ({"mesh.replica": 4, "mesh.data": 2}, {}),
     "skippipe": ({"mesh.data": 4}, {}),
     "pipeline_noloco": ({"pipeline.routing": "fixed"}, {"gradients": "replicas", "mesh.replica": 1,
