@@ -60,7 +60,8 @@ def main(argv):
   device = jax.devices()[0]
   rows = {}
   for field in FIELDS:
-    local, global_ = _bytes(getattr(state, field), device)
+    holder = state.comm if field in ("in_flight", "residuals") else state  # keyed by plan name
+    local, global_ = _bytes(getattr(holder, field), device)
     rows[field] = {"bytes_on_device_0": local, "global_bytes": global_}
   outer = [rows[f] for f in FIELDS[:4]]
   rows["outer state (φ, outer opt, in-flight, residuals)"] = {
