@@ -122,9 +122,9 @@ def default_config() -> ml_collections.ConfigDict:
       #           merge runs as its own program after step n+τ (same results as inline within
       #           1e-7 + 1e-6·|x|: the separate merge rounds differently at the ulp scale)
       #   inline: inside the send step's own program (XLA:CPU then holds the next steps back)
-      #   auto:   thread where it works (streaming_diloco with τ >= 1, gradients=replicas or
-      #           skippipe, each replica inside one process), inline elsewhere (τ = 0, diloco,
-      #           noloco, dp, the pipeline)
+      #   auto:   thread where it works (streaming_diloco or sparseloco with τ >= 1,
+      #           gradients=replicas or skippipe, each replica inside one process), inline
+      #           elsewhere (τ = 0, diloco, noloco, dp, the pipeline)
       overlap_executor="auto",
       codec_kernels="auto",  # the codec's encode/decode on the wire: auto (compiled Pallas kernels,
                              # Triton on GPU and Mosaic on TPU, for e3m0/e2m1/int4/int8 with blocks

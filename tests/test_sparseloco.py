@@ -85,4 +85,10 @@ def test_thread_equals_inline_and_the_bytes_are_the_sparse_payloads(tmp_path):
     assert s["bytes_sent_per_worker"]["total"] == payload[0] + payload[1]
     assert s["bytes_sent_per_worker"]["peak_per_sync"] == max(payload)
   assert payload[0] + payload[1] < 4 * inline.num_params / 20  # a twentieth of one float32 sync
+  # The virtual clock: each gather, issued from the parameters entering steps 3 and 5 (ready when
+  # steps 2 and 4 end, clock steps 1 and 3), needed one step later; an all-gather of M payloads.
+  events = inline.comm_events(6, inline.final_state)
+  assert [(e.issued_step, e.consumed_step, e.kind, e.payload_bytes, e.num_workers)
+          for e in events] == [(1, 3, "all_gather", 2 * payload[0], 2),
+                               (3, 5, "all_gather", 2 * payload[1], 2)]
 

@@ -84,6 +84,11 @@ class Plan:
   def clock_kind(self) -> str:
     return CLOCK_KINDS[self.kind]
 
+  def clock_bytes(self, payload_bytes: int, num_workers: int) -> int:
+    """The size the clock's cost model of `clock_kind` takes: the payload of one worker, except
+    for the all-gather, whose model takes the gathered result (M payloads)."""
+    return payload_bytes * num_workers if self.clock_kind == "all_gather" else payload_bytes
+
 
 class CommState(NamedTuple):
   """The dispatcher's part of an algorithm's state, keyed by plan name.
@@ -140,6 +145,7 @@ def clock_events(num_steps: int, phase_at, plans_at, entries_of) -> list[tuple]:
         continue
       for e in entries:
         if e.plan == name:
-          events.append((issued, issued + 1 + plan.delay, e.payload_bytes, plan.clock_kind,
+          events.append((issued, issued + 1 + plan.delay,
+                         plan.clock_bytes(e.payload_bytes, e.num_workers), plan.clock_kind,
                          e.num_workers))
   return events
