@@ -12,7 +12,6 @@ a DiLoCo run too). A run's fingerprint (every key but RUNTIME_KEYS) must match t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 
@@ -89,7 +88,7 @@ def default_config() -> ml_collections.ConfigDict:
       momentum=0.0,  # sgd only, in [0, 1)
       grad_clip=1.0,  # global-norm clip, >= 0; 0 disables
       # k: each replica's batch (data.batch_size rows) taken as k micro-batches of batch_size / k
-      # rows, one after another inside the step, their gradients averaged (train.step.accumulate):
+      # rows, one after another inside the step, their gradients averaged (models.loss.accumulate):
       # the same step as one batch, with 1/k of the activation memory. A divisor of data.batch_size;
       # gradients=pipeline splits batches with pipeline.slots_per_step instead (1 there).
       accumulation_steps=1,
@@ -406,7 +405,3 @@ def fingerprint(c: ml_collections.ConfigDict) -> dict:
   """The part of the config that fixes the trajectory (everything but RUNTIME_KEYS)."""
   flat = _flatten(c)
   return {k: v for k, v in sorted(flat.items()) if k not in RUNTIME_KEYS}
-
-
-def fingerprint_hash(c: ml_collections.ConfigDict) -> str:
-  return hashlib.sha256(json.dumps(fingerprint(c), sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -21,9 +21,10 @@ import optax
 from lowcomm_jax import checks, codecs, optim
 from lowcomm_jax.codecs import base as codec_base
 from lowcomm_jax.optim import fragments as frag_lib
+from lowcomm_jax.optim import inner as inner_lib
 from lowcomm_jax.optim import replicated, schedule
 from lowcomm_jax.optim import streaming
-from lowcomm_jax.train import overlap, step as step_lib
+from lowcomm_jax.train import overlap
 
 _OUTER_OPTIMIZERS = {
     "nesterov": lambda o: optim.outer_nesterov(o.learning_rate, o.momentum),
@@ -195,5 +196,5 @@ ALGORITHMS = {
 
 def make_algorithm(config: ml_collections.ConfigDict, num_replicas: int,
                    abstract_params=None) -> replicated.ReplicatedAlgorithm:
-  inner = step_lib.make_optimizer(config.optimizer, config.num_steps)
+  inner = inner_lib.make_optimizer(config.optimizer, config.num_steps)
   return ALGORITHMS[config.algorithm].build(config, inner, num_replicas, abstract_params)

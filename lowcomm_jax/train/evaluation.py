@@ -18,7 +18,8 @@ from flax import nnx
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.data import pipeline
 from lowcomm_jax.models import llama
-from lowcomm_jax.train import checkpoint, step as step_lib
+from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.train import checkpoint
 
 CHANGEABLE = ("data.corpus", "data.eval_permille", "data.seq_len", "data.doc_separator",
               "data.doc_chars", "eval.batch_size", "eval.num_batches")
@@ -66,7 +67,7 @@ def evaluate_corpora(workdir, corpora: Sequence[str], changes: dict | None = Non
              for corpus in (list(corpora) or [""])]
   model_cfg, params = checkpoint.read_eval_params(workdir)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0))), nnx.Param)
-  loss_fn = jax.jit(lambda p, b: step_lib.lm_loss(graphdef, p, b))
+  loss_fn = jax.jit(lambda p, b: loss_lib.lm_loss(graphdef, p, b))
   results = []
   for c in configs:
     splits = pipeline.splits_of(c)

@@ -24,7 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lowcomm_jax import comm, mesh as mesh_lib, sharding
 from lowcomm_jax.models import llama
-from lowcomm_jax.train import step as step_lib
+from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.optim.inner import TrainState
 
 GRADIENTS = ("replicas", "skippipe", "pipeline")
 
@@ -44,8 +45,8 @@ class ReplicaGradients:
 
   def __init__(self, graphdef, algorithm, mesh, loss_and_grads=None, accumulation_steps: int = 1):
     self.graphdef, self.algorithm, self.mesh = graphdef, algorithm, mesh
-    self.loss_and_grads = step_lib.accumulate(loss_and_grads or jax.value_and_grad(
-        lambda p, batch: step_lib.lm_loss(graphdef, p, batch)), accumulation_steps)
+    self.loss_and_grads = loss_lib.accumulate(loss_and_grads or jax.value_and_grad(
+        lambda p, batch: loss_lib.lm_loss(graphdef, p, batch)), accumulation_steps)
 
   def route_at(self, step: int):
     return None
@@ -76,7 +77,7 @@ class ReplicaGradients:
   def state_shardings(self, abstract_state, param_specs, abstract_params):
     """Each leaf laid out like its parameter (`sharding.state_specs`); per-replica leaves get
     `replica` in front; the rest is replicated."""
-    batched = step_lib.TrainState(
+    batched = TrainState(
         params=jax.tree.map(lambda _: True, abstract_state.params),
         opt_state=jax.tree.map(lambda axis: axis == 0, jax.tree.broadcast(
             self.algorithm.state_axes, abstract_state.opt_state, is_leaf=lambda x: x is None),
@@ -105,10 +106,10 @@ class ReplicaGradients:
       return jax.vmap(per_replica, in_axes=(0, axes, 0), out_axes=(0, axes, 0, 0),
                       axis_name=mesh_lib.REPLICA, spmd_axis_name=spmd)(*args)
 
-    def train_step(state: step_lib.TrainState, batch_r):
+    def train_step(state: TrainState, batch_r):
       params_r, opt_state, loss_r, grad_norm_r = replicas(state.params, state.opt_state, batch_r)
       # Per-replica metrics: averaging them here would put an all-reduce in every step's program.
-      return (step_lib.TrainState(params_r, opt_state, state.step + 1),
+      return (TrainState(params_r, opt_state, state.step + 1),
               {"loss": loss_r, "grad_norm": grad_norm_r})
 
     return train_step
@@ -225,7 +226,7 @@ class PipelineGradients:
   def state_shardings(self, abstract_state, param_specs, abstract_params):
     """Grid layout: every leaf [R, S, ...] holds one slice per device, the step count is shared."""
     grid = NamedSharding(self.mesh, P(mesh_lib.REPLICA, mesh_lib.STAGE))
-    return step_lib.TrainState(jax.tree.map(lambda _: grid, abstract_state.params),
+    return TrainState(jax.tree.map(lambda _: grid, abstract_state.params),
                                jax.tree.map(lambda _: grid, abstract_state.opt_state),
                                NamedSharding(self.mesh, P()))
 
@@ -246,7 +247,7 @@ class PipelineGradients:
     r, k = self.algorithm.num_replicas, self.slots
     update = self.per_device(lambda g, s, p: self.algorithm.update(g, s, p, phase), 3)
 
-    def train_step(state: step_lib.TrainState, batch_r):
+    def train_step(state: TrainState, batch_r):
       # Micro-batch m = slot·R + replica, drawn from its origin replica's own batch.
       b, t1 = batch_r.shape[1] // k, batch_r.shape[2]
       batch_m = batch_r.reshape(r, k, b, t1).swapaxes(0, 1).reshape(k * r, b, t1)
@@ -254,7 +255,7 @@ class PipelineGradients:
       updates, opt_state = update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       grad_norm_r = jnp.sqrt(sum(jnp.sum(g.reshape(r, -1) ** 2, axis=1) for g in jax.tree.leaves(grads)))
-      return (step_lib.TrainState(params, opt_state, state.step + 1),
+      return (TrainState(params, opt_state, state.step + 1),
               {"loss": loss_rs.reshape(r, -1).sum(1), "grad_norm": grad_norm_r})
 
     return train_step
