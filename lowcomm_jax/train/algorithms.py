@@ -8,7 +8,7 @@ interface, never the name.
 
 Each entry of ALGORITHMS pairs the builder with `check_config`, the checks of the config sections
 the algorithm reads (`diloco.*`, `noloco.*`, `outer_optimizer.*`, the replica counts it allows);
-`config.validate` calls the selected one, so a sixth algorithm brings its checks with it.
+`train.validation.validate` calls the selected one, so a sixth algorithm brings its checks with it.
 """
 
 from __future__ import annotations

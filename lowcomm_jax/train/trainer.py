@@ -36,7 +36,7 @@ from lowcomm_jax.models import llama
 from lowcomm_jax.models import loss as loss_lib
 from lowcomm_jax.optim.inner import TrainState
 from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources, startup
-from lowcomm_jax.train import workdir as workdir_lib
+from lowcomm_jax.train import validation, workdir as workdir_lib
 from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib
 
 
@@ -48,7 +48,7 @@ class Trainer:
   """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, devices=None):
-    config_lib.validate(config)
+    validation.validate(config)
     self.config = config
     self.workdir = workdir_lib.check_path(workdir)  # reliability: empty, a file, unwritable
     try:
