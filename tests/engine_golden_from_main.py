@@ -63,10 +63,10 @@ for alg in ("noloco", "diloco"):
 from lowcomm_jax.skippipe import training
 from lowcomm_jax.models import get_model_config
 from lowcomm_jax.data import pipeline
-from lowcomm_jax.optim import inner
+from lowcomm_jax.train import step as step_lib
 c = base()
 cfg = get_model_config("tiny", num_layers=4)
-tx = inner.make_optimizer(c.optimizer, 6)
+tx = step_lib.make_optimizer(c.optimizer, 6)
 graphdef, state = training.init_state(cfg, tx, 0)
 step = training.make_path_train_step(graphdef, tx, 4, 1)
 paths = np.array([[0, 1, 2], [0, 2, 3], [0, 3, 1], [0, 1, 3]])

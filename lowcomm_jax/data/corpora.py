@@ -20,15 +20,6 @@ from lowcomm_jax.data import debian, domains, files, portable
 from lowcomm_jax.data import tokenizer as tokenizer_lib
 from lowcomm_jax.data.portable import CORPORA, Document
 
-# Corpus names beyond CORPORA: a fetched Debian source, a domain (`lowcomm_jax.data.domains`, read
-# with its own splits by `pipeline.load_splits`), a mix of domains' training text, the user's files.
-CORPUS_PREFIXES = ("debian:", "domain:", "domain_mix:") + files.PREFIXES
-
-
-def is_corpus_name(name: str) -> bool:
-  """Whether `name` has the form of a corpus: a key of CORPORA or one of CORPUS_PREFIXES + a name."""
-  return name in CORPORA or str(name).startswith(CORPUS_PREFIXES)
-
 
 def load_documents(name: str) -> tuple[Document, ...]:
   """Documents of a named corpus: one of CORPORA, `debian:<source>` once fetched, `domain_mix:<a>+<b>`,
