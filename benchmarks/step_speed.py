@@ -68,7 +68,8 @@ from lowcomm_jax import config as config_lib
 from lowcomm_jax.models import ModelConfig, flops_per_token, param_count
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.train import Trainer, mfu
-from lowcomm_jax.train import step as step_lib
+from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.optim import inner
 
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Interleaved timed rounds.")
 _WARMUP_ROUNDS = flags.DEFINE_integer("warmup_rounds", 1, "Untimed rounds of every setup first.")
@@ -124,14 +125,14 @@ def _trainer_setup(layer_loop=None, config=None, devices=1):
 def _plain_setup(trainer):
   """value_and_grad + the same optax transformation, jitted by hand."""
   c = trainer.config
-  tx = step_lib.make_optimizer(c.optimizer, c.num_steps)
+  tx = inner.make_optimizer(c.optimizer, c.num_steps)
   graphdef, params = trainer.graphdef, jax.device_get(trainer.init_state().params)
   params = jax.tree.map(lambda a: a[0], params)  # the Trainer's state has a replica axis (here 1)
 
   @functools.partial(jax.jit, donate_argnums=0)  # the state is updated in place, as the Trainer's
   def step(state, batch):
     params, opt_state = state
-    loss, grads = jax.value_and_grad(lambda p: step_lib.lm_loss(graphdef, p, batch))(params)
+    loss, grads = jax.value_and_grad(lambda p: loss_lib.lm_loss(graphdef, p, batch))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 

@@ -41,11 +41,12 @@ _BIND = flags.DEFINE_string(
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  from lowcomm_jax import config as config_lib, distributed  # after flag parsing
+  from lowcomm_jax import distributed  # after flag parsing
   config = _CONFIG.value
-  from lowcomm_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  # Bad values fail before any process waits for another, in one line (cli.run shows the ValueError).
-  config_lib.validate(config)
+  from lowcomm_jax.train import validation, workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  # Bad values fail before any process waits for another, in one line (cli.run shows the ValueError);
+  # the Trainer below does not check the same values again.
+  validation.validate(config)
   workdir_lib.check_path(_WORKDIR.value)
   try:  # bad flags, an unreachable coordinator, a failed join: one line naming the flag
     distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,

@@ -1,6 +1,6 @@
 """Checks of user input that name the option and its allowed values: one ValueError, before compute.
 
-The config's validation (`config.validate`), each algorithm's config check (`train.algorithms`)
+The config's validation (`train.validation`), each algorithm's config check (`train.algorithms`)
 and the public constructors (`lowcomm_jax.diloco`, `noloco`, `optim.make_schedule`,
 `sim.utilization.Method`) share these, so an option is refused with the same words wherever it is
 given. Standard library only: importing it costs nothing.

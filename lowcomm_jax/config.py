@@ -1,28 +1,22 @@
-"""The run configuration: every key with its default and meaning, and its validation.
+"""The run configuration: every key with its default and meaning.
 
 Experiment files in `experiments/configs/` start from `default_config()` and change values; they
 cannot add keys (`lock_config=True`), so a misspelt key is an error at the command line, where
-`lowcomm_jax.cli` names it in one line with the closest keys. `validate` checks values before any
-compute and before anything is written: one ValueError naming the option and its allowed values
-(each key's comment below gives its range); the sections an algorithm reads are checked by that
-algorithm's `check_config` (`lowcomm_jax.train.algorithms.ALGORITHMS`), and every section's values
-are range-checked whichever algorithm and gradient source run (a `noloco.gamma` of -1 is refused in
-a DiLoCo run too). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it.
+`lowcomm_jax.cli` names it in one line with the closest keys. `lowcomm_jax.train.validation.validate`
+checks values before any compute and before anything is written: one ValueError naming the option
+and its allowed values (each key's comment below gives its range). A run's fingerprint (every key
+but RUNTIME_KEYS) must match to resume it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
+import pathlib
 
 import ml_collections
 
-from lowcomm_jax import mesh as mesh_lib
-from lowcomm_jax import checks
-from lowcomm_jax.data import corpora
+from lowcomm_jax.data import tokenizer as tokenizer_lib
 from lowcomm_jax.models import config as model_config
-from lowcomm_jax import sharding
 
 # Keys that may change when a run is resumed: they do not change the trajectory (nonfinite
 # only decides what happens once a non-finite outer gradient appears: stop, or refuse it and go on).
@@ -81,17 +75,19 @@ def default_config() -> ml_collections.ConfigDict:
       eval_permille=20,  # held-out documents, per mille (by a hash of the document id), in [1, 500]
   ))
   c.optimizer = ml_collections.ConfigDict(dict(
-      name="adamw",  # adamw | adam | sgd
+      # adamw | adam | sgd | muon (lowcomm_jax.optim.inner: Muon on the layer blocks' weight
+      # matrices, momentum b1, Nesterov; AdamW on the embeddings, head and norm scales, as MuLoCo)
+      name="adamw",
       learning_rate=3e-3,  # peak learning rate, finite and >= 0
       warmup_steps=30,  # linear warm-up, then cosine decay to min_lr_ratio · peak
       min_lr_ratio=0.1,  # in [0, 1]
       weight_decay=0.1,  # >= 0
-      b1=0.9,  # Adam's β1, in [0, 1)
+      b1=0.9,  # Adam's β1 (muon: also Muon's momentum), in [0, 1)
       b2=0.95,  # Adam's β2, in [0, 1)
       momentum=0.0,  # sgd only, in [0, 1)
       grad_clip=1.0,  # global-norm clip, >= 0; 0 disables
       # k: each replica's batch (data.batch_size rows) taken as k micro-batches of batch_size / k
-      # rows, one after another inside the step, their gradients averaged (train.step.accumulate):
+      # rows, one after another inside the step, their gradients averaged (models.loss.accumulate):
       # the same step as one batch, with 1/k of the activation memory. A divisor of data.batch_size;
       # gradients=pipeline splits batches with pipeline.slots_per_step instead (1 there).
       accumulation_steps=1,
@@ -227,183 +223,33 @@ def override(c: ml_collections.ConfigDict, changes: dict) -> ml_collections.Conf
   return c
 
 
-def _flatten(c, prefix="") -> dict:
+def flatten(c, prefix="") -> dict:
+  """{"section.key": value} of every key of `c`."""
   out = {}
   for k, v in c.items():
     key = f"{prefix}{k}"
     if isinstance(v, ml_collections.ConfigDict):
-      out.update(_flatten(v, key + "."))
+      out.update(flatten(v, key + "."))
     else:
       out[key] = v
   return out
-
-
-def validate(c: ml_collections.ConfigDict) -> None:
-  """One clear ValueError naming the option and the allowed values; no compute happens before."""
-  known = set(_flatten(default_config()))
-  given = set(_flatten(c))
-  unknown = sorted(given - known)
-  if unknown:
-    raise ValueError(f"unknown config keys {unknown}; see lowcomm_jax/config.py for the allowed keys")
-  missing = sorted(known - given)
-  if missing:
-    raise ValueError(f"config is missing keys {missing}; start from lowcomm_jax.config.default_config()")
-  # The algorithms' own sections (diloco.*, noloco.*, outer_optimizer.*) are checked by the selected
-  # entry of train.algorithms.ALGORITHMS, last; imported here since that module imports this one.
-  from lowcomm_jax.train import algorithms  # pylint: disable=g-import-not-at-top
-  names = tuple(algorithms.ALGORITHMS)
-  checks.require(c.algorithm in names, "algorithm", f"one of {names}", c.algorithm)
-  checks.integer(c, "num_steps", 1)
-  checks.integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
-  model_config.get_model_config(c.model.size, **_model_options(c))
-  corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
-  _validate_tokenizer(c)
-  checks.require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
-  checks.require(c.data.seq_len >= 2, "data.seq_len", ">= 2", c.data.seq_len)
-  checks.require(c.data.batch_size >= 1, "data.batch_size", ">= 1", c.data.batch_size)
-  checks.require(1 <= c.data.eval_permille <= 500, "data.eval_permille",
-                 "in [1, 500] (per mille of documents held out)", c.data.eval_permille)
-  checks.require(c.optimizer.name in ("adamw", "adam", "sgd"), "optimizer.name", "adamw, adam or sgd",
-                 c.optimizer.name)
-  checks.number(c, "optimizer.learning_rate", 0)
-  checks.number(c, "optimizer.min_lr_ratio", 0, 1, high_open=False)
-  checks.require(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", ">= 0", c.optimizer.warmup_steps)
-  checks.number(c, "optimizer.weight_decay", 0)
-  for key in ("optimizer.b1", "optimizer.b2", "optimizer.momentum"):
-    checks.number(c, key, 0, 1)
-  checks.number(c, "optimizer.grad_clip", 0)
-  checks.integer(c, "optimizer.accumulation_steps", 1)
-  checks.require(c.data.batch_size % c.optimizer.accumulation_steps == 0, "optimizer.accumulation_steps",
-                 f"a divisor of data.batch_size={c.data.batch_size} (micro-batches of equal size)",
-                 c.optimizer.accumulation_steps)
-  sharding.rules_for(c.sharding.layout)
-  for key in ("eval.every", "eval.batch_size", "eval.num_batches", "checkpoint.every",
-              "checkpoint.keep", "log_every"):
-    section, name = key.split(".") if "." in key else (None, key)
-    value = c[section][name] if section else c[name]
-    checks.require(value >= 1, key, ">= 1", value)
-  if c.network:
-    from lowcomm_jax.sim import network  # pylint: disable=g-import-not-at-top
-    network.parse_network(c.network)
-  checks.number(c, "hardware.step_seconds", 0)
-  checks.number(c, "hardware.peak_flops_per_device", 0)
-  for key in ("timeout_seconds", "init_timeout_seconds"):
-    checks.require(c.distributed[key] >= 1, f"distributed.{key}", ">= 1 (seconds)", c.distributed[key])
-  # Axis names and sizes only: the device count (checked by the Trainer) is not known here, so ask
-  # for exactly as many devices as the fixed axes use.
-  fixed = math.prod(max(int(n), 1) for n in c.mesh.to_dict().values() if isinstance(n, int))
-  mesh_lib.mesh_shape(c.mesh.to_dict(), fixed)
-  checks.require(c.nonfinite in ("raise", "skip"), "nonfinite", "raise or skip", c.nonfinite)
-  _validate_gradients(c)
-  algorithms.ALGORITHMS[c.algorithm].check_config(c)
-  algorithms.check_every_section(c)
-
-
-def _validate_tokenizer(c) -> None:
-  """data.tokenizer loads, fits the corpus (domains are bytes; pre-tokenized ids fit its vocabulary);
-  data.doc_chars and data.doc_separator have their types."""
-  from lowcomm_jax.data import files, pipeline, tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  checks.require(isinstance(c.data.doc_chars, int) and c.data.doc_chars >= 0, "data.doc_chars",
-                 "an integer >= 0 (0: documents are not cut by length)", c.data.doc_chars)
-  checks.require(isinstance(c.data.doc_separator, str), "data.doc_separator", "a string",
-                 c.data.doc_separator)
-  tok = tokenizer_lib.load_tokenizer(c.data.tokenizer)
-  if str(c.data.corpus).startswith(("domain:", "domain_mix:")):
-    checks.require(c.data.tokenizer == "bytes", "data.tokenizer",
-                   f"'bytes' with data.corpus={c.data.corpus!r} (domains are byte streams)",
-                   c.data.tokenizer)
-  if str(c.data.corpus).startswith("tokens:"):
-    pipeline.check_token_vocab(c.data.corpus, files.token_metadata(c.data.corpus)[1], tok)
-
-
-GRADIENTS = ("replicas", "skippipe", "pipeline")
-
-
-def _validate_gradients(c) -> None:
-  checks.require(c.gradients in GRADIENTS, "gradients", f"one of {GRADIENTS}", c.gradients)
-  _validate_stage_sections(c)
-  if c.gradients == "replicas":
-    checks.require(c.mesh.stage == 1, "mesh.stage", "1 unless gradients=pipeline (only the pipeline "
-                   "runs stages on devices; other axes would compute every step again)", c.mesh.stage)
-    return
-  p = c.pipeline
-  checks.require(c.diloco.num_fragments == 1, "diloco.num_fragments",
-                 f"1 with gradients={c.gradients} (fragments are cut by layer, stages too)",
-                 c.diloco.num_fragments)
-  if c.gradients == "skippipe":
-    from lowcomm_jax.train import sources  # pylint: disable=g-import-not-at-top
-    checks.require(c.mesh.stage == 1, "mesh.stage", "1 with gradients=skippipe (paths run on one device "
-                   "group; gradients=pipeline runs stages on devices)", c.mesh.stage)
-    if c.skippipe.paths:
-      from lowcomm_jax.skippipe import training  # pylint: disable=g-import-not-at-top
-      try:
-        paths = training.check_stage_paths(sources.parse_paths(c.skippipe.paths), p.num_stages)
-      except ValueError as error:
-        raise ValueError(f"skippipe.paths={c.skippipe.paths!r} with pipeline.num_stages="
-                         f"{p.num_stages}: {error}") from None
-      checks.require(c.data.batch_size % len(paths) == 0, "data.batch_size",
-                     f"a multiple of the {len(paths)} skippipe.paths (one micro-batch each)", c.data.batch_size)
-      checks.require(c.data.batch_size // c.optimizer.accumulation_steps % len(paths) == 0,
-                     "optimizer.accumulation_steps",
-                     f"a divisor of data.batch_size={c.data.batch_size} that leaves a multiple of the "
-                     f"{len(paths)} skippipe.paths in each micro-batch", c.optimizer.accumulation_steps)
-    else:
-      from lowcomm_jax.skippipe import topology  # pylint: disable=g-import-not-at-top
-      stages = len(topology.PRESETS[c.skippipe.topology]().stage_sizes)
-      checks.integer(c, "skippipe.path_length", 1, stages + 1,
-                     f" (stages per path counting stage 0; {c.skippipe.topology} has {stages} stages)")
-    return
-  checks.require(c.optimizer.accumulation_steps == 1, "optimizer.accumulation_steps",
-                 "1 with gradients=pipeline (its batches are split into micro-batches by "
-                 "pipeline.slots_per_step)", c.optimizer.accumulation_steps)
-  checks.require(p.slots_per_step >= 1 and c.data.batch_size % p.slots_per_step == 0,
-                 "pipeline.slots_per_step", f">= 1 and a divisor of data.batch_size={c.data.batch_size}",
-                 p.slots_per_step)
-  checks.require(c.mesh.stage == p.num_stages, "mesh.stage",
-                 f"pipeline.num_stages={p.num_stages} with gradients=pipeline", c.mesh.stage)
-  checks.require(c.mesh.replica == c.num_replicas, "mesh.replica",
-                 f"num_replicas={c.num_replicas} with gradients=pipeline (one replica per stage row)",
-                 c.mesh.replica)
-  checks.require(c.mesh.data == 1 and c.mesh.tensor == 1, "mesh.data and mesh.tensor",
-                 "1 with gradients=pipeline", (c.mesh.data, c.mesh.tensor))
-
-
-def _validate_stage_sections(c) -> None:
-  """The `pipeline` and `skippipe` values that are wrong whatever the gradient source."""
-  from lowcomm_jax.parallel import ticks  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.skippipe import topology  # pylint: disable=g-import-not-at-top
-  p = c.pipeline
-  checks.integer(c, "pipeline.num_stages", 1)
-  checks.integer(c, "pipeline.layers_per_stage", 1)
-  checks.require(p.routing in ("random", "fixed"), "pipeline.routing", "random or fixed", p.routing)
-  checks.require(p.order in ticks.ORDERS, "pipeline.order", f"one of {ticks.ORDERS}", p.order)
-  checks.integer(c, "pipeline.slots_per_step", 1)
-  checks.integer(c, "pipeline.num_routings", 1)
-  checks.integer(c, "pipeline.routing_seed", 0, 2**32, " (it seeds the random routings)")
-  presets = tuple(topology.PRESETS)
-  checks.require(c.skippipe.topology in presets, "skippipe.topology",
-                 f"a preset of lowcomm_jax.skippipe.topology: one of {presets}", c.skippipe.topology)
-  checks.integer(c, "skippipe.path_length", 1, note=" (stages per path counting stage 0)")
-  checks.integer(c, "skippipe.microbatches_per_data_node", 1)
-  checks.integer(c, "skippipe.placement_seed", 0, 2**32, " (it seeds the placement search)")
 
 
 def model_config_of(c):
   """The model's shape: the preset, its width `model.d_ff`, layers = stages × layers per stage for
   the pipeline and SkipPipe sources, the vocabulary of `data.tokenizer` (padded to a multiple of 128;
   256 for bytes)."""
-  from lowcomm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   preset = model_config.PRESETS.get(c.model.size)
   changes = {"vocab_size": tokenizer_lib.model_vocab_size(
       tokenizer_lib.load_tokenizer(c.data.tokenizer).vocab_size)}
   if c.gradients != "replicas":
     changes["num_layers"] = c.pipeline.num_stages * c.pipeline.layers_per_stage
   return model_config.get_model_config(
-      c.model.size, **_model_options(c), max_seq_len=max(preset.max_seq_len, c.data.seq_len),
+      c.model.size, **model_options(c), max_seq_len=max(preset.max_seq_len, c.data.seq_len),
       d_ff=c.model.d_ff or preset.d_ff, **changes)
 
 
-def _model_options(c) -> dict:
+def model_options(c) -> dict:
   """The `model` keys that replace a preset's fields; an empty dtype or remat keeps the preset's."""
   options = dict(layer_loop=c.model.layer_loop, attention=c.model.attention)
   for key in ("dtype", "remat"):
@@ -414,18 +260,13 @@ def _model_options(c) -> dict:
 
 def load_run_config(workdir) -> ml_collections.ConfigDict:
   """The config a run directory was started with (from its config.json)."""
-  import pathlib  # pylint: disable=g-import-not-at-top
   saved = json.loads((pathlib.Path(workdir) / "config.json").read_text())["config"]
   c = default_config()
-  c.update_from_flattened_dict({k: v for k, v in _flatten(ml_collections.ConfigDict(saved)).items()})
+  c.update_from_flattened_dict({k: v for k, v in flatten(ml_collections.ConfigDict(saved)).items()})
   return c
 
 
 def fingerprint(c: ml_collections.ConfigDict) -> dict:
   """The part of the config that fixes the trajectory (everything but RUNTIME_KEYS)."""
-  flat = _flatten(c)
+  flat = flatten(c)
   return {k: v for k, v in sorted(flat.items()) if k not in RUNTIME_KEYS}
-
-
-def fingerprint_hash(c: ml_collections.ConfigDict) -> str:
-  return hashlib.sha256(json.dumps(fingerprint(c), sort_keys=True, default=str).encode()).hexdigest()[:16]

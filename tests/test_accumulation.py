@@ -7,7 +7,8 @@ import pytest
 
 from lowcomm_jax.models import config as model_config, decode, llama
 from lowcomm_jax.testing import engine_config
-from lowcomm_jax.train import Trainer, step as step_lib
+from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.train import Trainer
 
 EPS = 2.0**-23
 
@@ -20,11 +21,11 @@ def test_micro_batches_give_the_gradient_of_the_whole_batch():
   cfg = model_config.PRESETS["tiny"]
   params = llama.init_params(cfg, 0)
   graphdef = decode.graphdef_of(cfg)
-  loss_and_grads = jax.value_and_grad(lambda p, b: step_lib.lm_loss(graphdef, p, b))
+  loss_and_grads = jax.value_and_grad(lambda p, b: loss_lib.lm_loss(graphdef, p, b))
   batch = jnp.asarray(_batch(8, 32))
   loss, grads = jax.jit(loss_and_grads)(params, batch)
   for k in (4,):
-    acc_loss, acc_grads = jax.jit(step_lib.accumulate(loss_and_grads, k))(params, batch)
+    acc_loss, acc_grads = jax.jit(loss_lib.accumulate(loss_and_grads, k))(params, batch)
     # The loss and each gradient entry are means over n = 8·32 token terms, summed in another
     # order (per micro-batch, then over micro-batches): they differ by at most n·ε times the
     # terms' scale, for which each leaf's largest entry stands (entries near zero by cancellation
@@ -33,7 +34,7 @@ def test_micro_batches_give_the_gradient_of_the_whole_batch():
     np.testing.assert_allclose(acc_loss, loss, rtol=n * EPS)
     for got, want in zip(jax.tree.leaves(acc_grads), jax.tree.leaves(grads)):
       np.testing.assert_allclose(got, want, rtol=0, atol=n * EPS * float(jnp.abs(want).max()))
-  assert step_lib.accumulate(loss_and_grads, 1) is loss_and_grads
+  assert loss_lib.accumulate(loss_and_grads, 1) is loss_and_grads
 
 
 # Each gradient source that takes a batch per replica (the pipeline splits its batches by

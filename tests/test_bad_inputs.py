@@ -23,7 +23,7 @@ from lowcomm_jax.data import corpora
 from lowcomm_jax.optim import schedule
 from lowcomm_jax.sim import utilization
 from lowcomm_jax.testing import CONFIGS, ROOT, tiny_config, tree_hash
-from lowcomm_jax.train import Trainer
+from lowcomm_jax.train import Trainer, validation
 from lowcomm_jax.train import workdir as workdir_lib
 
 DILOCO = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 4}
@@ -87,7 +87,7 @@ CONFIG_CASES = [
     ({"data.batch_size": 0}, "data.batch_size", ">= 1"),
     ({"data.batch_size": 12}, "data.batch_size=12", "multiple of 8"),
     ({"eval.batch_size": 12}, "eval.batch_size=12", "data axis (8)"),
-    ({"optimizer.name": "lion"}, "optimizer.name", "adamw, adam or sgd"),
+    ({"optimizer.name": "lion"}, "optimizer.name", "one of adamw, adam, sgd, muon"),
     ({"optimizer.learning_rate": -1.0}, "optimizer.learning_rate", ">= 0"),
     ({"optimizer.min_lr_ratio": 2.0}, "optimizer.min_lr_ratio", "[0, 1]"),
     ({"optimizer.warmup_steps": -1}, "optimizer.warmup_steps", ">= 0"),
@@ -402,9 +402,9 @@ SYNC_EVERY_ENTRIES = [
     ("noloco.sync_every", lambda h: lowcomm_jax.noloco(optax.sgd(0.1), num_replicas=2, sync_every=h), True),
     ("sparseloco.sync_every", lambda h: lowcomm_jax.sparseloco(optax.sgd(0.1), sync_every=h), True),
     ("Method.sync_every", utilization.diloco, True),
-    ("diloco.sync_every", lambda h: config_lib.validate(tiny_config(**{**DILOCO, "diloco.sync_every": h})), False),
-    ("noloco.sync_every", lambda h: config_lib.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": h})), False),
-    ("sparseloco.sync_every", lambda h: config_lib.validate(
+    ("diloco.sync_every", lambda h: validation.validate(tiny_config(**{**DILOCO, "diloco.sync_every": h})), False),
+    ("noloco.sync_every", lambda h: validation.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": h})), False),
+    ("sparseloco.sync_every", lambda h: validation.validate(
         tiny_config(**{**SPARSELOCO, "sparseloco.sync_every": h})), False),
 ]
 
@@ -424,12 +424,12 @@ def test_sync_every_knows_the_run_length_and_the_fragments():
   with pytest.raises(ValueError, match=re.escape(
       "noloco.sync_every (H) must be an integer in [1, num_steps=20] (H > num_steps: no outer step "
       "would ever happen), got 21")):
-    config_lib.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": 21, "num_steps": 20}))
-  config_lib.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": 20, "num_steps": 20}))
+    validation.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": 21, "num_steps": 20}))
+  validation.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": 20, "num_steps": 20}))
   staggered = "diloco.sync_every (H=7) must be divisible by the number of fragments (P=3, counting " \
       "the non-block fragment) for a staggered schedule: a multiple of 3 such as 6 or 9"
   with pytest.raises(ValueError, match=re.escape(staggered)):
-    config_lib.validate(tiny_config(**{**STREAMING, "diloco.sync_every": 7}))
+    validation.validate(tiny_config(**{**STREAMING, "diloco.sync_every": 7}))
   with pytest.raises(ValueError, match=re.escape(staggered)):
     lowcomm_jax.streaming_diloco(optax.sgd(0.1), sync_every=7, fragments=2)
   lowcomm_jax.streaming_diloco(optax.sgd(0.1), sync_every=7, fragments=2, staggered=False)

@@ -121,9 +121,9 @@ def test_training_with_pallas_kernels_on_the_wire_is_bit_identical_to_the_refere
 
 
 def test_bad_codec_kernels_is_refused_naming_the_option():
-  from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import validation  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of .*auto.*pallas.*reference"):
-    config_lib.validate(_streaming_e3m0_config("triton"))
+    validation.validate(_streaming_e3m0_config("triton"))
   with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of"):
     codecs.kernel_options("cuda")
   assert codecs.kernel_options("reference") == dict(use_pallas=False, interpret=None)

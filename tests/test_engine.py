@@ -201,7 +201,7 @@ def test_bad_input_is_refused_before_anything_is_written(name, tmp_path):
 
 
 def test_an_algorithm_is_reached_only_through_its_entry(tmp_path, monkeypatch):
-  """config.validate and the Trainer know an algorithm only by its entry in algorithms.ALGORITHMS
+  """train.validation and the Trainer know an algorithm only by its entry in algorithms.ALGORITHMS
   (builder + check_config), never by its name: an entry added under a new name has its own check
   called before anything is written, and trains exactly like the builder it reuses."""
 

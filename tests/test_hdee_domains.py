@@ -8,6 +8,7 @@ import pytest
 from lowcomm_jax import testing
 from lowcomm_jax.data import debian
 from lowcomm_jax.data import domains as data_domains
+from lowcomm_jax.data import portable
 from lowcomm_jax.data import tokenizer
 from lowcomm_jax.hdee import domains
 
@@ -62,7 +63,7 @@ def test_few_documents_are_split_by_byte_ranges(monkeypatch):
   monkeypatch.setitem(data_domains.DOMAINS, "one_book",
                       data_domains.Domain("one_book", "one_book", "a single long document", "none",
                                           held_out=True))
-  monkeypatch.setattr(data_domains.corpora, "load_documents", lambda name: (("book", text),))
+  monkeypatch.setitem(portable.CORPORA, "one_book", lambda: [("book", text)])
   data_domains._splits.cache_clear()
   data_domains._domain_bytes.cache_clear()
   try:

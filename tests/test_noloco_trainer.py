@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import codecs, config as config_lib, hlo, testing
-from lowcomm_jax.train import Trainer
+from lowcomm_jax.train import Trainer, validation
 from lowcomm_jax.testing import collective_bytes, read_metrics, tiny_config
 
 M, H = 4, 5
@@ -121,4 +121,4 @@ def test_bad_input_is_named_before_anything_is_written(tmp_path, changes, messag
   with pytest.raises(ValueError, match=message):
     Trainer(noloco_config(**changes), tmp_path / "run")
   assert not (tmp_path / "run").exists()
-  config_lib.validate(noloco_config())  # the base config itself is valid
+  validation.validate(noloco_config())  # the base config itself is valid

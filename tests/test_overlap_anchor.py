@@ -9,6 +9,7 @@ import pytest
 
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.optim import schedule as schedule_lib
+from lowcomm_jax.train import validation
 
 
 def _events(schedule, num_steps):
@@ -66,9 +67,9 @@ def test_bad_anchor_is_refused_naming_the_option():
       "diloco.num_fragments": 2, "diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1,
       "diloco.overlap_anchor": "torchft"})
   with pytest.raises(ValueError, match=r"diloco.overlap_anchor must be one of"):
-    config_lib.validate(c)
+    validation.validate(c)
   c.diloco.overlap_anchor = "apply"
-  config_lib.validate(c)  # accepted
+  validation.validate(c)  # accepted
 
 
 def test_config_reaches_the_optimizer_schedule():
@@ -77,7 +78,7 @@ def test_config_reaches_the_optimizer_schedule():
       "algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 8,
       "diloco.num_fragments": 2, "diloco.non_block_fragment": "fold", "diloco.overlap_steps": 2,
       "diloco.overlap_anchor": "apply", "diloco.codec": "e3m0", "diloco.codec_kernels": "pallas"})
-  config_lib.validate(c)
+  validation.validate(c)
   tx = algorithms.make_algorithm(c, 2).tx
   assert _events(tx.schedule, 24) == {0: ([3, 11, 19], [4, 12, 20]), 1: ([7, 15, 23], [8, 16, 24])}
   assert tx.codec_kernels == "pallas"

@@ -59,9 +59,10 @@ def test_bad_sizes():
 def _run_pipeline_binary(*flags):
   root = pathlib.Path(__file__).resolve().parents[1]
   return subprocess.run(
-      [sys.executable, str(root / "experiments" / "pipeline.py"),
+      [sys.executable, str(root / "experiments" / "train.py"),
        f"--config={root / 'experiments' / 'configs' / 'noloco_pipeline.py'}:quick", *flags],
-      capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+      capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"))
 
 
 def test_pipeline_binary_refuses_bad_input_and_an_existing_run_before_writing(tmp_path):

@@ -9,7 +9,8 @@ from flax import nnx
 from lowcomm_jax.models import get_model_config, llama
 from lowcomm_jax.skippipe import training
 from lowcomm_jax import config as config_lib, testing
-from lowcomm_jax.train.step import cross_entropy, lm_loss, make_optimizer
+from lowcomm_jax.models.loss import cross_entropy, lm_loss
+from lowcomm_jax.optim.inner import make_optimizer
 
 # 3 stages of 2 layers each, so a stage's block has an inner order to keep.
 STAGES, LPS = 3, 2

@@ -109,7 +109,7 @@ class Decoder(nn.Module):
 
 
 def lm_loss(model: Decoder, batch_BxT1):
-  """Mean next-token cross-entropy on windows [B, T + 1], as lowcomm_jax.train.step.lm_loss."""
+  """Mean next-token cross-entropy on windows [B, T + 1], as lowcomm_jax.models.loss.lm_loss."""
   logits = model(batch_BxT1[:, :-1])
   return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch_BxT1[:, 1:].reshape(-1))
 

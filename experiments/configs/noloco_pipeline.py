@@ -1,8 +1,9 @@
 """NoLoCo with a 2-stage pipeline inside, 4 replicas per stage, on 8 fake CPU devices (docs/algorithms.md §2).
 
-  python experiments/train.py --config=experiments/configs/noloco_pipeline.py --workdir=runs/nlp
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+      python experiments/train.py --config=experiments/configs/noloco_pipeline.py --workdir=runs/nlp
 
-(`experiments/pipeline.py` with the same flags does the same and sets 8 fake CPU devices first.)
+(XLA_FLAGS gives a CPU host the 8 devices of the grid; GPU and TPU hosts use their own.)
 A run like any other: checkpoints, resume (bit-identical), metrics.jsonl, summary.json with the
 bytes each device sends (the pipeline's activations and gradients, NoLoCo's pairwise exchange).
 

@@ -3,7 +3,7 @@
 A domain is one corpus with a fixed role: training domains are the text that
 models are trained on one at a time (HDEE's expert chains, `lowcomm_jax.hdee`),
 held-out domains are only evaluated. Every domain is text that is on this
-machine: three portable corpora from `lowcomm_jax.data.corpora` and
+machine: three portable corpora from `lowcomm_jax.data.portable` and
 Debian-packaged corpora from `lowcomm_jax.data.debian` (fetched once with
 ``python experiments/fetch_corpora.py --sources=all``). Most held-out domains
 have a relative among the training ones (the Jargon File and FOLDOC, the R and
@@ -12,7 +12,7 @@ the standard library); licence texts and fortunes are far from all.
 
 | domain | role | source | licence |
 |---|---|---|---|
-| stdlib | train | Python standard library source (`corpora`) | PSF-2.0 |
+| stdlib | train | Python standard library source (`portable`) | PSF-2.0 |
 | python_docs | train | Python 3.11 docs, reST (`python3.11-doc`) | PSF-2.0 |
 | octave_manual | train | GNU Octave manual, info (`octave-doc`) | GPL-3+ |
 | man_pages_dev | train | Linux man pages 2 and 3 (`manpages-dev`) | man-pages copyleft, GPL-2+, BSD |
@@ -21,7 +21,7 @@ the standard library); licence texts and fortunes are far from all.
 | wordnet | train | WordNet 3.0 glosses (`wordnet-base`) | WordNet 3.0 licence |
 | austen | train | Jane Austen's six novels (`r-cran-janeaustenr`) | public domain (R package MIT) |
 | bible_kjv | train | King James Bible (`bible-kjv-text`) | public domain |
-| docstrings | held out | numpy and scipy docstrings (`corpora`) | BSD-3-Clause |
+| docstrings | held out | numpy and scipy docstrings (`portable`) | BSD-3-Clause |
 | licenses | held out | SPDX licence texts (`licenseclassifier`) | each its own; collection Apache-2.0 |
 | jargon | held out | The Jargon File 4.4.7 (`jargon-text`) | public domain |
 | fortunes | held out | BSD fortune cookies (`fortunes`) | BSD (fortune-mod) |
@@ -51,8 +51,8 @@ from typing import Sequence
 
 import numpy as np
 
-from lowcomm_jax.data import corpora
 from lowcomm_jax.data import debian
+from lowcomm_jax.data import portable
 from lowcomm_jax.data import tokenizer as tokenizer_lib
 
 SPLITS = ("train", "validation", "test")
@@ -75,7 +75,7 @@ class Domain:
   Attributes:
     name: the domain's key in `DOMAINS`.
     corpus: ``stdlib``, ``licenses`` or ``docstrings`` (portable, from
-      `lowcomm_jax.data.corpora`), or ``debian:<source>``.
+      `lowcomm_jax.data.portable`), or ``debian:<source>``.
     description: what the text is.
     licence: the licence of the text.
     held_out: True when no expert trains on it (evaluation only).
@@ -164,7 +164,7 @@ def _splits(name: str, cache_key: str) -> tuple[tuple[tuple[str, str], ...], ...
   if domain.needs_fetch:
     docs = debian.documents(domain.corpus.split(":", 1)[1], cache_key)
   else:
-    docs = list(corpora.load_documents(domain.corpus))
+    docs = list(portable.documents(domain.corpus))
   if not docs:
     raise ValueError(f"domain {name!r} has no documents")
   parts: list[list[tuple[str, str]]] = [[], [], []]

@@ -26,7 +26,7 @@ from flax import nnx
 from lowcomm_jax.models import llama
 from lowcomm_jax.models.config import ModelConfig
 from lowcomm_jax.parallel.routing import Route
-from lowcomm_jax.train.step import cross_entropy, lm_loss
+from lowcomm_jax.models.loss import cross_entropy, lm_loss
 
 NON_BLOCK = ("embed", "final_norm", "head")
 

@@ -17,7 +17,7 @@ for every micro-batch, through the same code.
 A run trains through the one Trainer with `config.gradients = "skippipe"` (`train.sources`, whose
 loss is `summed_microbatch_grads`); the pieces below also serve a hand-written loop::
 
-  tx = lowcomm_jax.train.step.make_optimizer(config.optimizer, num_steps)
+  tx = lowcomm_jax.optim.inner.make_optimizer(config.optimizer, num_steps)
   graphdef, state = init_state(cfg, tx, seed=0)
   step = make_path_train_step(graphdef, tx, num_stages=6, layers_per_stage=1)
   state, metrics = step(state, batch_MxBxT1, schedule.stage_paths())
@@ -39,7 +39,8 @@ from flax import nnx
 
 from lowcomm_jax.models import llama
 from lowcomm_jax.models.config import ModelConfig
-from lowcomm_jax.train.step import TrainState, lm_loss
+from lowcomm_jax.models.loss import lm_loss
+from lowcomm_jax.optim.inner import TrainState
 
 
 def check_stage_paths(stage_paths, num_stages: int,

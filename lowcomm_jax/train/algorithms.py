@@ -9,7 +9,7 @@ interface, never the name.
 
 Each entry of ALGORITHMS pairs the builder with `check_config`, the checks of the config sections
 the algorithm reads (`diloco.*`, `noloco.*`, `outer_optimizer.*`, the replica counts it allows);
-`config.validate` calls the selected one, so a sixth algorithm brings its checks with it.
+`train.validation.validate` calls the selected one, so a sixth algorithm brings its checks with it.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from lowcomm_jax import checks, codecs, optim
 from lowcomm_jax.codecs import base as codec_base
 from lowcomm_jax.codecs.topk import TopKCompressor
 from lowcomm_jax.optim import fragments as frag_lib
+from lowcomm_jax.optim import inner as inner_lib
 from lowcomm_jax.optim import replicated, schedule
 from lowcomm_jax.optim import streaming
-from lowcomm_jax.train import overlap, step as step_lib
+from lowcomm_jax.train import overlap
 
 _OUTER_OPTIMIZERS = {
     "nesterov": lambda o: optim.outer_nesterov(o.learning_rate, o.momentum),
@@ -240,5 +241,5 @@ ALGORITHMS = {
 
 def make_algorithm(config: ml_collections.ConfigDict, num_replicas: int,
                    abstract_params=None) -> replicated.ReplicatedAlgorithm:
-  inner = step_lib.make_optimizer(config.optimizer, config.num_steps)
+  inner = inner_lib.make_optimizer(config.optimizer, config.num_steps)
   return ALGORITHMS[config.algorithm].build(config, inner, num_replicas, abstract_params)

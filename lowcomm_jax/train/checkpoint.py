@@ -317,7 +317,8 @@ def restore_eval_params(workdir, replica: int | None = None, option: str = "init
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from lowcomm_jax import config as config_lib, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.train import algorithms, sources, step as step_lib  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.optim.inner import TrainState  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import algorithms, sources  # pylint: disable=g-import-not-at-top
   workdir = pathlib.Path(workdir)
   if not (workdir / "config.json").is_file() or not (workdir / "checkpoints").is_dir():
     raise ValueError(f"{option}={str(workdir)!r} holds no config.json and checkpoints/ of a run")
@@ -341,7 +342,7 @@ def restore_eval_params(workdir, replica: int | None = None, option: str = "init
 
   def init(params):
     params_r, opt_state = source.init(params)
-    return step_lib.TrainState(params_r, opt_state, jax.numpy.zeros((), jax.numpy.int32))
+    return TrainState(params_r, opt_state, jax.numpy.zeros((), jax.numpy.int32))
 
   abstract_state = jax.eval_shape(init, abstract_params)
   shardings = source.state_shardings(abstract_state, param_specs, abstract_params)

@@ -18,7 +18,8 @@ from flax import nnx
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.data import pipeline
 from lowcomm_jax.models import llama
-from lowcomm_jax.train import checkpoint, step as step_lib
+from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.train import checkpoint, validation
 
 CHANGEABLE = ("data.corpus", "data.eval_permille", "data.seq_len", "data.doc_separator",
               "data.doc_chars", "eval.batch_size", "eval.num_batches")
@@ -45,7 +46,7 @@ def run_config(workdir, changes: dict | None = None):
       c[section][name] = type(old)(value)  # from the command line: a string
     except ValueError:
       raise ValueError(f"--config.{key}={value!r} must be of type {type(old).__name__}") from None
-  config_lib.validate(c)
+  validation.validate(c)
   if c.data.seq_len > max_len:
     raise ValueError(f"--config.data.seq_len={c.data.seq_len}: the model's rotary table holds "
                      f"{max_len} positions; data.seq_len must be <= {max_len}")
@@ -66,7 +67,7 @@ def evaluate_corpora(workdir, corpora: Sequence[str], changes: dict | None = Non
              for corpus in (list(corpora) or [""])]
   model_cfg, params = checkpoint.read_eval_params(workdir)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0))), nnx.Param)
-  loss_fn = jax.jit(lambda p, b: step_lib.lm_loss(graphdef, p, b))
+  loss_fn = jax.jit(lambda p, b: loss_lib.lm_loss(graphdef, p, b))
   results = []
   for c in configs:
     splits = pipeline.splits_of(c)

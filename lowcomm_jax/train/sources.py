@@ -12,21 +12,28 @@ mesh alone decides how: one replica per `replica` slice under `jax.shard_map` wh
 (a `lax.ppermute` stays a device-to-device permute), `jax.vmap` over M stacked replicas otherwise;
 the pipeline's state is in grid layout (leaves [R, S, ...], one slice per device) and its update runs
 per device under `jax.shard_map` over (replica, stage).
+
+Each entry of SOURCES pairs the builder with `check_config`, the checks of what that source needs of
+the config (its mesh, its micro-batches, its paths); `train.validation.validate` calls the selected
+one, and `check_every_section` range-checks the `pipeline` and `skippipe` sections in every run, so
+a fourth source brings its checks with it.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lowcomm_jax import comm, mesh as mesh_lib, sharding
+from lowcomm_jax import checks, comm, mesh as mesh_lib, sharding
 from lowcomm_jax.models import llama
-from lowcomm_jax.train import step as step_lib
-
-GRADIENTS = ("replicas", "skippipe", "pipeline")
+from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.optim.inner import TrainState
 
 
 def parse_paths(text: str) -> np.ndarray:
@@ -44,8 +51,8 @@ class ReplicaGradients:
 
   def __init__(self, graphdef, algorithm, mesh, loss_and_grads=None, accumulation_steps: int = 1):
     self.graphdef, self.algorithm, self.mesh = graphdef, algorithm, mesh
-    self.loss_and_grads = step_lib.accumulate(loss_and_grads or jax.value_and_grad(
-        lambda p, batch: step_lib.lm_loss(graphdef, p, batch)), accumulation_steps)
+    self.loss_and_grads = loss_lib.accumulate(loss_and_grads or jax.value_and_grad(
+        lambda p, batch: loss_lib.lm_loss(graphdef, p, batch)), accumulation_steps)
 
   def route_at(self, step: int):
     return None
@@ -76,7 +83,7 @@ class ReplicaGradients:
   def state_shardings(self, abstract_state, param_specs, abstract_params):
     """Each leaf laid out like its parameter (`sharding.state_specs`); per-replica leaves get
     `replica` in front; the rest is replicated."""
-    batched = step_lib.TrainState(
+    batched = TrainState(
         params=jax.tree.map(lambda _: True, abstract_state.params),
         opt_state=jax.tree.map(lambda axis: axis == 0, jax.tree.broadcast(
             self.algorithm.state_axes, abstract_state.opt_state, is_leaf=lambda x: x is None),
@@ -105,10 +112,10 @@ class ReplicaGradients:
       return jax.vmap(per_replica, in_axes=(0, axes, 0), out_axes=(0, axes, 0, 0),
                       axis_name=mesh_lib.REPLICA, spmd_axis_name=spmd)(*args)
 
-    def train_step(state: step_lib.TrainState, batch_r):
+    def train_step(state: TrainState, batch_r):
       params_r, opt_state, loss_r, grad_norm_r = replicas(state.params, state.opt_state, batch_r)
       # Per-replica metrics: averaging them here would put an all-reduce in every step's program.
-      return (step_lib.TrainState(params_r, opt_state, state.step + 1),
+      return (TrainState(params_r, opt_state, state.step + 1),
               {"loss": loss_r, "grad_norm": grad_norm_r})
 
     return train_step
@@ -226,7 +233,7 @@ class PipelineGradients:
   def state_shardings(self, abstract_state, param_specs, abstract_params):
     """Grid layout: every leaf [R, S, ...] holds one slice per device, the step count is shared."""
     grid = NamedSharding(self.mesh, P(mesh_lib.REPLICA, mesh_lib.STAGE))
-    return step_lib.TrainState(jax.tree.map(lambda _: grid, abstract_state.params),
+    return TrainState(jax.tree.map(lambda _: grid, abstract_state.params),
                                jax.tree.map(lambda _: grid, abstract_state.opt_state),
                                NamedSharding(self.mesh, P()))
 
@@ -247,7 +254,7 @@ class PipelineGradients:
     r, k = self.algorithm.num_replicas, self.slots
     update = self.per_device(lambda g, s, p: self.algorithm.update(g, s, p, phase), 3)
 
-    def train_step(state: step_lib.TrainState, batch_r):
+    def train_step(state: TrainState, batch_r):
       # Micro-batch m = slot·R + replica, drawn from its origin replica's own batch.
       b, t1 = batch_r.shape[1] // k, batch_r.shape[2]
       batch_m = batch_r.reshape(r, k, b, t1).swapaxes(0, 1).reshape(k * r, b, t1)
@@ -255,7 +262,7 @@ class PipelineGradients:
       updates, opt_state = update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       grad_norm_r = jnp.sqrt(sum(jnp.sum(g.reshape(r, -1) ** 2, axis=1) for g in jax.tree.leaves(grads)))
-      return (step_lib.TrainState(params, opt_state, state.step + 1),
+      return (TrainState(params, opt_state, state.step + 1),
               {"loss": loss_rs.reshape(r, -1).sum(1), "grad_norm": grad_norm_r})
 
     return train_step
@@ -282,12 +289,109 @@ def stage_paths_of(config) -> np.ndarray:
   return planned
 
 
-def make_source(config, graphdef, model_cfg, algorithm, mesh):
-  """The gradient source `config.gradients` names."""
-  if config.gradients == "pipeline":
-    return PipelineGradients(model_cfg, algorithm, mesh, config.pipeline, config.seed)
-  if config.gradients == "skippipe":
-    return skippipe_gradients(graphdef, algorithm, mesh, stage_paths_of(config),
-                              config.pipeline.layers_per_stage, config.optimizer.accumulation_steps)
+def _replicas(config, graphdef, model_cfg, algorithm, mesh):
   return ReplicaGradients(graphdef, algorithm, mesh,
                           accumulation_steps=config.optimizer.accumulation_steps)
+
+
+def _check_replicas(c) -> None:
+  checks.require(c.mesh.stage == 1, "mesh.stage", "1 unless gradients=pipeline (only the pipeline "
+                 "runs stages on devices; other axes would compute every step again)", c.mesh.stage)
+
+
+def _skippipe(config, graphdef, model_cfg, algorithm, mesh):
+  return skippipe_gradients(graphdef, algorithm, mesh, stage_paths_of(config),
+                            config.pipeline.layers_per_stage, config.optimizer.accumulation_steps)
+
+
+def _check_one_fragment(c) -> None:
+  checks.require(c.diloco.num_fragments == 1, "diloco.num_fragments",
+                 f"1 with gradients={c.gradients} (fragments are cut by layer, stages too)",
+                 c.diloco.num_fragments)
+
+
+def _check_skippipe(c) -> None:
+  from lowcomm_jax.skippipe import topology, training  # pylint: disable=g-import-not-at-top
+  _check_one_fragment(c)
+  checks.require(c.mesh.stage == 1, "mesh.stage", "1 with gradients=skippipe (paths run on one device "
+                 "group; gradients=pipeline runs stages on devices)", c.mesh.stage)
+  if not c.skippipe.paths:
+    stages = len(topology.PRESETS[c.skippipe.topology]().stage_sizes)
+    checks.integer(c, "skippipe.path_length", 1, stages + 1,
+                   f" (stages per path counting stage 0; {c.skippipe.topology} has {stages} stages)")
+    return
+  try:
+    paths = training.check_stage_paths(parse_paths(c.skippipe.paths), c.pipeline.num_stages)
+  except ValueError as error:
+    raise ValueError(f"skippipe.paths={c.skippipe.paths!r} with pipeline.num_stages="
+                     f"{c.pipeline.num_stages}: {error}") from None
+  checks.require(c.data.batch_size % len(paths) == 0, "data.batch_size",
+                 f"a multiple of the {len(paths)} skippipe.paths (one micro-batch each)", c.data.batch_size)
+  checks.require(c.data.batch_size // c.optimizer.accumulation_steps % len(paths) == 0,
+                 "optimizer.accumulation_steps",
+                 f"a divisor of data.batch_size={c.data.batch_size} that leaves a multiple of the "
+                 f"{len(paths)} skippipe.paths in each micro-batch", c.optimizer.accumulation_steps)
+
+
+def _pipeline(config, graphdef, model_cfg, algorithm, mesh):
+  return PipelineGradients(model_cfg, algorithm, mesh, config.pipeline, config.seed)
+
+
+def _check_pipeline(c) -> None:
+  p = c.pipeline
+  _check_one_fragment(c)
+  checks.require(c.optimizer.accumulation_steps == 1, "optimizer.accumulation_steps",
+                 "1 with gradients=pipeline (its batches are split into micro-batches by "
+                 "pipeline.slots_per_step)", c.optimizer.accumulation_steps)
+  checks.require(p.slots_per_step >= 1 and c.data.batch_size % p.slots_per_step == 0,
+                 "pipeline.slots_per_step", f">= 1 and a divisor of data.batch_size={c.data.batch_size}",
+                 p.slots_per_step)
+  checks.require(c.mesh.stage == p.num_stages, "mesh.stage",
+                 f"pipeline.num_stages={p.num_stages} with gradients=pipeline", c.mesh.stage)
+  checks.require(c.mesh.replica == c.num_replicas, "mesh.replica",
+                 f"num_replicas={c.num_replicas} with gradients=pipeline (one replica per stage row)",
+                 c.mesh.replica)
+  checks.require(c.mesh.data == 1 and c.mesh.tensor == 1, "mesh.data and mesh.tensor",
+                 "1 with gradients=pipeline", (c.mesh.data, c.mesh.tensor))
+
+
+def check_every_section(c) -> None:
+  """The `pipeline` and `skippipe` values that are wrong whatever the gradient source."""
+  from lowcomm_jax.parallel import ticks  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.skippipe import topology  # pylint: disable=g-import-not-at-top
+  p = c.pipeline
+  checks.integer(c, "pipeline.num_stages", 1)
+  checks.integer(c, "pipeline.layers_per_stage", 1)
+  checks.require(p.routing in ("random", "fixed"), "pipeline.routing", "random or fixed", p.routing)
+  checks.require(p.order in ticks.ORDERS, "pipeline.order", f"one of {ticks.ORDERS}", p.order)
+  checks.integer(c, "pipeline.slots_per_step", 1)
+  checks.integer(c, "pipeline.num_routings", 1)
+  checks.integer(c, "pipeline.routing_seed", 0, 2**32, " (it seeds the random routings)")
+  presets = tuple(topology.PRESETS)
+  checks.require(c.skippipe.topology in presets, "skippipe.topology",
+                 f"a preset of lowcomm_jax.skippipe.topology: one of {presets}", c.skippipe.topology)
+  checks.integer(c, "skippipe.path_length", 1, note=" (stages per path counting stage 0)")
+  checks.integer(c, "skippipe.microbatches_per_data_node", 1)
+  checks.integer(c, "skippipe.placement_seed", 0, 2**32, " (it seeds the placement search)")
+
+
+class Source(NamedTuple):
+  """One value of the config's `gradients`."""
+
+  # (config, graphdef, model config, algorithm, mesh) -> the source the loop steps through
+  build: Callable[..., Any]
+  # config -> None; one ValueError naming the option and its allowed values, before any compute
+  check_config: Callable[[ml_collections.ConfigDict], None]
+
+
+SOURCES = {
+    "replicas": Source(_replicas, _check_replicas),
+    "skippipe": Source(_skippipe, _check_skippipe),
+    "pipeline": Source(_pipeline, _check_pipeline),
+}
+GRADIENTS = tuple(SOURCES)
+
+
+def make_source(config, graphdef, model_cfg, algorithm, mesh):
+  """The gradient source `config.gradients` names."""
+  return SOURCES[config.gradients].build(config, graphdef, model_cfg, algorithm, mesh)

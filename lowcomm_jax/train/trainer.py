@@ -33,9 +33,11 @@ from lowcomm_jax.data import corpora, pipeline
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.cpu_kernels import attention as cpu_attention
 from lowcomm_jax.models import llama
+from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.optim.inner import TrainState
 from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources, startup
-from lowcomm_jax.train import workdir as workdir_lib
-from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib, step as step_lib
+from lowcomm_jax.train import validation, workdir as workdir_lib
+from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib
 
 
 class Trainer:
@@ -46,7 +48,7 @@ class Trainer:
   """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, devices=None):
-    config_lib.validate(config)
+    validation.validate(config)
     self.config = config
     self.workdir = workdir_lib.check_path(workdir)  # reliability: empty, a file, unwritable
     try:
@@ -132,7 +134,7 @@ class Trainer:
     init = lambda: nnx.state(llama.Decoder(cfg, nnx.Rngs(seed)), nnx.Param).to_pure_dict()
     return jax.jit(init, out_shardings=self.param_shardings)()
 
-  def init_state(self) -> step_lib.TrainState:
+  def init_state(self) -> TrainState:
     """Replicated parameters [M, ...] (grid [R, S, ...] for the pipeline) and the algorithm's state."""
     params = self.init_params()
     abstract = jax.eval_shape(self._init_fn, params)
@@ -144,7 +146,7 @@ class Trainer:
       raise ValueError(f"init_from={str(workdir)!r} has model {model_cfg}, this run {self.model_cfg}")
     return jax.device_put(params, self.param_shardings)  # resharded device to device
 
-  def restore_latest(self) -> step_lib.TrainState:
+  def restore_latest(self) -> TrainState:
     """The train state of this workdir's latest checkpoint."""
     template = self.abstract_state()
     ckpt = checkpoint.Checkpointer(self.workdir, self.config.checkpoint.keep)
@@ -156,7 +158,7 @@ class Trainer:
 
   def _init_fn(self, params):
     params_r, opt_state = self.source.init(params)
-    return step_lib.TrainState(params_r, opt_state, jnp.zeros((), jnp.int32))
+    return TrainState(params_r, opt_state, jnp.zeros((), jnp.int32))
 
   def state_shardings(self, abstract_state):
     return self.source.state_shardings(abstract_state, self.param_specs, self._abstract_params())
@@ -245,9 +247,9 @@ class Trainer:
     graphdef, algorithm, source = self.graphdef, self.algorithm, self.source
 
     def eval_loss(state, batch):
-      losses = {"eval_loss": step_lib.lm_loss(graphdef, source.eval_params(state), batch)}
+      losses = {"eval_loss": loss_lib.lm_loss(graphdef, source.eval_params(state), batch)}
       if algorithm.eval_replicas:
-        per_replica = jax.vmap(lambda p: step_lib.lm_loss(graphdef, p, batch))(
+        per_replica = jax.vmap(lambda p: loss_lib.lm_loss(graphdef, p, batch))(
             source.replica_params(state.params))
         losses.update({f"eval_loss_replica_{i}": per_replica[i] for i in range(algorithm.num_replicas)})
       return losses
