@@ -7,11 +7,10 @@ Mosaic on tpu; `model.layer_loop=scan`), each allowed combination's Trainer give
 (one per distinct phase and routing), and with `diloco.overlap_executor=thread` also the programs
 the thread runs (`comm.fragment_mean`). A program is traced once per key (`programs_of`) and lowered
 once per jaxpr. A program that sends a codec-encoded fragment holds the compiled kernels (Triton or
-Mosaic custom calls, not the jnp reference) and one that sends nothing holds none. Each test run
-lowers slices of the cross product and a pairwise cover of it (`in_ci`); `python
-tests/test_lowering.py --all` lowers every distinct program, `--write-table` rewrites the table in
-docs/accelerators.md from the enumeration (`test_table_in_docs_is_the_enumeration` keeps the two
-equal). `jax.export` exports the dp and Streaming DiLoCo steps for each platform.
+Mosaic custom calls, not the jnp reference) and one that sends nothing holds none. `python
+tests/test_lowering.py --write-table` rewrites the table in docs/accelerators.md from the
+enumeration (`test_table_in_docs_is_the_enumeration` keeps the two equal); `--lower` lowers outside
+pytest. `jax.export` exports the dp and Streaming DiLoCo steps for each platform.
 
 Lowering for cuda on a CPU host needs an abstract GPU device from jax 0.11 on (Triton reads the
 target from the abstract mesh): the programs are traced under an abstract mesh with the Trainer's
@@ -134,16 +133,27 @@ def _sends(phase) -> bool:
   return bool(getattr(phase, "send", ())) or bool(getattr(phase, "outer", False))
 
 
+def _shardings(trainer) -> str:
+  """The parameters' partition specs without the mesh axes of size 1 (which shard nothing)."""
+  size = trainer.mesh.shape
+  drop = lambda axes: tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if size[a] > 1)
+  return str(jax.tree.map(lambda spec: tuple(drop(axes) if axes else () for axes in spec),
+                          trainer.param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+
+
 def programs_of(combination: Combination, trainer) -> list:
   """(key, label, sends) of every distinct program of a run, with `key` the program's identity
   across combinations: a step's phase and routing, and of the combination what its program
-  reads. A program that sends nothing does not read the codec (nor does dp's, which sends
-  nothing ever), a step's program does not read the executor (the thread only takes the
-  overlapped sends out of the phase), and the thread's fragment program reads no algorithm
-  (`test_programs_sharing_a_key_are_one` checks these on traced programs)."""
+  reads. The layout is read through the parameters' shardings on the mesh (on the pipeline's mesh,
+  `data` = `tensor` = 1, every layout gives the same). A program that sends nothing does not read
+  the codec (nor does dp's, which sends nothing ever); a step's program does not read the executor
+  (the thread only takes the overlapped sends out of the phase); the thread's fragment program
+  reads the codec, the parameters' shapes and shardings, and the mesh, not the gradient source.
+  `test_programs_sharing_a_key_are_one` checks these on traced programs."""
   c = combination
   tx = getattr(trainer.algorithm, "tx", None)
   thread = trainer.overlap_executor == "thread"
+  shardings = (_shardings(trainer), tuple(trainer.mesh.shape.items()))
   out = []
   for step in range(1, trainer.config.num_steps + 1):
     phase = trainer.algorithm.phase_at(step)
@@ -151,13 +161,13 @@ def programs_of(combination: Combination, trainer) -> list:
       phase = overlap.program_phase(tx.schedule.delay, phase)
     route = trainer.source.route_at(step)
     sends = _sends(phase)
-    key = ("step", c.algorithm, c.gradients, c.codec if sends else "-", c.layout, c.extra,
+    key = ("step", c.algorithm, c.gradients, c.codec if sends else "-", shardings, c.extra,
            phase, route)
     if key not in [k for k, *_ in out]:
       out.append((key, f"step {phase}" + (f" route {route}" if route is not None else ""), sends))
   if thread:
     for p in range(len(tx.schedule.delay)):
-      out.append((("fragment", c.gradients, c.codec, c.layout, c.extra, p),
+      out.append((("fragment", trainer.model_cfg, c.codec, shardings, c.extra, p),
                   f"thread fragment {p}", True))
   return out
 
@@ -199,48 +209,8 @@ def kernels_expected(combination: Combination, sends: bool) -> bool:
   return sends and combination.codec != "none" and combination.algorithm != "noloco"
 
 
-def pairwise_cover(combinations: list[Combination]) -> list[Combination]:
-  """A few of `combinations` in which every pair of values of two of the five settings that some
-  combination holds is held by one of them (greedy, deterministic: the first best each time)."""
-  pairs = lambda c: {(i, c[i], j, c[j]) for i, j in itertools.combinations(range(5), 2)}
-  todo = set().union(*(pairs(c) for c in combinations))
-  chosen = []
-  while todo:
-    best = max(combinations, key=lambda c: len(pairs(c) & todo))
-    chosen.append(best)
-    todo -= pairs(best)
-  return chosen
-
-
 def allowed() -> list[Combination]:
   return [c for c in cross_product() if trainer_of(c)[0] is not None]
-
-
-def _slices() -> list[Combination]:
-  """Slices of the cross product lowered whole on every run: every algorithm on every layout and
-  on the pipelines; every codec on every layout for Streaming DiLoCo inline, and with the thread
-  e3m0 on every layout and every codec on fsdp_tensor; every codec for DiLoCo (fsdp_tensor); e3m0
-  on the pipelines."""
-  C = Combination  # pylint: disable=invalid-name
-  out = [C(a, "replicas", "none", "inline", layout) for a in ALGORITHMS for layout in LAYOUTS]
-  out += [C(a, source, "none", "inline", "replicated") for a in ALGORITHMS
-          for source in ("skippipe", "pipeline")]
-  out += [C("diloco", "replicas", codec, "inline", "fsdp_tensor") for codec in CODECS]
-  out += [C("streaming_diloco", "replicas", codec, "inline", layout) for codec in CODECS
-          for layout in LAYOUTS]
-  out += [C("streaming_diloco", "replicas", "e3m0", "thread", layout) for layout in LAYOUTS]
-  out += [C("streaming_diloco", "replicas", codec, "thread", "fsdp_tensor") for codec in CODECS]
-  out += [C("streaming_diloco", source, "e3m0", executor, "replicated")
-          for source, executor in (("skippipe", "inline"), ("skippipe", "thread"),
-                                   ("pipeline", "inline"))]
-  return out
-
-
-def in_ci() -> list[Combination]:
-  """The combinations whose programs every test run lowers: the slices, a pairwise cover of the
-  allowed cross product (every two values of two settings together at least once), and EXTRAS."""
-  out = _slices() + pairwise_cover([c for c in allowed() if not c.extra]) + list(EXTRAS)
-  return list(dict.fromkeys(out))
 
 
 def lower_programs(combinations) -> dict:
@@ -278,8 +248,8 @@ def lower_programs(combinations) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _ci_battery():
-  return lower_programs(in_ci())
+def _battery():
+  return lower_programs(allowed())
 
 
 def check_lowered(combinations, lowered) -> list[str]:
@@ -299,11 +269,10 @@ def check_lowered(combinations, lowered) -> list[str]:
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_every_step_program_lowers(platform):
-  """A pairwise cover of the cross product lowers, each program with the compiled kernels where it
-  sends a codec-encoded fragment and in no other (`python tests/test_lowering.py --all` lowers
-  every distinct program)."""
-  combinations = in_ci()
-  lowered = {key: {platform: result[platform]} for key, result in _ci_battery().items()}
+  """Every allowed combination's programs lower, each with the compiled kernels where it sends a
+  codec-encoded fragment and in no other."""
+  combinations = allowed()
+  lowered = {key: {platform: result[platform]} for key, result in _battery().items()}
   assert not check_lowered(combinations, lowered), "\n".join(check_lowered(combinations, lowered))
 
 
@@ -317,7 +286,13 @@ def test_every_step_program_lowers(platform):
     # A step's program does not read the executor: the thread takes the overlapped sends out.
     (Combination("streaming_diloco", "replicas", "e3m0", "thread", "fsdp_tensor"),
      Combination("streaming_diloco", "replicas", "e3m0", "inline", "fsdp_tensor")),
-], ids=["codec", "dp codec", "executor"])
+    # The layouts on the pipeline's mesh.
+    (Combination("diloco", "pipeline", "int8", "inline", "replicated"),
+     Combination("diloco", "pipeline", "int8", "inline", "fsdp_tensor")),
+    # The thread's fragment program, whichever source computed the gradients.
+    (Combination("streaming_diloco", "replicas", "int4", "thread", "fsdp"),
+     Combination("streaming_diloco", "skippipe", "int4", "thread", "fsdp")),
+], ids=["codec", "dp codec", "executor", "pipeline layout", "fragment source"])
 def test_programs_sharing_a_key_are_one(first, second):
   """Two combinations' programs with the same key (`programs_of`) trace to the same jaxpr, so
   lowering one of them lowers the other."""
@@ -346,11 +321,8 @@ def _values(values, every) -> str:
 
 def table() -> str:
   """The cross product as a markdown table: a row per algorithm, gradient source, executor and
-  verdict (the refusal's reason, or the distinct programs and how many every test run lowers)."""
-  every_key, ci_keys = set(), set()
-  for combination in in_ci():
-    ci_keys |= {key for key, *_ in programs_of(combination, trainer_of(combination)[0])}
-  groups = {}
+  verdict (the refusal's reason, or the distinct programs)."""
+  every_key, groups = set(), {}
   for c in cross_product():
     trainer, refusal = trainer_of(c)
     verdict = refusal.split(";")[0] if refusal else ""
@@ -365,24 +337,23 @@ def table() -> str:
         group["keys"].add(key)
         group["kernels"] |= kernels_expected(c, sends)
   lines = ["| algorithm | gradients | executor | codecs | layouts | combinations | distinct programs "
-           "| lowered on every test run | cuda and tpu |", "|---" * 9 + "|"]
+           "| cuda and tpu |", "|---" * 8 + "|"]
   for (algorithm, gradients, executor, extra, verdict), g in groups.items():
     every_key |= g["keys"]
     setting = "".join(f", `{k}={v}`" for k, v in extra)
     if verdict:
-      result, programs, ci = f"refused: {verdict}", "–", "–"
+      result, programs = f"refused: {verdict}", "–"
     else:
       result = "lowers, kernels in the send programs" if g["kernels"] else "lowers"
-      programs, ci = str(len(g["keys"])), str(len(g["keys"] & ci_keys))
+      programs = str(len(g["keys"]))
     lines.append(f"| {algorithm}{setting} | {gradients} | {executor} | "
                  f"{_values(g['codecs'], ('none',) + CODECS)} | {_values(g['layouts'], LAYOUTS)} | "
-                 f"{g['count']} | {programs} | {ci} | {result} |")
+                 f"{g['count']} | {programs} | {result} |")
   combinations = cross_product()
   refused = sum(trainer_of(c)[0] is None for c in combinations)
   lines.append("")
   lines.append(f"{len(combinations)} combinations: {len(combinations) - refused} allowed, {refused} "
-               f"refused; {len(every_key)} distinct programs, {len(every_key & ci_keys)} of them "
-               "lowered on every test run.")
+               f"refused; {len(every_key)} distinct programs.")
   return "\n".join(lines)
 
 
@@ -463,24 +434,24 @@ def test_vmapped_replicas_encode_where_they_live():
 
 def main(argv) -> int:
   parser = argparse.ArgumentParser(description="The lowering battery outside pytest.")
-  parser.add_argument("--all", action="store_true",
-                      help="lower every distinct program of the allowed cross product")
   parser.add_argument("--write-table", action="store_true",
                       help=f"rewrite the cross product's table in {DOCS}")
+  parser.add_argument("--lower", action="store_true",
+                      help="lower every distinct program and print the failures and the time")
   args = parser.parse_args(argv)
   if args.write_table:
     text = DOCS.read_text()
     head, tail = text.split(TABLE_BEGIN)
     DOCS.write_text(f"{head}{TABLE_BEGIN}\n{table()}\n{TABLE_END}{tail.split(TABLE_END, 1)[1]}")
     print(f"wrote {DOCS}")
-  if args.all:
+  if args.lower:
     start = time.perf_counter()
     combinations = allowed()
     lowered = lower_programs(combinations)
     failures = check_lowered(combinations, lowered)
     print(f"jax {jax.__version__}: {len(combinations)} combinations, {len(lowered)} distinct "
-          f"programs lowered for {', '.join(PLATFORMS)} in {time.perf_counter() - start:.0f} s; "
-          f"{len(failures)} failures")
+          f"programs, {len({id(v) for v in lowered.values()})} distinct jaxprs, lowered for "
+          f"{', '.join(PLATFORMS)} in {time.perf_counter() - start:.0f} s; {len(failures)} failures")
     print("\n".join(failures))
     return 1 if failures else 0
   return 0
