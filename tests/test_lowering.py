@@ -5,8 +5,8 @@ the Trainer's constructor decides which combinations are allowed. On this CPU ho
 or TPU host would pick (`diloco.codec_kernels=auto`: the compiled Pallas kernels, Triton on cuda and
 Mosaic on tpu; `model.layer_loop=scan`), each allowed combination's Trainer gives its step programs
 (one per distinct phase and routing), and with `diloco.overlap_executor=thread` also the programs
-the thread runs (`comm.fragment_mean`). A program is traced once per key (`programs_of`) and lowered
-once per jaxpr. A program that sends a codec-encoded fragment holds the compiled kernels (Triton or
+the thread runs (`comm.fragment_mean`). A program is traced and lowered once per key
+(`programs_of`). A program that sends a codec-encoded fragment holds the compiled kernels (Triton or
 Mosaic custom calls, not the jnp reference) and one that sends nothing holds none. `python
 tests/test_lowering.py --write-table` rewrites the table in docs/accelerators.md from the
 enumeration (`test_table_in_docs_is_the_enumeration` keeps the two equal); `--lower` lowers outside
@@ -218,7 +218,7 @@ def lower_programs(combinations) -> dict:
   programs. Each is traced once, by the first combination that has it, under the GPU abstract mesh
   (which lowering for tpu ignores); a program with kernels is lowered for each platform on its own,
   one without for both at once."""
-  lowered, same = {}, {}
+  lowered = {}
   for combination in combinations:
     trainer, _ = trainer_of(combination)
     todo = [(key, sends) for key, _, sends in programs_of(combination, trainer) if key not in lowered]
@@ -232,12 +232,8 @@ def lower_programs(combinations) -> dict:
         except Exception as error:  # pylint: disable=broad-except
           lowered[key] = {p: f"trace: {type(error).__name__}: {error}"[:400] for p in PLATFORMS}
           continue
-        jaxpr = str(traced.jaxpr)  # programs with other keys can be the same program
-        if jaxpr in same:
-          lowered[key] = same[jaxpr]
-          continue
         together = () if kernels_expected(combination, sends) else (PLATFORMS,)
-        lowered[key] = same[jaxpr] = {}
+        lowered[key] = {}
         for platforms in together or [(p,) for p in PLATFORMS]:
           try:
             text = traced.lower(lowering_platforms=platforms).as_text()
@@ -294,8 +290,8 @@ def test_every_step_program_lowers(platform):
      Combination("streaming_diloco", "skippipe", "int4", "thread", "fsdp")),
 ], ids=["codec", "dp codec", "executor", "pipeline layout", "fragment source"])
 def test_programs_sharing_a_key_are_one(first, second):
-  """Two combinations' programs with the same key (`programs_of`) trace to the same jaxpr, so
-  lowering one of them lowers the other."""
+  """Two combinations' programs with the same key (`programs_of`) lower to the same module (the
+  jaxpr, its shardings, its kernels), so lowering one of them lowers the other."""
   trainers = [trainer_of(c)[0] for c in (first, second)]
   keys = [{key for key, _, _ in programs_of(c, t)} for c, t in zip((first, second), trainers)]
   shared = keys[0] & keys[1]
@@ -305,7 +301,7 @@ def test_programs_sharing_a_key_are_one(first, second):
     for trainer in trainers:
       state = trainer.abstract_state()
       with mesh_lib.tracing(trainer.mesh):
-        texts.append(str(_trace(key, trainer, state).jaxpr))
+        texts.append(_trace(key, trainer, state).lower(lowering_platforms=("tpu",)).as_text())
     assert texts[0] == texts[1], key
 
 
