@@ -1,23 +1,37 @@
-"""The lowering battery: every distinct step program lowers for GPU (`cuda`) and TPU (`tpu`).
+"""The lowering battery: the step programs lower for GPU (`cuda`) and TPU (`tpu`).
 
-On this CPU host, with what a GPU or TPU host would pick (`diloco.codec_kernels=auto`: the compiled
-Pallas kernels, Triton on cuda and Mosaic on tpu; `model.layer_loop=scan`), each setup's Trainer
-gives its step programs (`Trainer.lower`, one per distinct phase and routing), and with
-`diloco.overlap_executor=thread` also the programs the thread runs (`comm.fragment_mean`). Programs
-with the same jaxpr are lowered once. A program that sends a codec-encoded fragment holds the
-compiled kernels (Triton or Mosaic custom calls, not the jnp reference) and one that sends nothing
-holds none. `jax.export` exports the dp and Streaming DiLoCo steps for each platform.
+The cross product is every algorithm × gradient source × codec × executor × layout (`cross_product`);
+the Trainer's constructor decides which combinations are allowed. On this CPU host, with what a GPU
+or TPU host would pick (`diloco.codec_kernels=auto`: the compiled Pallas kernels, Triton on cuda and
+Mosaic on tpu; `model.layer_loop=scan`), each allowed combination's Trainer gives its step programs
+(one per distinct phase and routing), and with `diloco.overlap_executor=thread` also the programs
+the thread runs (`comm.fragment_mean`). A program is traced and lowered once per key
+(`programs_of`). A program that sends a codec-encoded fragment holds the compiled kernels (Triton or
+Mosaic custom calls, not the jnp reference) and one that sends nothing holds none. `python
+tests/test_lowering.py --write-table` rewrites the table in docs/accelerators.md from the
+enumeration (`test_table_in_docs_is_the_enumeration` keeps the two equal); `--lower` lowers outside
+pytest. `jax.export` exports the dp and Streaming DiLoCo steps for each platform.
 
 Lowering for cuda on a CPU host needs an abstract GPU device from jax 0.11 on (Triton reads the
-target from the abstract mesh): the setups run under an abstract mesh with the Trainer's axes and
-an H100 device (`mesh.tracing` keeps it). docs/accelerators.md has the table of setups.
+target from the abstract mesh): the programs are traced under an abstract mesh with the Trainer's
+axes and an H100 device (`mesh.tracing` keeps it).
 """
-
+import argparse
 import contextlib
 import functools
+import itertools
+import os
+import pathlib
+import sys
+import time
 import tempfile
+from typing import NamedTuple
 
-import jax
+if __name__ == "__main__":  # as the tests run it (tests/conftest.py)
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
 import pytest
 
@@ -62,45 +76,119 @@ def _config(algorithm, gradients="replicas", layout="replicated", codec="none", 
   return config_lib.override(c, changes)
 
 
-def _setups():
-  """(name, config) of every setup the battery lowers: every algorithm × gradient source, each
-  layout; every codec on every layout for Streaming DiLoCo inline, with the thread every codec on
-  fsdp_tensor and e3m0 on every layout; every codec for DiLoCo (fsdp_tensor), e3m0 and int8 for
-  NoLoCo's gossip; e3m0 on the pipelines; stochastic rounding with error feedback; the model's
-  dot_product attention and dots rematerialisation."""
+ALGORITHMS = ("dp", "diloco", "streaming_diloco", "noloco")
+SOURCES = ("replicas", "skippipe", "pipeline")
+EXECUTORS = ("inline", "thread")
+
+
+class Combination(NamedTuple):
+  """One point of the battery's cross product (`extra`: further config changes, as `key=value`)."""
+  algorithm: str
+  gradients: str
+  codec: str
+  executor: str
+  layout: str
+  extra: tuple = ()
+
+  @property
+  def name(self) -> str:
+    return "/".join(self[:5]) + "".join(f", {k}={v}" for k, v in self.extra)
+
+  def config(self):
+    return _config(self.algorithm, self.gradients, self.layout, self.codec, self.executor,
+                   **dict(self.extra))
+
+
+# Settings beyond the cross product: stochastic rounding with error feedback (a residual in the
+# state, random bits into the kernels), the model's dot_product attention and dots remat.
+EXTRAS = (
+    Combination("streaming_diloco", "replicas", "e3m0", "inline", "fsdp_tensor",
+                (("diloco.codec_rounding", "stochastic"), ("diloco.error_feedback", True))),
+    Combination("streaming_diloco", "replicas", "e3m0", "thread", "fsdp_tensor",
+                (("diloco.codec_rounding", "stochastic"), ("diloco.error_feedback", True))),
+    Combination("dp", "replicas", "none", "inline", "fsdp_tensor", (("model.attention", "dot_product"),)),
+    Combination("dp", "replicas", "none", "inline", "fsdp_tensor", (("model.remat", "dots"),)),
+)
+
+
+def cross_product() -> list[Combination]:
+  """Every algorithm × gradient source × codec × executor × layout, then EXTRAS."""
+  return [Combination(*c) for c in itertools.product(
+      ALGORITHMS, SOURCES, ("none",) + CODECS, EXECUTORS, LAYOUTS)] + list(EXTRAS)
+
+
+@functools.lru_cache(maxsize=None)
+def trainer_of(combination: Combination):
+  """(Trainer, None) for a combination the config allows, (None, the refusal's line) otherwise:
+  the Trainer's constructor (the config's validation and its own checks) decides."""
+  with tempfile.TemporaryDirectory() as workdir:
+    try:
+      return Trainer(combination.config(), workdir), None
+    except ValueError as error:
+      return None, str(error)
+
+
+def _sends(phase) -> bool:
+  """Whether a phase's program sends outer gradients (a fragment's mean, NoLoCo's gossip)."""
+  return bool(getattr(phase, "send", ())) or bool(getattr(phase, "outer", False))
+
+
+def _shardings(trainer) -> str:
+  """The parameters' partition specs without the mesh axes of size 1 (which shard nothing)."""
+  size = trainer.mesh.shape
+  drop = lambda axes: tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if size[a] > 1)
+  return str(jax.tree.map(lambda spec: tuple(drop(axes) if axes else () for axes in spec),
+                          trainer.param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+
+
+def programs_of(combination: Combination, trainer) -> list:
+  """(key, label, sends) of every distinct program of a run, with `key` the program's identity
+  across combinations: a step's phase and routing, and of the combination what its program
+  reads. The layout is read through the parameters' shardings on the mesh (on the pipeline's mesh,
+  `data` = `tensor` = 1, every layout gives the same). A program that sends nothing does not read
+  the codec (nor does dp's, which sends nothing ever); a step's program does not read the executor
+  (the thread only takes the overlapped sends out of the phase); the thread's fragment program
+  reads the codec, the parameters' shapes and shardings, and the mesh, not the gradient source.
+  `test_programs_sharing_a_key_are_one` checks these on traced programs."""
+  c = combination
+  tx = getattr(trainer.algorithm, "tx", None)
+  thread = trainer.overlap_executor == "thread"
+  shardings = (_shardings(trainer), tuple(trainer.mesh.shape.items()))
   out = []
-  for algorithm in ("dp", "diloco", "streaming_diloco", "noloco"):
-    for layout in LAYOUTS:
-      out.append((f"{algorithm}/replicas/{layout}/none/inline", _config(algorithm, layout=layout)))
-    for gradients in ("skippipe", "pipeline"):
-      out.append((f"{algorithm}/{gradients}/replicated/none/inline",
-                  _config(algorithm, gradients)))
-  for algorithm, codecs in (("diloco", CODECS), ("noloco", ("e3m0", "int8"))):
-    for codec in codecs:
-      out.append((f"{algorithm}/replicas/fsdp_tensor/{codec}/inline",
-                  _config(algorithm, layout="fsdp_tensor", codec=codec)))
-  for codec in CODECS:
-    for layout in LAYOUTS:
-      # The thread's programs hold the kernels in the fragment program: once per codec and per layout.
-      for executor in ("inline", "thread") if "fsdp_tensor" in (layout,) or codec == "e3m0" else (
-          "inline",):
-        out.append((f"streaming_diloco/replicas/{layout}/{codec}/{executor}",
-                    _config("streaming_diloco", layout=layout, codec=codec, executor=executor)))
-  for gradients in ("skippipe", "pipeline"):
-    for executor in ("inline", "thread") if gradients == "skippipe" else ("inline",):
-      out.append((f"streaming_diloco/{gradients}/replicated/e3m0/{executor}",
-                  _config("streaming_diloco", gradients, codec="e3m0", executor=executor)))
-  for executor in ("inline", "thread"):
-    out.append((f"streaming_diloco/replicas/fsdp_tensor/e3m0/{executor}, stochastic rounding and "
-                "error feedback", _config("streaming_diloco", layout="fsdp_tensor", codec="e3m0",
-                                          executor=executor,
-                                          **{"diloco.codec_rounding": "stochastic",
-                                             "diloco.error_feedback": True})))
-  out.append(("dp/replicas/fsdp_tensor/none/inline, model.attention=dot_product",
-              _config("dp", layout="fsdp_tensor", **{"model.attention": "dot_product"})))
-  out.append(("dp/replicas/fsdp_tensor/none/inline, model.remat=dots",
-              _config("dp", layout="fsdp_tensor", **{"model.remat": "dots"})))
+  for step in range(1, trainer.config.num_steps + 1):
+    phase = trainer.algorithm.phase_at(step)
+    if thread:
+      phase = overlap.program_phase(tx.schedule.delay, phase)
+    route = trainer.source.route_at(step)
+    sends = _sends(phase)
+    key = ("step", c.algorithm, c.gradients, c.codec if sends else "-", shardings, c.extra,
+           phase, route)
+    if key not in [k for k, *_ in out]:
+      out.append((key, f"step {phase}" + (f" route {route}" if route is not None else ""), sends))
+  if thread:
+    for p in range(len(tx.schedule.delay)):
+      out.append((("fragment", trainer.model_cfg, c.codec, shardings, c.extra, p),
+                  f"thread fragment {p}", True))
   return out
+
+
+def _trace(key, trainer, state):
+  """The jax Traced of the program `key` names (under the context the caller set)."""
+  if key[0] == "step":
+    phase, route = key[-2:]
+    return trainer._jit_step((phase, route), state).trace(state, trainer._abstract_batch())
+  tx, p = trainer.algorithm.tx, key[-1]
+  one = jax.eval_shape(lambda t: jax.tree.map(lambda x: x[0], t), state.params)
+  delta = frag_lib.extract(tx.fragments(one)[p], state.params)
+  delta = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32, sharding=x.sharding),
+                       delta)
+  # As the loop submits it: the residual with error feedback, a key with stochastic rounding.
+  residual = delta if tx.error_feedback else None
+  rng = None
+  if tx.codec is not None and tx.codec.rounding == "stochastic":
+    rng = jax.eval_shape(lambda: jax.random.fold_in(jax.random.key(p), 0))
+  mean = comm.fragment_mean(p, tx.codec, tx.codec_kernels, tx.axis_name)
+  return jax.jit(mean).trace(delta, residual, rng)
 
 
 def _target(platform: str, mesh):
@@ -115,92 +203,164 @@ def _target(platform: str, mesh):
       abstract_device=device))
 
 
-def _programs(trainer, state):
-  """(label, sends, trace) of every distinct program of a run: `trace()` gives a jax Traced."""
-  tx = getattr(trainer.algorithm, "tx", None)
-  thread = trainer.overlap_executor == "thread"
-  keys = []
-  for step in range(1, trainer.config.num_steps + 1):
-    phase = trainer.algorithm.phase_at(step)
-    if thread:
-      phase = overlap.program_phase(tx.schedule.delay, phase)
-    key = (phase, trainer.source.route_at(step))
-    if key not in keys:
-      keys.append(key)
-  out = []
-  for phase, route in keys:
-    sends = bool(getattr(phase, "send", ()))
-    out.append((f"step {phase}", sends, functools.partial(
-        lambda p, r: trainer._jit_step((p, r), state).trace(state, trainer._abstract_batch()),
-        phase, route)))
-  if thread:
-    one = jax.eval_shape(lambda t: jax.tree.map(lambda x: x[0], t), state.params)
-    for p, frag in enumerate(tx.fragments(one)):
-      delta = frag_lib.extract(frag, state.params)
-      delta = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32, sharding=x.sharding),
-                           delta)
-      # As the loop submits it: the residual with error feedback, a key with stochastic rounding.
-      residual = delta if tx.error_feedback else None
-      key = None
-      if tx.codec is not None and tx.codec.rounding == "stochastic":
-        key = jax.eval_shape(lambda: jax.random.fold_in(jax.random.key(p), 0))
-      mean = comm.fragment_mean(p, tx.codec, tx.codec_kernels, tx.axis_name)
-      out.append((f"thread fragment {p}", True, functools.partial(
-          lambda m, *args: jax.jit(m).trace(*args), mean, delta, residual, key)))
-  return out
+def kernels_expected(combination: Combination, sends: bool) -> bool:
+  """Whether a program holds the compiled codec kernels: it sends a codec-encoded fragment (NoLoCo's
+  gossip encodes with the jnp reference on every platform)."""
+  return sends and combination.codec != "none" and combination.algorithm != "noloco"
+
+
+def allowed() -> list[Combination]:
+  return [c for c in cross_product() if trainer_of(c)[0] is not None]
+
+
+def lower_programs(combinations) -> dict:
+  """{program key: {platform: kernels in its module, or the error}} of the combinations' distinct
+  programs. Each is traced once, by the first combination that has it, under the GPU abstract mesh
+  (which lowering for tpu ignores); a program with kernels is lowered for each platform on its own,
+  one without for both at once."""
+  lowered = {}
+  for combination in combinations:
+    trainer, _ = trainer_of(combination)
+    todo = [(key, sends) for key, _, sends in programs_of(combination, trainer) if key not in lowered]
+    if not todo:
+      continue
+    state = trainer.abstract_state()
+    with _target("cuda", trainer.mesh), mesh_lib.tracing(trainer.mesh), comm.Ledger().recording():
+      for key, sends in todo:
+        try:
+          traced = _trace(key, trainer, state)
+        except Exception as error:  # pylint: disable=broad-except
+          lowered[key] = {p: f"trace: {type(error).__name__}: {error}"[:400] for p in PLATFORMS}
+          continue
+        together = () if kernels_expected(combination, sends) else (PLATFORMS,)
+        lowered[key] = {}
+        for platforms in together or [(p,) for p in PLATFORMS]:
+          try:
+            text = traced.lower(lowering_platforms=platforms).as_text()
+            lowered[key].update({p: text.count(KERNEL_MARK[p]) for p in platforms})
+          except Exception as error:  # pylint: disable=broad-except
+            lowered[key].update({p: f"{type(error).__name__}: {error}"[:400] for p in platforms})
+  return lowered
 
 
 @functools.lru_cache(maxsize=None)
 def _battery():
-  """{platform: {setup: [(program, sends, kernels in it) or an error string]}}, and the number of
-  distinct programs. Each program is traced once (under the GPU abstract mesh, which lowering for
-  tpu ignores) and lowered for both platforms."""
-  results = {platform: {} for platform in PLATFORMS}
-  seen = {}
-  for name, config in _setups():
-    with tempfile.TemporaryDirectory() as workdir:
-      trainer = Trainer(config, workdir)
-    state = trainer.abstract_state()
-    rows = {platform: [] for platform in PLATFORMS}
-    with _target("cuda", trainer.mesh), mesh_lib.tracing(trainer.mesh), comm.Ledger().recording():
-      for label, sends, trace in _programs(trainer, state):
-        try:
-          traced = trace()
-        except Exception as error:  # pylint: disable=broad-except
-          for platform in PLATFORMS:
-            rows[platform].append(f"{label}: trace: {type(error).__name__}: {error}"[:400])
-          continue
-        key = str(traced.jaxpr)
-        for platform in PLATFORMS:
-          if (key, platform) not in seen:
-            try:
-              text = traced.lower(lowering_platforms=(platform,)).as_text()
-              seen[(key, platform)] = text.count(KERNEL_MARK[platform])
-            except Exception as error:  # pylint: disable=broad-except
-              seen[(key, platform)] = f"{label}: {type(error).__name__}: {error}"[:400]
-          kernels = seen[(key, platform)]
-          rows[platform].append(kernels if isinstance(kernels, str) else (label, sends, kernels))
-    for platform in PLATFORMS:
-      results[platform][name] = rows[platform]
-  return results, len(seen) // len(PLATFORMS)
+  return lower_programs(allowed())
+
+
+def check_lowered(combinations, lowered) -> list[str]:
+  """The failures: a program that did not lower, a program with kernels where none belong or
+  without them where they do."""
+  failures = []
+  for combination in combinations:
+    trainer, _ = trainer_of(combination)
+    for key, label, sends in programs_of(combination, trainer):
+      for platform, kernels in lowered[key].items():
+        if isinstance(kernels, str):
+          failures.append(f"{combination.name}: {label} ({platform}): {kernels}")
+        elif (kernels > 0) != kernels_expected(combination, sends):
+          failures.append(f"{combination.name}: {label} ({platform}): {kernels} kernel calls")
+  return failures
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_every_step_program_lowers(platform):
-  all_results, distinct = _battery()
-  results = all_results[platform]
-  failures = [f"{name}: {row}" for name, rows in results.items() for row in rows
-              if isinstance(row, str)]
+  """Every allowed combination's programs lower, each with the compiled kernels where it sends a
+  codec-encoded fragment and in no other."""
+  lowered = {key: {platform: result[platform]} for key, result in _battery().items()}
+  failures = check_lowered(allowed(), lowered)
   assert not failures, "\n".join(failures)
-  for name, rows in results.items():
-    algorithm, codec = name.split("/")[0], name.split("/")[3].split(",")[0]
-    for label, sends, kernels in rows:
-      # The compiled kernels are in every program that sends an encoded fragment, in no other
-      # (NoLoCo's gossip encodes with the jnp reference on every platform).
-      expected = codec != "none" and sends and algorithm != "noloco"
-      assert (kernels > 0) == expected, (name, label, kernels)
-  # Identical programs were lowered once (a non-sync step does not depend on the codec).
-  assert 1 < distinct < sum(len(rows) for rows in results.values())
+
+
+@pytest.mark.parametrize("first, second", [
+    # A program that sends nothing does not read the codec.
+    (Combination("streaming_diloco", "replicas", "none", "inline", "fsdp"),
+     Combination("streaming_diloco", "replicas", "int4", "inline", "fsdp")),
+    # dp sends nothing ever.
+    (Combination("dp", "skippipe", "none", "inline", "tensor"),
+     Combination("dp", "skippipe", "e2m1", "inline", "tensor")),
+    # A step's program does not read the executor: the thread takes the overlapped sends out.
+    (Combination("streaming_diloco", "replicas", "e3m0", "thread", "fsdp_tensor"),
+     Combination("streaming_diloco", "replicas", "e3m0", "inline", "fsdp_tensor")),
+    # The layouts on the pipeline's mesh.
+    (Combination("diloco", "pipeline", "int8", "inline", "replicated"),
+     Combination("diloco", "pipeline", "int8", "inline", "fsdp_tensor")),
+    # The thread's fragment program, whichever source computed the gradients.
+    (Combination("streaming_diloco", "replicas", "int4", "thread", "fsdp"),
+     Combination("streaming_diloco", "skippipe", "int4", "thread", "fsdp")),
+], ids=["codec", "dp codec", "executor", "pipeline layout", "fragment source"])
+def test_programs_sharing_a_key_are_one(first, second):
+  """Two combinations' programs with the same key (`programs_of`) lower to the same module (the
+  jaxpr, its shardings, its kernels), so lowering one of them lowers the other."""
+  trainers = [trainer_of(c)[0] for c in (first, second)]
+  keys = [{key for key, _, _ in programs_of(c, t)} for c, t in zip((first, second), trainers)]
+  shared = keys[0] & keys[1]
+  assert shared
+  for key in shared:
+    texts = []
+    for trainer in trainers:
+      state = trainer.abstract_state()
+      with mesh_lib.tracing(trainer.mesh):
+        texts.append(_trace(key, trainer, state).lower(lowering_platforms=("tpu",)).as_text())
+    assert texts[0] == texts[1], key
+
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "accelerators.md"
+TABLE_BEGIN, TABLE_END = "<!-- lowering-table: python tests/test_lowering.py --write-table -->", \
+    "<!-- /lowering-table -->"
+
+
+def _values(values, every) -> str:
+  values = [v for v in every if v in values]
+  return "every one" if len(values) == len(every) > 1 else ", ".join(values)
+
+
+def table() -> str:
+  """The cross product as a markdown table: a row per algorithm, gradient source, executor and
+  verdict (the refusal's reason, or the distinct programs)."""
+  every_key, groups = set(), {}
+  for c in cross_product():
+    trainer, refusal = trainer_of(c)
+    verdict = refusal.split(";")[0] if refusal else ""
+    group = groups.setdefault((c.algorithm, c.gradients, c.executor, c.extra, verdict),
+                              {"codecs": set(), "layouts": set(), "keys": set(), "kernels": False,
+                               "count": 0})
+    group["codecs"].add(c.codec)
+    group["layouts"].add(c.layout)
+    group["count"] += 1
+    if trainer is not None:
+      for key, _, sends in programs_of(c, trainer):
+        group["keys"].add(key)
+        group["kernels"] |= kernels_expected(c, sends)
+  lines = ["| algorithm | gradients | executor | codecs | layouts | combinations | distinct programs "
+           "| cuda and tpu |", "|---" * 8 + "|"]
+  for (algorithm, gradients, executor, extra, verdict), g in groups.items():
+    every_key |= g["keys"]
+    setting = "".join(f", `{k}={v}`" for k, v in extra)
+    if verdict:
+      result, programs = f"refused: {verdict}", "–"
+    else:
+      result = "lowers, kernels in the send programs" if g["kernels"] else "lowers"
+      programs = str(len(g["keys"]))
+    lines.append(f"| {algorithm}{setting} | {gradients} | {executor} | "
+                 f"{_values(g['codecs'], ('none',) + CODECS)} | {_values(g['layouts'], LAYOUTS)} | "
+                 f"{g['count']} | {programs} | {result} |")
+  combinations = cross_product()
+  refused = sum(trainer_of(c)[0] is None for c in combinations)
+  lines.append("")
+  lines.append(f"{len(combinations)} combinations: {len(combinations) - refused} allowed, {refused} "
+               f"refused; {len(every_key)} distinct programs.")
+  return "\n".join(lines)
+
+
+def _docs_table() -> str:
+  text = DOCS.read_text()
+  return text[text.index(TABLE_BEGIN) + len(TABLE_BEGIN):text.index(TABLE_END)].strip()
+
+
+def test_table_in_docs_is_the_enumeration():
+  """docs/accelerators.md's table is `table()` (rewrite it with `--write-table`)."""
+  assert _docs_table() == table()
 
 
 def _send_phase(trainer):
@@ -266,3 +426,32 @@ def test_vmapped_replicas_encode_where_they_live():
   assert len(stacked) >= 2, stacked
   for spec, shape in stacked:
     assert len(spec) and spec[0] == mesh_lib.REPLICA, (spec, shape)
+
+
+def main(argv) -> int:
+  parser = argparse.ArgumentParser(description="The lowering battery outside pytest.")
+  parser.add_argument("--write-table", action="store_true",
+                      help=f"rewrite the cross product's table in {DOCS}")
+  parser.add_argument("--lower", action="store_true",
+                      help="lower every distinct program and print the failures and the time")
+  args = parser.parse_args(argv)
+  if args.write_table:
+    text = DOCS.read_text()
+    head, tail = text.split(TABLE_BEGIN)
+    DOCS.write_text(f"{head}{TABLE_BEGIN}\n{table()}\n{TABLE_END}{tail.split(TABLE_END, 1)[1]}")
+    print(f"wrote {DOCS}")
+  if args.lower:
+    start = time.perf_counter()
+    combinations = allowed()
+    lowered = lower_programs(combinations)
+    failures = check_lowered(combinations, lowered)
+    print(f"jax {jax.__version__}: {len(combinations)} combinations, {len(lowered)} distinct "
+          f"programs, {len({id(v) for v in lowered.values()})} distinct jaxprs, lowered for "
+          f"{', '.join(PLATFORMS)} in {time.perf_counter() - start:.0f} s; {len(failures)} failures")
+    print("\n".join(failures))
+    return 1 if failures else 0
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -32,21 +32,28 @@ def test_tiny_run_learns_real_text_below_the_unigram_entropy(tmp_path):
   assert (tmp_path / "tensorboard").is_dir() and (tmp_path / "checkpoints" / "300").is_dir()
 
 
+@pytest.fixture(scope="module")
+def one_device_metrics(tmp_path_factory):
+  """The metrics of the 5-step run on one device that every layout's 8-device run is compared to."""
+  workdir = tmp_path_factory.mktemp("one_device") / "run"
+  c1 = tiny_config(num_steps=5, **{"sharding.layout": "replicated", "mesh.data": 1})
+  Trainer(c1, workdir, devices=jax.devices()[:1]).run()
+  return read_metrics(workdir)
+
+
 @pytest.mark.parametrize("layout,mesh", [("replicated", {"data": 8}), ("fsdp", {"data": 8}),
                                           ("tensor", {"data": 4, "tensor": 2})])
-def test_eight_devices_match_one_device_and_shardings_follow_the_rules(tmp_path, layout, mesh):
+def test_eight_devices_match_one_device_and_shardings_follow_the_rules(tmp_path, layout, mesh,
+                                                                        one_device_metrics):
   assert len(jax.devices()) >= 8, "conftest sets 8 fake CPU devices"
   c8 = tiny_config(num_steps=5, **{"sharding.layout": layout})
   for axis, size in mesh.items():
     c8.mesh[axis] = size
-  c1 = tiny_config(num_steps=5, **{"sharding.layout": "replicated", "mesh.data": 1})
   many = Trainer(c8, tmp_path / "many")
-  one = Trainer(c1, tmp_path / "one", devices=jax.devices()[:1])
   many.run()
-  one.run()
   # 8 devices sum in other orders than one: each step's loss within the chain-of-sums bound.
   chain = testing.tiny_chain_of_sums(64, 8 * 64)
-  for m, o in zip(read_metrics(tmp_path / "many"), read_metrics(tmp_path / "one"), strict=True):
+  for m, o in zip(read_metrics(tmp_path / "many"), one_device_metrics, strict=True):
     testing.assert_within(m["loss"], o["loss"], testing.trajectory_error_bound(o["loss"], o["step"], chain),
                           f"loss at step {o['step']}")
   # The compiled step's parameter shardings are the ones the rules ask for.
