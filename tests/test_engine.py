@@ -146,7 +146,10 @@ def test_ledger_bytes_equal_the_collectives_of_the_compiled_program(case, tmp_pa
     program, entries = trainer.program(trainer.algorithm.phase_at(step), state, route)
     # Scalars of the metrics (the pipeline's loss and grad norm summed over stages) are not traffic
     # the ledger models: collectives under 64 bytes are left out.
-    compiled = sum(b for b in map(collective_bytes, hlo.collectives(program.as_text())) if b >= 64)
+    # An all-gather's result holds every worker's operand (one replica per device here).
+    operand = lambda line: collective_bytes(line) // (
+        trainer.config.num_replicas if "all-gather" in line else 1)
+    compiled = sum(b for b in map(operand, hlo.collectives(program.as_text())) if b >= 64)
     # Each ledger entry's payload is one worker's operand, recorded where the collective is issued:
     # the pipeline's `comm.permute` records one entry per distinct non-empty permutation, as its
     # program holds one permute per such permutation (a `lax.switch` over the ticks).

@@ -7,7 +7,7 @@ three pure parts around it:
   plans(phase)                        -> {name: Plan}: what this phase sends
   local(state, params, phase)         -> {name: tree}: the trees to send (no collective)
   apply(state, params, incoming, phase) -> (params, state): `incoming` holds the carried result of
-                                         every name this phase consumes
+                                         every name this phase consumes (`consumes(phase)`)
 
 Inline (`compose`), a step program runs local → carry → apply. With the outer-communication thread
 (`train.overlap`) the loop computes `local` itself, hands each plan with delay τ ≥ 1 and its tree to
@@ -106,7 +106,16 @@ COMM_STATE_AXES = CommState(in_flight=None, residuals=0)
 
 @runtime_checkable
 class OuterStep(Protocol):
-  """An algorithm's outer step as plans and two pure parts (see the module doc)."""
+  """An algorithm's outer step as plans and two pure parts (see the module doc).
+
+  Besides `plans`, `local` and `apply`, the loop reads `phases` (every phase the algorithm runs),
+  `consumes(phase)` (the names whose results `apply` takes in that phase) and
+  `without_delayed(phase)` (the phase a step program runs when the communication thread carries
+  the plans with τ ≥ 1); its state has a `comm` field (`CommState`) and `state_axes` its vmap axes.
+  """
+
+  phases: tuple
+  state_axes: Any
 
   def plans(self, phase) -> dict[str, Plan]:
     ...
@@ -115,6 +124,12 @@ class OuterStep(Protocol):
     ...
 
   def apply(self, state, params, incoming: dict, phase):
+    ...
+
+  def consumes(self, phase) -> tuple:
+    ...
+
+  def without_delayed(self, phase):
     ...
 
 

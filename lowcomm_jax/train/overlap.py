@@ -117,6 +117,7 @@ class Threaded:
     self._applies: dict = {}  # (phase, names) -> the compiled apply program
     self._due: tuple = ()  # (phase, names) the step just dispatched left for after_step
     self._multiprocess = jax.process_count() > 1
+    self._delayed_names = {n for ph in tx.phases for n, p in tx.plans(ph).items() if p.delay}
 
   def _delayed(self, phase) -> dict:
     return {n: p for n, p in self.tx.plans(phase).items() if p.delay}
@@ -154,8 +155,7 @@ class Threaded:
     # Delayed consumptions leave the program: its inner step does not need the result. Also one
     # without a future (after a resume the checkpoint's in-flight buffer holds it), so that a
     # resumed run rounds as the uninterrupted one.
-    delayed = {n for ph in self.tx.phases for n, p in self.tx.plans(ph).items() if p.delay}
-    due = tuple(n for n in self.tx.consumes(phase) if n in delayed)
+    due = tuple(n for n in self.tx.consumes(phase) if n in self._delayed_names)
     self._due = (phase, due) if due else ()
     return self.tx.without_delayed(phase), state
 
