@@ -65,6 +65,10 @@ def _config(algorithm, gradients="replicas", layout="replicated", codec="none", 
   if algorithm == "streaming_diloco":  # one fragment (embeddings folded in), τ = 1, α = 0.5
     changes.update({"diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1,
                     "diloco.merge_alpha": 0.5})
+  if algorithm == "sparseloco":  # its own wire format (top-k, 2 bits); τ = 1, α = 0.5
+    changes.update({"diloco.codec": "none", "sparseloco.sync_every": 2, "sparseloco.overlap_steps": 1,
+                    "sparseloco.merge_alpha": 0.5, "sparseloco.chunk_size": 64, "sparseloco.top_k": 4,
+                    "diloco.non_block_fragment": "fold"})
   if algorithm == "noloco":  # NoLoCo's own codec (its gossip), diloco's stays none
     changes.update({"diloco.codec": "none", "noloco.codec": codec, "noloco.codec_block_size": 256})
   if gradients == "skippipe":
@@ -76,7 +80,7 @@ def _config(algorithm, gradients="replicas", layout="replicated", codec="none", 
   return config_lib.override(c, changes)
 
 
-ALGORITHMS = ("dp", "diloco", "streaming_diloco", "noloco")
+ALGORITHMS = ("dp", "diloco", "streaming_diloco", "noloco", "sparseloco")
 SOURCES = ("replicas", "skippipe", "pipeline")
 EXECUTORS = ("inline", "thread")
 
@@ -113,8 +117,10 @@ EXTRAS = (
 
 def cross_product() -> list[Combination]:
   """Every algorithm × gradient source × codec × executor × layout, then EXTRAS."""
+  # SparseLoCo reads no codec (its payload is its own top-k format): codec none only.
   return [Combination(*c) for c in itertools.product(
-      ALGORITHMS, SOURCES, ("none",) + CODECS, EXECUTORS, LAYOUTS)] + list(EXTRAS)
+      ALGORITHMS, SOURCES, ("none",) + CODECS, EXECUTORS, LAYOUTS)
+          if c[0] != "sparseloco" or c[2] == "none"] + list(EXTRAS)
 
 
 @functools.lru_cache(maxsize=None)
