@@ -111,6 +111,9 @@ EXTRAS = (
     Combination("streaming_diloco", "replicas", "e3m0", "thread", "fsdp_tensor",
                 (("diloco.codec_rounding", "stochastic"), ("diloco.error_feedback", True))),
     Combination("dp", "replicas", "none", "inline", "fsdp_tensor", (("model.attention", "dot_product"),)),
+    # A sequence of 128: TPU's flash attention kernel (Mosaic, under a shard_map over data and tensor).
+    Combination("dp", "replicas", "none", "inline", "fsdp_tensor",
+                (("model.attention", "dot_product"), ("data.seq_len", 128))),
     Combination("dp", "replicas", "none", "inline", "fsdp_tensor", (("model.remat", "dots"),)),
 )
 
@@ -209,10 +212,14 @@ def _target(platform: str, mesh):
       abstract_device=device))
 
 
-def kernels_expected(combination: Combination, sends: bool) -> bool:
-  """Whether a program holds the compiled codec kernels: it sends a codec-encoded fragment (NoLoCo's
-  gossip encodes with the jnp reference on every platform)."""
-  return sends and combination.codec != "none" and combination.algorithm != "noloco"
+def kernels_expected(combination: Combination, sends: bool, platform: str | None = None) -> bool:
+  """Whether a program holds compiled kernels: the codec's where it sends a codec-encoded fragment
+  (NoLoCo's gossip encodes with the jnp reference on every platform); for tpu (or any platform,
+  `None`) also TPU flash attention, with `model.attention=dot_product` on a multiple of 128 tokens."""
+  extra = dict(combination.extra)
+  flash = (platform in ("tpu", None) and extra.get("model.attention") == "dot_product"
+           and extra.get("data.seq_len", 16) % 128 == 0)
+  return flash or (sends and combination.codec != "none" and combination.algorithm != "noloco")
 
 
 def allowed() -> list[Combination]:
@@ -264,7 +271,7 @@ def check_lowered(combinations, lowered) -> list[str]:
       for platform, kernels in lowered[key].items():
         if isinstance(kernels, str):
           failures.append(f"{combination.name}: {label} ({platform}): {kernels}")
-        elif (kernels > 0) != kernels_expected(combination, sends):
+        elif (kernels > 0) != kernels_expected(combination, sends, platform):
           failures.append(f"{combination.name}: {label} ({platform}): {kernels} kernel calls")
   return failures
 
@@ -337,7 +344,8 @@ def table() -> str:
     if trainer is not None:
       for key, _, sends in programs_of(c, trainer):
         group["keys"].add(key)
-        group["kernels"] |= kernels_expected(c, sends)
+        group["kernels"] |= kernels_expected(c, sends, "cuda")
+        group["flash"] = kernels_expected(c, sends, "tpu") and not kernels_expected(c, sends, "cuda")
   lines = ["| algorithm | gradients | executor | codecs | layouts | combinations | distinct programs "
            "| cuda and tpu |", "|---" * 8 + "|"]
   for (algorithm, gradients, executor, extra, verdict), g in groups.items():
@@ -346,7 +354,8 @@ def table() -> str:
     if verdict:
       result, programs = f"refused: {verdict}", "–"
     else:
-      result = "lowers, kernels in the send programs" if g["kernels"] else "lowers"
+      result = ("lowers, kernels in the send programs" if g["kernels"] else
+                "lowers, TPU flash attention kernels (tpu)" if g.get("flash") else "lowers")
       programs = str(len(g["keys"]))
     lines.append(f"| {algorithm}{setting} | {gradients} | {executor} | "
                  f"{_values(g['codecs'], ('none',) + CODECS)} | {_values(g['layouts'], LAYOUTS)} | "

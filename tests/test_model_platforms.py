@@ -34,6 +34,44 @@ def test_dot_product_attention_equals_the_xla_attention_with_gradients():
                                atol=attention_error_bound(q, kk, t, g_xla) * t)
 
 
+def test_tpu_flash_attention_equals_the_xla_attention_with_gradients():
+  """jax's Pallas TPU flash attention, as `dot_product_attention` lowers it for tpu, run by the TPU
+  interpreter: two 128-long blocks of queries and keys (the causal mask across and within blocks)."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  b, t, h, k = 1, 256, 1, 16
+  q, kk, v, w = (jax.random.normal(key, (b, t, h, k)) for key in jax.random.split(jax.random.key(2), 4))
+  assert llama._tpu_flash_accepts(q, kk) and not llama._tpu_flash_accepts(q[:, :24], kk[:, :24])  # pylint: disable=protected-access
+  loss = lambda f: jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))
+  with pltpu.force_tpu_interpret_mode():
+    out_flash = llama.tpu_flash_attention(q, kk, v)
+    _, grads_flash = loss(llama.tpu_flash_attention)(q, kk, v)
+  xla = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
+  out_xla = xla(q, kk, v)
+  _, grads_xla = loss(xla)(q, kk, v)
+  np.testing.assert_allclose(out_flash, out_xla, rtol=0, atol=attention_error_bound(q, kk, t, out_xla))
+  for name, g_flash, g_xla in zip("qkv", grads_flash, grads_xla):
+    np.testing.assert_allclose(g_flash, g_xla, rtol=0, err_msg=name,
+                               atol=attention_error_bound(q, kk, t, g_xla) * t)
+
+
+def test_tpu_flash_attention_runs_on_each_devices_rows():
+  """Lowered for tpu on a (data 2, tensor 2) mesh, the Mosaic kernel takes one device's shard of the
+  operands [B/2, H/2, T, K] (heads first): the batch split over `data` and the heads over `tensor`,
+  not gathered onto every device; a sequence of 16 keeps XLA's attention (no kernel)."""
+  from lowcomm_jax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (mesh_lib.DATA, mesh_lib.TENSOR))
+  for t, kernels in ((128, 3), (16, 0)):
+    operand = jax.ShapeDtypeStruct((4, t, 4, 16), jnp.float32)
+    with mesh_lib.tracing(mesh):
+      text = jax.jit(jax.grad(lambda q, k, v: jnp.sum(llama.dot_product_attention(q, k, v)),
+                              argnums=(0, 1, 2))).trace(operand, operand, operand).lower(
+                                  lowering_platforms=("tpu",)).as_text()
+    calls = [line for line in text.splitlines() if "@tpu_custom_call(" in line]
+    assert len(calls) == kernels, (t, len(calls))  # forward, dK/dV, dQ
+    for call in calls:
+      assert re.search(r"\(tensor<2x2x128x16xf32>", call), call[-200:]
+
+
 _CFG = models.get_model_config("tiny", num_layers=4, d_model=64, num_heads=2, d_ff=128, layer_loop="scan")
 _TOKENS = jax.random.randint(jax.random.key(1), (4, 128), 0, _CFG.vocab_size)
 
