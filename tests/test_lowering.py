@@ -222,8 +222,16 @@ def kernels_expected(combination: Combination, sends: bool, platform: str | None
   return flash or (sends and combination.codec != "none" and combination.algorithm != "noloco")
 
 
-def allowed() -> list[Combination]:
-  return [c for c in cross_product() if trainer_of(c)[0] is not None]
+def allowed(algorithms=None) -> list[Combination]:
+  """The allowed combinations (of `algorithms` only, when given)."""
+  return [c for c in cross_product()
+          if (algorithms is None or c.algorithm in algorithms) and trainer_of(c)[0] is not None]
+
+
+# The battery in two halves of about equal cost, this file's and tests/test_lowering_outer.py's, so
+# that two test workers lower them side by side.
+FIRST_HALF = ("dp", "diloco", "noloco")
+SECOND_HALF = ("streaming_diloco", "sparseloco")
 
 
 def lower_programs(combinations) -> dict:
@@ -257,8 +265,8 @@ def lower_programs(combinations) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _battery():
-  return lower_programs(allowed())
+def _battery(algorithms: tuple):
+  return lower_programs(allowed(algorithms))
 
 
 def check_lowered(combinations, lowered) -> list[str]:
@@ -276,13 +284,18 @@ def check_lowered(combinations, lowered) -> list[str]:
   return failures
 
 
+def check_battery(platform: str, algorithms: tuple) -> None:
+  """Every allowed combination of `algorithms` lowers for `platform`, each program with the compiled
+  kernels where it sends a codec-encoded fragment (or runs TPU flash attention) and in no other."""
+  lowered = {key: {platform: result[platform]} for key, result in _battery(algorithms).items()}
+  failures = check_lowered(allowed(algorithms), lowered)
+  assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_every_step_program_lowers(platform):
-  """Every allowed combination's programs lower, each with the compiled kernels where it sends a
-  codec-encoded fragment and in no other."""
-  lowered = {key: {platform: result[platform]} for key, result in _battery().items()}
-  failures = check_lowered(allowed(), lowered)
-  assert not failures, "\n".join(failures)
+  """The battery's first half (`FIRST_HALF`; the second: tests/test_lowering_outer.py)."""
+  check_battery(platform, FIRST_HALF)
 
 
 @pytest.mark.parametrize("first, second", [
