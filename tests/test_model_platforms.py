@@ -13,7 +13,7 @@ from flax import nnx
 from lowcomm_jax import config as config_lib
 from lowcomm_jax import models
 from lowcomm_jax.models import config as model_config
-from lowcomm_jax.models import llama
+from lowcomm_jax.models import attention, llama
 from lowcomm_jax.testing import attention_error_bound, read_metrics, tiny_config
 from lowcomm_jax.train import Trainer
 
@@ -25,9 +25,9 @@ def test_dot_product_attention_equals_the_xla_attention_with_gradients():
   q, kk, v, w = (jax.random.normal(key, (b, t, h, k)) for key in jax.random.split(jax.random.key(0), 4))
   bhtk = lambda f: lambda q, k, v: jnp.swapaxes(f(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v))), 1, 2)
   loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))
-  out_xla, out_dp = bhtk(llama.causal_attention)(q, kk, v), llama.dot_product_attention(q, kk, v)
+  out_xla, out_dp = bhtk(llama.causal_attention)(q, kk, v), attention.dot_product_attention(q, kk, v)
   np.testing.assert_allclose(out_dp, out_xla, rtol=0, atol=attention_error_bound(q, kk, t, out_xla))
-  (_, grads_xla), (_, grads_dp) = loss(bhtk(llama.causal_attention))(q, kk, v), loss(llama.dot_product_attention)(q, kk, v)
+  (_, grads_xla), (_, grads_dp) = loss(bhtk(llama.causal_attention))(q, kk, v), loss(attention.dot_product_attention)(q, kk, v)
   for name, g_dp, g_xla in zip("qkv", grads_dp, grads_xla):
     # the backward sums S (dV, dK) or S then K (dQ) more products of these magnitudes
     np.testing.assert_allclose(g_dp, g_xla, rtol=0, err_msg=name,
@@ -40,11 +40,11 @@ def test_tpu_flash_attention_equals_the_xla_attention_with_gradients():
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   b, t, h, k = 1, 256, 1, 16
   q, kk, v, w = (jax.random.normal(key, (b, t, h, k)) for key in jax.random.split(jax.random.key(2), 4))
-  assert llama._tpu_flash_accepts(q, kk) and not llama._tpu_flash_accepts(q[:, :24], kk[:, :24])  # pylint: disable=protected-access
+  assert attention._tpu_flash_accepts(q, kk) and not attention._tpu_flash_accepts(q[:, :24], kk[:, :24])  # pylint: disable=protected-access
   loss = lambda f: jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))
   with pltpu.force_tpu_interpret_mode():
-    out_flash = llama.tpu_flash_attention(q, kk, v)
-    _, grads_flash = loss(llama.tpu_flash_attention)(q, kk, v)
+    out_flash = attention.tpu_flash_attention(q, kk, v)
+    _, grads_flash = loss(attention.tpu_flash_attention)(q, kk, v)
   xla = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
   out_xla = xla(q, kk, v)
   _, grads_xla = loss(xla)(q, kk, v)
@@ -63,7 +63,7 @@ def test_tpu_flash_attention_runs_on_each_devices_rows():
   for t, kernels in ((128, 3), (16, 0)):
     operand = jax.ShapeDtypeStruct((4, t, 4, 16), jnp.float32)
     with mesh_lib.tracing(mesh):
-      text = jax.jit(jax.grad(lambda q, k, v: jnp.sum(llama.dot_product_attention(q, k, v)),
+      text = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention.dot_product_attention(q, k, v)),
                               argnums=(0, 1, 2))).trace(operand, operand, operand).lower(
                                   lowering_platforms=("tpu",)).as_text()
     calls = [line for line in text.splitlines() if "@tpu_custom_call(" in line]
