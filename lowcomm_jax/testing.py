@@ -89,9 +89,9 @@ ENGINE_CASES = {
 # The battery's two-process leg (tests/test_engine.py, tests/engine_processes_worker.py): each
 # algorithm with one replica per process, changes on top of engine_config. Not dp: processes split
 # the `replica` axis only (`distributed.check_mesh`; the inner axes stay inside one process), and
-# dp has one replica.
+# dp has one replica. Streaming DiLoCo and SparseLoCo (τ = 1) exchange on the overlap thread.
 PROCESS_CASES = {"diloco": {}, "streaming_diloco": {},
-                 "noloco": {"num_replicas": 2, "noloco.num_groupings": 1}}
+                 "noloco": {"num_replicas": 2, "noloco.num_groupings": 1}, "sparseloco": {}}
 
 
 def process_leg_config(case: str, num_processes: int = 1) -> ml_collections.ConfigDict:

@@ -7,7 +7,8 @@
 Joins the others through jax.distributed once, then trains every case of
 lowcomm_jax.testing.PROCESS_CASES in turn with the one Trainer (one launch: the processes start and
 import JAX once for all algorithms), each in DIR/<case>; process 0 writes every replica's final
-parameters to DIR/<case>.npz, keyed by parameter path.
+parameters to DIR/<case>.npz, keyed by parameter path, and prints which overlap executor each case
+ran (`<case>: done, overlap executor thread`).
 """
 
 import pathlib
@@ -39,7 +40,7 @@ def main(argv):
     if distributed.is_primary():
       leaves = jax.tree_util.tree_flatten_with_path(params)[0]
       np.savez(out / f"{case}.npz", **{jax.tree_util.keystr(k): v for k, v in leaves})
-    print(f"{case}: done", flush=True)
+    print(f"{case}: done, overlap executor {trainer.overlap_executor}", flush=True)
 
 
 if __name__ == "__main__":

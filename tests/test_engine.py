@@ -4,6 +4,7 @@ ledger bytes = the collectives of the compiled program, a NaN/inf never reaches 
 bad input refused before anything is written."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -228,21 +229,32 @@ def test_an_algorithm_is_reached_only_through_its_entry(tmp_path, monkeypatch):
 
 
 def test_two_processes_equal_one(tmp_path):
-  """DiLoCo, Streaming DiLoCo (P=2, τ=1, α=0.5) and NoLoCo, each across two real processes
-  (jax.distributed, gloo on 127.0.0.1; one replica per process; all three in one launch), end with
-  every replica's parameters equal to the one-device run's (dp has one replica: nothing to split).
+  """DiLoCo, Streaming DiLoCo (P=2, τ=1, α=0.5), NoLoCo and SparseLoCo (P=2, τ=1, α=0.5), each
+  across two real processes (jax.distributed, gloo on 127.0.0.1; one replica per process; all four
+  in one launch), end with every replica's parameters equal to the one-device run's (dp has one
+  replica: nothing to split) and the same bytes in the ledger. Streaming DiLoCo and SparseLoCo
+  (τ = 1) run their fragments' exchange on the overlap thread in both (diloco.overlap_executor=auto).
   The reference compiles with XLA's expensive passes off, as the launched processes do; still not
   bit for bit, since one device runs the replicas' matmuls batched under vmap, which rounds
-  differently from one replica per device: measured at most 2.4e-7 (2 float32 ULPs at 1)."""
+  differently from one replica per device: measured at most 2.4e-7 (2 float32 ULPs at 1).
+  SparseLoCo's top-k picks the same entries in both (a pick that flipped on a near-tie would move
+  a parameter by a whole kept value, far above the bound): measured 1.2e-7."""
   proc = launch_script(2, [f"--out={tmp_path}"], script=ROOT / "tests" / "engine_processes_worker.py")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  executors = {**{case: "inline" for case in PROCESS_CASES},
+               "streaming_diloco": "thread", "sparseloco": "thread"}
+  reported = re.findall(r"(\w+): done, overlap executor (\w+)", proc.stdout)  # by both processes
+  assert sorted(reported) == sorted(2 * list(executors.items())), proc.stdout[-3000:]
   previous = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", True)
   try:
     for case in PROCESS_CASES:
       multi = np.load(tmp_path / f"{case}.npz")
       one = Trainer(process_leg_config(case), tmp_path / f"{case}_one", devices=jax.devices()[:1])
-      one.run()
+      summary = one.run()
+      assert one.overlap_executor == executors[case]
+      sent = json.loads((tmp_path / case / "summary.json").read_text())["bytes_sent_per_worker"]
+      assert sent == summary["bytes_sent_per_worker"] and sent["total"] > 0, case
       leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(one.final_state.params))[0]
       assert sorted(multi.files) == sorted(jax.tree_util.keystr(k) for k, _ in leaves)
       diff = max(float(np.max(np.abs(multi[jax.tree_util.keystr(k)] - v))) for k, v in leaves)
