@@ -83,7 +83,20 @@ ENGINE_CASES = {
                                    "noloco.num_groupings": 2}, "sync": 3},
     "pipeline_diloco": {"config": {**_PIPELINE, "algorithm": "diloco", "diloco.sync_every": 3,
                                    "outer_optimizer.momentum": 0.3}, "sync": 3},
+    # SparseLoCo over the other two sources. Chunks of 32 (2 kept) divide every layer's leaf of the
+    # tiny model, so a stage's slice of a leaf is whole chunks and the pipeline's top-k picks what
+    # the replicas source's picks; SkipPipe on identity paths (each micro-batch through stages 0, 1).
+    "pipeline_sparseloco": {"config": {**_PIPELINE, "algorithm": "sparseloco",
+                                       "sparseloco.sync_every": 3, "sparseloco.chunk_size": 32,
+                                       "sparseloco.top_k": 2}, "sync": 3},
+    "skippipe_sparseloco": {"config": {
+        "gradients": "skippipe", "pipeline.num_stages": 2, "skippipe.paths": "0-1,0-1,0-1,0-1",
+        "algorithm": "sparseloco", "num_replicas": 2, "sparseloco.sync_every": 3,
+        "sparseloco.chunk_size": 32, "sparseloco.top_k": 2}, "sync": 3},
 }
+# Compositions of an algorithm and a gradient source each proven on its own in the battery: the
+# equivalences (one device = the mesh, ledger = compiled collectives) cover them, not the goldens.
+COMPOSED_CASES = ("pipeline_sparseloco", "skippipe_sparseloco")
 
 
 # The battery's two-process leg (tests/test_engine.py, tests/engine_processes_worker.py): each
