@@ -1,16 +1,18 @@
 """The Trainer with `diloco.overlap_executor=thread` (lowcomm_jax.train.overlap) equals the inline
 loop: Streaming DiLoCo (P = 2, H = 6, α = 0.5, 8 steps) for τ = 1 and τ = 2, in one process
 (vmapped replicas), on the 8-device mesh and on two processes (jax.distributed, gloo; also with the
-e3m0 codec and error feedback at τ = 2); its training thread's programs hold no cross-replica
-collective; a resume with a fragment in flight is bit-identical.
+e3m0 codec and error feedback at τ = 2); SparseLoCo on the same schedule (its sparse gather and
+error buffers on the thread) at τ = 1 on the mesh (vmapped: tests/test_sparseloco.py); its training
+thread's programs hold no cross-replica collective; a resume with a fragment in flight is
+bit-identical.
 
 Tolerance `testing.trajectory_error_bound` per leaf of the parameters and state: with the thread the merge step's program
 runs its inner step only and a program of its own applies the outer step and the merge once the
 mean arrived (so the step's compute overlaps the all-reduce); inline the merge is fused into the
 step (with the inner update, the step's θ + (merged − θ) and at τ = 1 the mean's 1/M scaling), so
 the two round differently at the ulp scale. Measured: τ = 1 7.5e-9 (vmap) and 3.0e-8 (mesh), τ = 2
-3.7e-9 and 7.5e-9. A resume with a fragment in flight merges through the same merge program:
-bit-identical to the uninterrupted thread run.
+3.7e-9 and 7.5e-9; SparseLoCo τ = 1 on the mesh 7.5e-9. A resume with a fragment in flight merges
+through the same merge program: bit-identical to the uninterrupted thread run.
 """
 
 import re
@@ -34,17 +36,26 @@ NUM_STEPS, TERMS_PER_STEP = CASE["num_steps"], 4 + 4
 ISSUED = [(4, 0), (7, 1)]
 LAYOUTS = {"vmap": ({"num_replicas": 2, "mesh.replica": 1, "mesh.data": 1}, 1),
            "mesh": ({"num_replicas": 4, "mesh.replica": 4, "mesh.data": 2}, 8)}
+# The algorithm's own schedule keys (the same P, H, α as CASE's) and its section's τ key. SparseLoCo
+# keeps 4 of every 64 values at 2 bits (testing.ENGINE_CASES' sparseloco).
+ALGORITHMS = {
+    "streaming_diloco": ({}, "diloco.overlap_steps"),
+    "sparseloco": ({"algorithm": "sparseloco", "sparseloco.num_fragments": 2,
+                    "sparseloco.sync_every": 6, "sparseloco.merge_alpha": 0.5,
+                    "sparseloco.chunk_size": 64, "sparseloco.top_k": 4}, "sparseloco.overlap_steps"),
+}
 
 _runs: dict = {}
 
 
-def _run(tmp_path_factory, layout, tau, mode, **changes) -> Trainer:
-  key = (layout, tau, mode, tuple(sorted(changes.items())))
+def _run(tmp_path_factory, layout, tau, mode, algorithm="streaming_diloco", **changes) -> Trainer:
+  key = (layout, tau, mode, algorithm, tuple(sorted(changes.items())))
   if key not in _runs:
     layout_changes, num_devices = LAYOUTS[layout]
-    config = testing.tiny_config(**{**CASE, **layout_changes, "diloco.overlap_steps": tau,
+    algorithm_changes, tau_key = ALGORITHMS[algorithm]
+    config = testing.tiny_config(**{**CASE, **layout_changes, **algorithm_changes, tau_key: tau,
                                     "diloco.overlap_executor": mode, **changes})
-    trainer = Trainer(config, tmp_path_factory.mktemp(f"{layout}{tau}{mode}") / "run",
+    trainer = Trainer(config, tmp_path_factory.mktemp(f"{layout}{tau}{mode}{algorithm}") / "run",
                       devices=jax.devices()[:num_devices])
     trainer.run()
     _runs[key] = trainer
@@ -62,11 +73,13 @@ def _assert_close(a, b, exact: bool = False):
         x, NUM_STEPS, TERMS_PER_STEP) if np.size(x) else 0, "state")
 
 
-@pytest.mark.parametrize("layout", ["vmap", "mesh"])
-@pytest.mark.parametrize("tau", [1, 2])
-def test_thread_equals_inline(tmp_path_factory, layout, tau):
-  inline = _run(tmp_path_factory, layout, tau, "inline")
-  threaded = _run(tmp_path_factory, layout, tau, "thread")
+@pytest.mark.parametrize("layout,tau,algorithm", [
+    *((layout, tau, "streaming_diloco") for tau in (1, 2) for layout in ("vmap", "mesh")),
+    ("mesh", 1, "sparseloco")])
+def test_thread_equals_inline(tmp_path_factory, layout, tau, algorithm):
+  inline = _run(tmp_path_factory, layout, tau, "inline", algorithm)
+  threaded = _run(tmp_path_factory, layout, tau, "thread", algorithm)
+  assert inline.config.algorithm == algorithm
   assert (inline.overlap_executor, threaded.overlap_executor) == ("inline", "thread")
   assert [(i.step, int(i.name.split()[-1])) for i in threaded.comm_issued] == ISSUED
   assert inline.comm_issued == []
