@@ -120,7 +120,7 @@ class Learner:
     delta_fns = [jax.jit(lambda g, params, f=f: self.tx.outer_gradient(f, g, _first(params)))
                  for f in self.frags]
     merge_fns = [self._merge_fn(p, state) for p in range(len(self.frags))]
-    slow, step_time = 1.0, None
+    slow, step_times = 1.0, []
     step = start
     for step in range(start + 1, c.num_steps + 1):
       began = time.perf_counter()
@@ -164,10 +164,11 @@ class Learner:
         if reply["done"]:
           done.add(p)
       self._write_progress()
-      step_time = time.perf_counter() - began
+      if step > start + 1:  # the first step of a start compiles
+        step_times.append(time.perf_counter() - began)
       slow = self._faults_at(step, slow)
-      if slow > 1:
-        time.sleep((slow - 1) * step_time)
+      if slow > 1 and step_times:  # F times this learner's usual step time
+        time.sleep((slow - 1) * float(np.median(step_times[-20:])))
       if len(done) == len(self.frags):
         break
     writer.close()

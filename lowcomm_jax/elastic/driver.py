@@ -31,8 +31,9 @@ from lowcomm_jax.elastic import options
 from lowcomm_jax.train import workdir as workdir_lib
 
 
-def start_ray(address: str, num_cpus: float):
-  """`ray.init` for an elastic run: local on 127.0.0.1 (address "") or a running cluster."""
+def start_ray(address: str, num_cpus: float, temp_dir: str | None = None):
+  """`ray.init` for an elastic run: local on 127.0.0.1 (address "") or a running cluster; a Ray
+  already initialized in this process is used as it is (returned with False: not ours to stop)."""
   if not address:
     # Ray binds its servers to the node's address; this makes a local node's address 127.0.0.1,
     # so nothing listens beyond this machine (read when ray is first imported)
@@ -44,7 +45,7 @@ def start_ray(address: str, num_cpus: float):
     ray.init(address=address, logging_level="warning", log_to_driver=False)
   else:
     ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=False,
-             logging_level="warning", log_to_driver=False)
+             logging_level="warning", log_to_driver=False, _temp_dir=temp_dir)
   return ray, True
 
 
