@@ -146,6 +146,9 @@ def _summary(config, work: pathlib.Path, result: dict, finished: dict, deaths: l
       "tokens_dropped": stats["tokens_dropped"] / num_fragments,
       "participation": sum(participation) / len(participation) if participation else None,
       "participation_per_round": participation,
+      # rounds whose merge took each learner's Δ, ÷ rounds closed
+      "participation_per_learner": [sum(i in r["accepted"] for r in stats["rounds"])
+                                    / max(len(stats["rounds"]), 1) for i in range(n)],
       "rounds": result["rounds"],
       "rejoin_s": rejoin_times(work, deaths, n),
       "deaths": deaths,

@@ -84,7 +84,6 @@ class Learner:
     import ray  # pylint: disable=g-import-not-at-top
     from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
     from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-    from lowcomm_jax.optim.inner import TrainState  # pylint: disable=g-import-not-at-top
     from lowcomm_jax.train import metrics  # pylint: disable=g-import-not-at-top
     c, tr, n = self.config, self.trainer, options.num_learners(self.config)
     self._event("run")
@@ -95,8 +94,6 @@ class Learner:
     joined = ray.get(self.syncer.join.remote(self.index))
     start, phi, base_round = joined["step"], joined["phi"], list(joined["rounds"])
     if start:  # healing: φ, the peer's inner state, the data at that step
-      shardings = jax.tree.map(lambda x: x.sharding, state)
-      params = jax.tree.map(lambda g, x: np.asarray(g, x.dtype)[None], phi, state.params)
       opt_state = state.opt_state
       if joined["peer"] is not None:
         try:  # a peer that dies meanwhile leaves the fresh inner state
@@ -106,7 +103,7 @@ class Learner:
         except (ray.exceptions.RayActorError, ValueError):
           shared = None
         opt_state = shared if shared is not None else opt_state
-      state = jax.device_put(TrainState(params, opt_state, jnp.asarray(start, jnp.int32)), shardings)
+      state = self._adopt(state, phi, start, opt_state)
       data.set_state({"next_index": start})
     self._event("joined", step=start)
     writer = metrics.MetricWriter(self.dir, c.num_steps, start, progress_bar=False)
@@ -122,7 +119,8 @@ class Learner:
     merge_fns = [self._merge_fn(p, state) for p in range(len(self.frags))]
     slow, step_times = 1.0, []
     step = start
-    for step in range(start + 1, c.num_steps + 1):
+    while step < c.num_steps:
+      step += 1
       began = time.perf_counter()
       batch = distributed.global_array(next(data)[None], tr.batch_sharding(),
                                        (1, c.data.batch_size, c.data.seq_len + 1))
@@ -163,6 +161,16 @@ class Learner:
           state = self._state = state._replace(params=merge_fns[p](state.params, reply["phi"]))
         if reply["done"]:
           done.add(p)
+        elif not reply["accepted"] and reply["step"] > step:  # behind the others: catch up
+          joined = ray.get(self.syncer.join.remote(self.index))
+          if joined["step"] > step:
+            self._event("caught_up", step=step, to=joined["step"])
+            phi, base_round, pending = joined["phi"], list(joined["rounds"]), {}
+            state = self._adopt(state, phi, joined["step"])
+            step = joined["step"]
+            data.set_state({"next_index": step})
+            tokens_since, losses_since = [0] * len(self.frags), [[] for _ in self.frags]
+            break
       self._write_progress()
       if step > start + 1:  # the first step of a start compiles
         step_times.append(time.perf_counter() - began)
@@ -174,6 +182,18 @@ class Learner:
     writer.close()
     self._event("finished", step=step)
     return {"learner": self.index, "step": step, **self.progress}
+
+  def _adopt(self, state, phi, step: int, opt_state=None):
+    """The state with θ ← φ (all of it) at step `step` (and `opt_state`, a peer's inner state, if
+    given): a (re)joining or lagging learner's."""
+    from lowcomm_jax.optim.inner import TrainState  # pylint: disable=g-import-not-at-top
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    params = jax.tree.map(lambda g, x: np.asarray(g, x.dtype)[None], phi, state.params)
+    with self._lock:
+      opt_state = state.opt_state if opt_state is None else opt_state
+      self._state = jax.device_put(TrainState(params, opt_state,
+                                              jnp.asarray(step, jnp.int32)), shardings)
+    return self._state
 
   def _merge_fn(self, p: int, state):
     frag = self.frags[p]
@@ -188,11 +208,11 @@ class Learner:
 
   def _faults_at(self, step: int, slow: float) -> float:
     """Fires this learner's faults due after `step`; returns the slow-down factor from now on."""
-    for fault in self.faults:
-      if fault.learner != self.index or fault.step != step:
+    for fault in self.faults:  # at step S, or the first step after it (a catch-up skips steps)
+      if fault.learner != self.index or step < fault.step:
         continue
       if fault.kind == "slow":
-        slow = max(slow, fault.factor)  # from this step on, for the rest of this start
+        slow = max(slow, fault.factor)  # from this step on, for the rest of the run
         faults_lib.fire_once(self.run_dir, fault)
       elif faults_lib.fire_once(self.run_dir, fault):
         self._event(fault.kind, step=step, seconds=fault.seconds)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import pathlib
 
 import ml_collections
@@ -33,10 +34,12 @@ def learner_name(learner: int) -> str:
 
 
 def use_compilation_cache(run_dir) -> None:
-  """JAX's persistent compilation cache in <run_dir>/jax_cache: what one learner compiled, a
-  restarted or added one loads (its rejoin takes no compile)."""
+  """JAX's persistent compilation cache, so that a restarted or added learner compiles nothing
+  again: JAX_COMPILATION_CACHE_DIR where the environment sets it (shared by runs), else
+  <run_dir>/jax_cache."""
   import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(run_dir) / "jax_cache"))
+  folder = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(run_dir) / "jax_cache")
+  jax.config.update("jax_compilation_cache_dir", folder)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -76,15 +76,26 @@ class Syncer:
       self.phi, self.outer_states = host(state["phi"]), list(host(state["outer_states"]))
       self.rounds, self.step, self.stats = data["rounds"], data["step"], data["stats"]
       self.live = set(data["live"])
+    else:  # φ_0 saved now: orbax's first save, the slow one, is not paid inside a round
+      self._save()
     self._open = [dict() for _ in range(self.num_fragments)]  # learner -> its contribution
     self._closed = {}  # (p, r) -> asyncio.Event, set when round r of fragment p closed
     self._timers = {}
     self._results = {}  # (p, r) -> φ_p after round r
-    self._outer_step = jax.jit(self.tx.outer_step)
+    # compiled now, not in the first round that needs it (a round's time is the learners' wait)
+    self._outer_steps = [jax.jit(self.tx.outer_step).lower(
+        *self._outer_inputs(p)).compile() for p in range(self.num_fragments)]
     self._faults = [f for f in faults_lib.parse(c.elastic.faults, c.elastic.num_learners)
                     if f.kind == "kill_syncer"]
     self.writer = metrics.MetricWriter(self.run_dir, c.num_steps, self.step, progress_bar=False)
     self.started = time.time()
+
+  def _outer_inputs(self, p: int, mean_delta=None):
+    """`StreamingDiLoCo.outer_step`'s arguments for fragment p (zeros for Δ_p: its shapes)."""
+    global_p = frag_lib.extract(self.frags[p], self.phi)
+    if mean_delta is None:
+      mean_delta = jax.tree.map(np.zeros_like, global_p)
+    return mean_delta, global_p, self.outer_states[p]
 
   def _template(self):
     cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -125,7 +136,7 @@ class Syncer:
     r = self.rounds[p]
     if r >= self.final_rounds[p]:
       return {"phi": frag_lib.extract(self.frags[p], self.phi), "round": r, "done": True,
-              "accepted": False}
+              "accepted": False, "step": self.step}
     behind = max(r - base_round, 0)
     if behind == 0:
       weight = float(tokens)
@@ -139,7 +150,7 @@ class Syncer:
     self._check_close(p)
     await event.wait()
     return {"phi": self._results[(p, r)], "round": r + 1, "done": r + 1 >= self.final_rounds[p],
-            "accepted": weight > 0}
+            "accepted": weight > 0, "step": self.step}
 
   def _check_close(self, p: int) -> None:
     r, contributions = self.rounds[p], self._open[p]
@@ -174,8 +185,7 @@ class Syncer:
         total = sum(weights)
         mean = jax.tree.map(lambda *d: sum(np.float32(w / total) * x for w, x in zip(weights, d))
                             .astype(np.float32), *deltas)
-      global_p, outer_state, finite = host(self._outer_step(
-          mean, frag_lib.extract(frag, self.phi), self.outer_states[p]))
+      global_p, outer_state, finite = host(self._outer_steps[p](*self._outer_inputs(p, mean)))
       self.phi = host(frag_lib.insert(frag, self.phi, global_p))
       self.outer_states[p] = outer_state
       self.stats["refused"] += int(not finite)
