@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import time
+import warnings
 
 import ml_collections
 
@@ -41,11 +42,14 @@ def start_ray(address: str, num_cpus: float, temp_dir: str | None = None):
   import ray  # pylint: disable=g-import-not-at-top
   if ray.is_initialized():
     return ray, False
-  if address:
-    ray.init(address=address, logging_level="warning", log_to_driver=False)
-  else:
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=False,
-             logging_level="warning", log_to_driver=False, _temp_dir=temp_dir)
+  with warnings.catch_warnings():
+    # Ray starts its services with fork + exec, which jax's at-fork hook warns of needlessly
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+    if address:
+      ray.init(address=address, logging_level="warning", log_to_driver=False)
+    else:
+      ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=False,
+               logging_level="warning", log_to_driver=False, _temp_dir=temp_dir)
   return ray, True
 
 
