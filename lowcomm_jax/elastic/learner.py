@@ -91,6 +91,7 @@ class Learner:
     data = iter(pipeline.train_dataset(splits.train, c.data.seq_len, c.data.batch_size, c.seed,
                                        shard_index=self.index, num_shards=n))
     state = tr.init_state()
+    tr.program(tr.algorithm.phase_at(1), state, tr.source.route_at(1))  # compiled before joining
     joined = ray.get(self.syncer.join.remote(self.index))
     start, phi, base_round = joined["step"], joined["phi"], list(joined["rounds"])
     if start:  # healing: φ, the peer's inner state, the data at that step
@@ -106,6 +107,7 @@ class Learner:
       state = self._adopt(state, phi, start, opt_state)
       data.set_state({"next_index": start})
     self._event("joined", step=start)
+    ray.get(self.syncer.started.remote())  # a new run: every learner starts together
     writer = metrics.MetricWriter(self.dir, c.num_steps, start, progress_bar=False)
     tokens_per_step = c.data.batch_size * c.data.seq_len
     residuals = [jax.tree.map(np.zeros_like, frag_lib.extract(f, phi)) if plan.error_feedback

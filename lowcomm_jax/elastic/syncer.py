@@ -67,7 +67,7 @@ class Syncer:
     self.step = 0  # the latest step a closed round merged
     self.live: set[int] = set()
     self.stats = {"rounds": [], "tokens_merged": 0, "tokens_dropped": 0, "refused": 0,
-                  "joins": [], "leaves": []}
+                  "joins": [], "leaves": [], "dropped": []}
     self.ckpt = checkpoint.Checkpointer(self.dir, c.checkpoint.keep)
     self.saves = 0
     restored = self.ckpt.restore_latest(self._template())
@@ -112,6 +112,15 @@ class Syncer:
     return {"phi": self.phi, "rounds": list(self.rounds), "step": self.step,
             "peer": peers[0] if peers else None}
 
+  async def started(self) -> None:
+    """Returns once every learner of a new run has joined (so that round 0 is everyone's), at once
+    for a run under way; after elastic.timeout_s / 10 seconds the run starts with who is there."""
+    if self.step or any(self.rounds):
+      return
+    deadline = time.time() + self.config.elastic.timeout_s / 10
+    while len(self.live) < self.config.elastic.num_learners and time.time() < deadline:
+      await asyncio.sleep(0.05)
+
   def leave(self, learner: int) -> None:
     """A learner died (noticed by Ray): its rounds stop waiting for it."""
     self.live.discard(learner)
@@ -144,6 +153,11 @@ class Syncer:
       weight = float(tokens) * self.config.elastic.staleness_weight ** behind \
           if self.config.elastic.late == "weight" else 0.0
     self.live.add(learner)
+    if weight == 0:  # dropped: answered at once (the learner catches up), the round goes on
+      self.stats["tokens_dropped"] += int(tokens)
+      self.stats["dropped"].append((time.time(), learner, p, r, behind))
+      return {"phi": frag_lib.extract(self.frags[p], self.phi), "round": r, "done": False,
+              "accepted": False, "step": self.step}
     self._open[p][learner] = dict(delta=remote.decode(self.plans[p], payload), weight=weight,
                                   tokens=int(tokens), step=int(step), loss=float(loss), behind=behind)
     event = self._closed.setdefault((p, r), asyncio.Event())
