@@ -23,7 +23,12 @@ from lowcomm_jax.models import config as model_config
 RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "checkpoint.every",
                 "checkpoint.keep", "hardware.peak_flops_per_device", "hardware.step_seconds",
                 "network", "progress_bar", "distributed.timeout_seconds",
-                "distributed.init_timeout_seconds", "nonfinite", "diloco.codec_kernels")
+                "distributed.init_timeout_seconds", "nonfinite", "diloco.codec_kernels",
+                # an elastic run's membership and faults may change when it resumes
+                "elastic.num_learners", "elastic.min_quorum", "elastic.grace_s", "elastic.late",
+                "elastic.staleness_weight", "elastic.faults", "elastic.faults_per_hour",
+                "elastic.address", "elastic.max_restarts", "elastic.learner_cpus",
+                "elastic.learner_gpus", "elastic.timeout_s")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -155,6 +160,29 @@ def default_config() -> ml_collections.ConfigDict:
       bits=2,  # bits per kept value: 1 (scaled sign) or 2 (the paper's)
       feedback_decay=0.95,  # β of the error buffer, in [0, 1]
       outer_learning_rate=1.0,  # η of the outer SGD step, > 0
+  ))
+  # Elastic learners on Ray (docs/elastic.md, experiments/elastic.py): num_learners independent
+  # learners, each one replica of algorithm=diloco or streaming_diloco (the diloco section's H, P,
+  # τ, α apply) on its own devices (mesh.data × mesh.tensor), and a syncer that holds φ and the outer
+  # optimizer state and closes each fragment's round once min_quorum learners sent their Δ_p and a
+  # grace window passed. num_replicas is not read: learner i of N reads shard i of N of the data.
+  c.elastic = ml_collections.ConfigDict(dict(
+      num_learners=2,  # N: learner actors, >= 1 (changes on resume: learners are added or removed)
+      min_quorum=0,  # Δ_p a round waits for, in [0, num_learners] (0: all N; fewer while some are down)
+      grace_s=1.0,  # seconds a round with its quorum waits for the other live learners, >= 0
+      late="drop",  # drop | weight: a Δ_p sent from an older φ_p than the open round's is dropped,
+      #               or merged with weight tokens · staleness_weight ** (rounds behind)
+      staleness_weight=0.5,  # in (0, 1], read with late=weight
+      # Faults at steps, comma-separated: kill:learner=I:step=S, stop:learner=I:step=S:seconds=D
+      # (SIGSTOP for D seconds), slow:learner=I:step=S:factor=F (F times slower from step S on),
+      # kill_syncer:round=R (the syncer dies in round R of fragment 0). Each fires once per run.
+      faults="",
+      faults_per_hour=0.0,  # Poisson kills of random learners from outside (ray.kill), >= 0
+      address="",  # "" starts a local Ray on 127.0.0.1; "auto" or host:port joins a running cluster
+      max_restarts=100,  # restarts Ray gives each learner and the syncer, >= 0
+      learner_cpus=1.0,  # Ray resources of each learner actor, > 0
+      learner_gpus=0.0,  # >= 0 (1 on GPU hosts: one learner per GPU)
+      timeout_s=600.0,  # the whole run's wall-clock limit, > 0
   ))
   c.outer_optimizer = ml_collections.ConfigDict(dict(
       name="nesterov",  # nesterov | sgd | adam, applied to the outer gradient Δ = φ − θ

@@ -213,23 +213,33 @@ class StreamingDiLoCo:
     Returns (local, outer_params, outer_states, nonfinite)."""
     outer_states = list(outer_states)
     for p, mean_delta in means.items():
-      old_global_p = frag_lib.extract(frags[p], outer_params)
-      outer_updates, new_outer_state = self.outer.update(mean_delta, outer_states[p], old_global_p)
-      # A NaN or inf in the averaged outer gradient never reaches φ: the outer step of this
-      # fragment is refused (φ_p and its outer state kept), the replicas restart the fragment
-      # from φ_p, and state.nonfinite[p] counts it (the Trainer raises on it by default).
-      finite = codecs.all_finite(mean_delta)
-      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-      outer_states[p] = keep(new_outer_state, outer_states[p])
-      global_p = keep(optax.apply_updates(old_global_p, outer_updates), old_global_p)
+      global_p, outer_states[p], finite = self.outer_step(
+          mean_delta, frag_lib.extract(frags[p], outer_params), outer_states[p])
       nonfinite = nonfinite.at[p].add(jnp.where(finite, 0, 1))
-      alpha = float(self.schedule.alpha[p])
-      merged = jax.tree.map(
-          lambda l, g: jnp.where(finite, alpha * l.astype(jnp.float32) + (1 - alpha) * g, g).astype(l.dtype),
-          frag_lib.extract(frags[p], local), global_p)
+      merged = self.merge(p, frag_lib.extract(frags[p], local), global_p, finite)
       outer_params = frag_lib.insert(frags[p], outer_params, global_p)
       local = frag_lib.insert(frags[p], local, merged)
     return local, outer_params, tuple(outer_states), nonfinite
+
+  def outer_step(self, mean_delta, global_p, outer_state):
+    """φ_p ← OuterOpt(φ_p, Δ_p) for one fragment's sub-trees: (new φ_p, new outer state, finite).
+
+    A NaN or inf in the averaged outer gradient never reaches φ: the step is refused (φ_p and its
+    outer state kept, `finite` False). The elastic syncer runs the same step on its host copy of φ.
+    """
+    outer_updates, new_outer_state = self.outer.update(mean_delta, outer_state, global_p)
+    finite = codecs.all_finite(mean_delta)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    return (keep(optax.apply_updates(global_p, outer_updates), global_p),
+            keep(new_outer_state, outer_state), finite)
+
+  def merge(self, p: int, local_p, global_p, finite=True):
+    """θ_p ← α_p·θ_p + (1 − α_p)·φ_p (fragment p's sub-trees); after a refused outer step the
+    replica restarts the fragment from φ_p."""
+    alpha = float(self.schedule.alpha[p])
+    return jax.tree.map(
+        lambda l, g: jnp.where(finite, alpha * l.astype(jnp.float32) + (1 - alpha) * g, g).astype(l.dtype),
+        local_p, global_p)
 
 
 def _resolve_fragments(fragments: FragmentsArg, pattern: str, non_block: str) -> FragmentRule:

@@ -244,6 +244,11 @@ class Checkpointer:
                                       name=f"seal checkpoint {step}")
       self._sealer.start()
 
+  def wait(self) -> None:
+    """Returns once the last save is written and sealed (raises SaveFailed if it failed)."""
+    self._join_sealer()
+    self.check(saving=True)
+
   def _seal_when_written(self, step: int) -> None:
     try:
       self.manager.wait_until_finished()

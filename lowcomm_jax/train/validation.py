@@ -17,6 +17,7 @@ import ml_collections
 
 from lowcomm_jax import checks, config as config_lib, mesh as mesh_lib, sharding
 from lowcomm_jax.data import corpora, files, pipeline, tokenizer as tokenizer_lib
+from lowcomm_jax.elastic import faults
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.optim import inner
 from lowcomm_jax.sim import network
@@ -97,6 +98,26 @@ def _check(c: ml_collections.ConfigDict) -> None:
   sources.SOURCES[c.gradients].check_config(c)
   algorithms.ALGORITHMS[c.algorithm].check_config(c)
   algorithms.check_every_section(c)
+  _check_elastic_values(c)
+
+
+def _check_elastic_values(c) -> None:
+  """The `elastic` section (read by experiments/elastic.py), whatever the run."""
+  e = c.elastic
+  checks.integer(c, "elastic.num_learners", 1)
+  checks.integer(c, "elastic.min_quorum", 0, e.num_learners + 1,
+                 f" (0: every learner; at most elastic.num_learners={e.num_learners})")
+  checks.number(c, "elastic.grace_s", 0)
+  checks.require(e.late in ("drop", "weight"), "elastic.late", "one of drop, weight", e.late)
+  checks.number(c, "elastic.staleness_weight", 0, 1, low_open=True, high_open=False)
+  faults.parse(e.faults, e.num_learners)
+  checks.number(c, "elastic.faults_per_hour", 0)
+  checks.require(isinstance(e.address, str), "elastic.address",
+                 "a string ('' for a local Ray, 'auto' or host:port)", e.address)
+  checks.integer(c, "elastic.max_restarts", 0)
+  checks.number(c, "elastic.learner_cpus", 0, low_open=True)
+  checks.number(c, "elastic.learner_gpus", 0)
+  checks.number(c, "elastic.timeout_s", 0, low_open=True)
 
 
 def _check_tokenizer(c) -> None:

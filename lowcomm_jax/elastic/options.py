@@ -1,0 +1,102 @@
+"""The configs an elastic run derives from the user's, and its checks before anything starts.
+
+An elastic run of `algorithm=diloco` or `streaming_diloco` with N = `elastic.num_learners` is the
+SPMD run of the same config with `num_replicas = N`, cut in two:
+
+  learner i   `learner_config`: one replica (algorithm=dp over a single replica: the inner
+              optimizer alone) on its own mesh (mesh.data × mesh.tensor), reading shard i of N
+  syncer      φ and the outer optimizer state per fragment, of `outer_transform` (the SPMD run's
+              `StreamingDiLoCo`, whose schedule also tells every learner when fragment p is due)
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import pathlib
+
+import ml_collections
+
+from lowcomm_jax import checks
+from lowcomm_jax.train import validation
+
+ALGORITHMS = ("diloco", "streaming_diloco")
+
+
+def namespace(run_dir) -> str:
+  """The Ray namespace of the run in `run_dir` (two runs on one cluster never share actors)."""
+  return "lowcomm-" + hashlib.sha256(str(pathlib.Path(run_dir).absolute()).encode()).hexdigest()[:16]
+
+
+def learner_name(learner: int) -> str:
+  return f"learner-{learner}"
+
+
+def use_compilation_cache(run_dir) -> None:
+  """JAX's persistent compilation cache, so that a restarted or added learner compiles nothing
+  again: JAX_COMPILATION_CACHE_DIR where the environment sets it (shared by runs), else
+  <run_dir>/jax_cache."""
+  import jax  # pylint: disable=g-import-not-at-top
+  folder = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(run_dir) / "jax_cache")
+  jax.config.update("jax_compilation_cache_dir", folder)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def num_learners(config) -> int:
+  return int(config.elastic.num_learners)
+
+
+def quorum(config) -> int:
+  """Δ_p a round waits for (before the grace window), when every learner is live."""
+  return int(config.elastic.min_quorum) or num_learners(config)
+
+
+def spmd_config(config) -> ml_collections.ConfigDict:
+  """The SPMD run an elastic run equals when nothing fails: num_replicas = N, one replica per slot."""
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    c.num_replicas = num_learners(config)
+    c.mesh.replica = 1
+  return c
+
+
+def learner_config(config) -> ml_collections.ConfigDict:
+  """One learner's Trainer config: a single replica running the inner optimizer alone."""
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    c.algorithm = "dp"
+    c.num_replicas = 1
+    c.mesh.replica = 1
+  return c
+
+
+def evaluation_config(config) -> ml_collections.ConfigDict:
+  """The syncer's: one replica on one device (it evaluates φ and holds no accelerator)."""
+  c = learner_config(config)
+  with c.unlocked():
+    c.mesh.data, c.mesh.tensor = 1, 1
+    c.sharding.layout = "replicated"
+  return c
+
+
+def outer_transform(config, abstract_params):
+  """The SPMD run's `StreamingDiLoCo` (schedule, fragments, outer optimizer, plans)."""
+  from lowcomm_jax.train import algorithms  # pylint: disable=g-import-not-at-top
+  return algorithms.make_algorithm(spmd_config(config), num_learners(config), abstract_params).tx
+
+
+def check(config) -> None:
+  """Every check of an elastic run, before Ray starts: one ValueError line naming the option."""
+  checks.require(config.algorithm in ALGORITHMS, "algorithm",
+                 f"one of {', '.join(ALGORITHMS)} for an elastic run", config.algorithm)
+  checks.require(config.gradients == "replicas", "gradients", "replicas for an elastic run",
+                 config.gradients)
+  validation.validate(config)
+  validation.validate(spmd_config(config))
+  validation.validate(learner_config(config))
+  d = config.diloco
+  checks.require(d.codec_rounding == "nearest", "diloco.codec_rounding",
+                 "nearest for an elastic run (stochastic rounding keys follow the SPMD step count)",
+                 d.codec_rounding)

@@ -1,0 +1,258 @@
+"""The syncer of an elastic run: φ, the outer optimizer state per fragment, and the fragment rounds.
+
+One Ray actor (`ray.remote(Syncer)`, async: every learner's `exchange` waits on it at once). For
+fragment p, round r collects the learners' Δ_p (`comm.remote` payloads, decoded here). It closes
+
+  - at once when every live learner has sent, or
+  - `elastic.grace_s` seconds after `min(quorum, live learners)` Δ_p were accepted,
+
+merges what it accepted weighted by tokens (equal weights: Σ Δ / n, the all-reduce's mean; else
+Σ w_i Δ_i / Σ w_i, in learner order), takes the SPMD run's outer step on φ_p
+(`StreamingDiLoCo.outer_step`), saves φ, the outer states and the counters (orbax, through the
+Trainer's `Checkpointer`, before anyone is answered) and answers every waiting learner with φ_p.
+
+A Δ_p computed from an older φ_p than the open round's (its learner missed rounds) is late:
+`elastic.late=drop` drops it, `weight` merges it with weight tokens · staleness_weight^(rounds
+behind). A restarted syncer continues from its latest checkpoint; the exchanges in flight when it
+died are sent again by Ray (`max_task_retries=-1`), so the open round is filled again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from lowcomm_jax.comm import remote
+from lowcomm_jax.elastic import faults as faults_lib
+from lowcomm_jax.elastic import options
+from lowcomm_jax.optim import fragments as frag_lib
+from lowcomm_jax.optim import schedule as schedule_lib
+
+
+def host(tree):
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+class Syncer:
+  """Holds φ and closes fragment rounds (see the module doc). `run_dir` is the run's workdir."""
+
+  def __init__(self, config_json: str, run_dir: str):
+    from lowcomm_jax.train import checkpoint, metrics  # pylint: disable=g-import-not-at-top
+    from lowcomm_jax.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
+    self.config = c = ml_collections.ConfigDict(json.loads(config_json))
+    self.run_dir = pathlib.Path(run_dir)
+    self.dir = self.run_dir / "syncer"
+    options.use_compilation_cache(self.run_dir)
+    # one device is enough: φ's evaluation and the outer steps (the syncer holds no accelerator)
+    self.trainer = Trainer(options.evaluation_config(c), self.dir / "model", jax.devices()[:1])
+    self.params = host(self.trainer.init_params())
+    self.tx = options.outer_transform(c, self.params)
+    self.frags = self.tx.fragments(self.params)
+    self.num_fragments = len(self.frags)
+    self.plans = [self.tx.plans(schedule_lib.Phase(send=(p,)))[self.tx.plan_name(p)]
+                  for p in range(self.num_fragments)]
+    self.final_rounds = [sum(p in self.tx.phase_at(s).send for s in range(1, c.num_steps + 1))
+                         for p in range(self.num_fragments)]
+    self.quorum = options.quorum(c)
+    self.phi = jax.tree.map(lambda x: x.astype(np.float32), self.params)
+    self.outer_states = [host(self.tx.outer.init(frag_lib.extract(f, self.phi))) for f in self.frags]
+    self.rounds = [0] * self.num_fragments
+    self.step = 0  # the latest step a closed round merged
+    self.live: set[int] = set()
+    self.stats = {"rounds": [], "tokens_merged": 0, "tokens_dropped": 0, "refused": 0,
+                  "joins": [], "leaves": [], "dropped": []}
+    self.ckpt = checkpoint.Checkpointer(self.dir, c.checkpoint.keep)
+    self.saves = 0
+    restored = self.ckpt.restore_latest(self._template())
+    if restored:
+      self.saves, state, data = restored
+      self.phi, self.outer_states = host(state["phi"]), list(host(state["outer_states"]))
+      self.rounds, self.step, self.stats = data["rounds"], data["step"], data["stats"]
+      self.live = set(data["live"])
+    else:  # φ_0 saved now: orbax's first save, the slow one, is not paid inside a round
+      self._save()
+    self._open = [dict() for _ in range(self.num_fragments)]  # learner -> its contribution
+    self._closed = {}  # (p, r) -> asyncio.Event, set when round r of fragment p closed
+    self._timers = {}
+    self._results = {}  # (p, r) -> φ_p after round r
+    # compiled now, not in the first round that needs it (a round's time is the learners' wait)
+    self._outer_steps = [jax.jit(self.tx.outer_step).lower(
+        *self._outer_inputs(p)).compile() for p in range(self.num_fragments)]
+    self._faults = [f for f in faults_lib.parse(c.elastic.faults, c.elastic.num_learners)
+                    if f.kind == "kill_syncer"]
+    self.writer = metrics.MetricWriter(self.run_dir, c.num_steps, self.step, progress_bar=False)
+    self.started = time.time()
+
+  def _outer_inputs(self, p: int, mean_delta=None):
+    """`StreamingDiLoCo.outer_step`'s arguments for fragment p (zeros for Δ_p: its shapes)."""
+    global_p = frag_lib.extract(self.frags[p], self.phi)
+    if mean_delta is None:
+      mean_delta = jax.tree.map(np.zeros_like, global_p)
+    return mean_delta, global_p, self.outer_states[p]
+
+  def _template(self):
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=cpu)
+    return jax.tree.map(spec, {"phi": self.phi, "outer_states": tuple(self.outer_states)})
+
+  # -- membership ------------------------------------------------------------------------------
+
+  def join(self, learner: int) -> dict:
+    """A learner (re)starts: φ, the rounds, the step to start from and a live peer (or None)."""
+    peers = sorted(self.live - {learner})
+    self.live.add(learner)
+    self.stats["joins"].append((time.time(), learner))
+    return {"phi": self.phi, "rounds": list(self.rounds), "step": self.step,
+            "peer": peers[0] if peers else None}
+
+  async def started(self) -> None:
+    """Returns once every learner of a new run has joined (so that round 0 is everyone's), at once
+    for a run under way; after elastic.timeout_s / 10 seconds the run starts with who is there."""
+    if self.step or any(self.rounds):
+      return
+    deadline = time.time() + self.config.elastic.timeout_s / 10
+    while len(self.live) < self.config.elastic.num_learners and time.time() < deadline:
+      await asyncio.sleep(0.05)
+
+  def leave(self, learner: int) -> None:
+    """A learner died (noticed by Ray): its rounds stop waiting for it."""
+    self.live.discard(learner)
+    self.stats["leaves"].append((time.time(), learner))
+    for p in range(self.num_fragments):  # what it sent before dying is kept
+      self._check_close(p)
+
+  def status(self) -> dict:
+    return {"rounds": list(self.rounds), "final_rounds": self.final_rounds, "step": self.step,
+            "live": sorted(self.live), "done": self.done}
+
+  @property
+  def done(self) -> bool:
+    return all(r >= f for r, f in zip(self.rounds, self.final_rounds))
+
+  # -- rounds ----------------------------------------------------------------------------------
+
+  async def exchange(self, learner: int, p: int, base_round: int, payload, tokens: int, step: int,
+                     loss: float) -> dict:
+    """Learner `learner`'s Δ_p, computed from φ_p of round `base_round` over `tokens` tokens up to
+    its step `step`: returns φ_p once the open round closes, with the next round's number."""
+    r = self.rounds[p]
+    if r >= self.final_rounds[p]:
+      return {"phi": frag_lib.extract(self.frags[p], self.phi), "round": r, "done": True,
+              "accepted": False, "step": self.step}
+    behind = max(r - base_round, 0)
+    if behind == 0:
+      weight = float(tokens)
+    else:
+      weight = float(tokens) * self.config.elastic.staleness_weight ** behind \
+          if self.config.elastic.late == "weight" else 0.0
+    self.live.add(learner)
+    if weight == 0:  # dropped: answered at once (the learner catches up), the round goes on
+      self.stats["tokens_dropped"] += int(tokens)
+      self.stats["dropped"].append((time.time(), learner, p, r, behind))
+      return {"phi": frag_lib.extract(self.frags[p], self.phi), "round": r, "done": False,
+              "accepted": False, "step": self.step}
+    self._open[p][learner] = dict(delta=remote.decode(self.plans[p], payload), weight=weight,
+                                  tokens=int(tokens), step=int(step), loss=float(loss), behind=behind)
+    event = self._closed.setdefault((p, r), asyncio.Event())
+    self._check_close(p)
+    await event.wait()
+    return {"phi": self._results[(p, r)], "round": r + 1, "done": r + 1 >= self.final_rounds[p],
+            "accepted": weight > 0, "step": self.step}
+
+  def _check_close(self, p: int) -> None:
+    r, contributions = self.rounds[p], self._open[p]
+    if not contributions:
+      return
+    accepted = sum(1 for x in contributions.values() if x["weight"] > 0)
+    need = max(min(self.quorum, len(self.live)), 1)
+    for fault in self._faults:  # the syncer dies with a quorum in hand, before closing
+      if p == 0 and r == fault.round and accepted >= need and faults_lib.fire_once(self.run_dir, fault):
+        os._exit(1)  # pylint: disable=protected-access
+    if self.live <= set(contributions):
+      self._close(p)
+    elif accepted >= need and (p, r) not in self._timers:
+      loop = asyncio.get_event_loop()
+      self._timers[(p, r)] = loop.call_later(self.config.elastic.grace_s, self._close_if_open, p, r)
+
+  def _close_if_open(self, p: int, r: int) -> None:
+    if self.rounds[p] == r:
+      self._close(p)
+
+  def _close(self, p: int) -> None:
+    r, frag = self.rounds[p], self.frags[p]
+    contributions = sorted(self._open[p].items())
+    taken = [(i, x) for i, x in contributions if x["weight"] > 0]
+    if taken:
+      weights = [x["weight"] for _, x in taken]
+      deltas = [x["delta"] for _, x in taken]
+      if len(set(weights)) == 1:  # the all-reduce's mean: sum in learner order, then divide
+        mean = jax.tree.map(lambda *d: (sum(d[1:], d[0]) / np.float32(len(d))).astype(np.float32),
+                            *deltas)
+      else:
+        total = sum(weights)
+        mean = jax.tree.map(lambda *d: sum(np.float32(w / total) * x for w, x in zip(weights, d))
+                            .astype(np.float32), *deltas)
+      global_p, outer_state, finite = host(self._outer_steps[p](*self._outer_inputs(p, mean)))
+      self.phi = host(frag_lib.insert(frag, self.phi, global_p))
+      self.outer_states[p] = outer_state
+      self.stats["refused"] += int(not finite)
+      self.step = max(self.step, max(x["step"] for _, x in taken))
+    merged = sum(x["tokens"] for _, x in taken)
+    self.stats["tokens_merged"] += merged
+    self.stats["tokens_dropped"] += sum(x["tokens"] for _, x in contributions) - merged
+    record = {"fragment": p, "round": r, "time": time.time(), "live": len(self.live),
+              "contributors": [i for i, _ in contributions], "accepted": [i for i, _ in taken],
+              "behind": [x["behind"] for _, x in contributions]}
+    self.stats["rounds"].append(record)
+    self.rounds[p] = r + 1
+    self._results[(p, r)] = frag_lib.extract(frag, self.phi)
+    self._results.pop((p, r - 3), None)
+    self._open[p] = {}
+    timer = self._timers.pop((p, r), None)
+    if timer is not None:
+      timer.cancel()
+    self._save()
+    losses = [(x["loss"], x["tokens"]) for _, x in taken]
+    values = {"participation": len(taken) / max(len(self.live), 1), "fragment": p, "round": r}
+    if losses:
+      values["loss"] = sum(l * t for l, t in losses) / max(sum(t for _, t in losses), 1)
+    self.writer.write(self.step, values)
+    self._closed.setdefault((p, r), asyncio.Event()).set()
+
+  def _save(self) -> None:
+    self.saves += 1
+    self.ckpt.save(self.saves, {"phi": self.phi, "outer_states": tuple(self.outer_states)},
+                   {"rounds": self.rounds, "step": self.step, "stats": self.stats,
+                    "live": sorted(self.live)})
+    self.ckpt.wait()  # saved before anyone is answered: a restart never loses an answered round
+
+  # -- the end ---------------------------------------------------------------------------------
+
+  def finish(self) -> dict:
+    """Evaluates φ on the eval batches; the counters for summary.json."""
+    c = self.config
+    from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+    from lowcomm_jax.models import loss as loss_lib  # pylint: disable=g-import-not-at-top
+    splits = pipeline.splits_of(c)
+    batches = pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
+                                    c.eval.num_batches)
+    params = jax.tree.map(lambda x, p: x.astype(p.dtype), self.phi, self.params)
+    loss = jax.jit(lambda p, b: loss_lib.lm_loss(self.trainer.graphdef, p, b))
+    eval_loss = float(np.mean([float(loss(params, b)) for b in batches]))
+    self.writer.write(max(self.step, 1), {"eval_loss": eval_loss})
+    self.writer.close()
+    self.ckpt.close()
+    return {"eval_loss": eval_loss, "eval_bits_per_byte": splits.bits_per_byte(eval_loss),
+            "stats": self.stats, "rounds": self.rounds, "final_rounds": self.final_rounds,
+            "step": self.step}
+
+  def global_params(self):
+    """φ (float32, host arrays)."""
+    return self.phi
