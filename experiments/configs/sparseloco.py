@@ -13,7 +13,8 @@ Variants (`--config=experiments/configs/sparseloco.py:<variant>`):
   η = 1) on the `small` model (6 layers), M = 2, H = 30, one fragment, 600 steps of 16 × 128
   tokens per replica.
 - streaming: the same with Streaming DiLoCo's fragments: P = 3 (+1 non-block), τ = 1, α = 0.5.
-- tiny: the `tiny` model (2 layers), M = 2, H = 10, chunks of 256 with k = 8, 200 steps (seconds).
+- tiny: the `tiny` model (2 layers), M = 2, H = 10, chunks of 256 with k = 8, 200 steps: eval loss
+  3.26 in 47 s on a loaded 2-core CPU (0.5 CPU-minutes), 52,780 bytes sent per worker.
 """
 
 from lowcomm_jax import config as config_lib
