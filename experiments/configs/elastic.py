@@ -10,7 +10,7 @@ and the outer Nesterov state and closes a round once `elastic.min_quorum` learne
 
 Variants (`--config=experiments/configs/elastic.py:<variant>`):
 - tiny: the `tiny` model, 4 learners, quorum 3, grace 1 s, H = 10, 200 steps of 16 × 64 tokens
-  per learner, on one CPU device each.
+  per learner, on one CPU device each: eval loss 3.09, 77 s on a loaded 2-core CPU, no faults.
 - small: the `small` model, 4 learners, quorum 3, H = 30, 600 steps of 8 × 128 tokens.
 - streaming: tiny with Streaming DiLoCo's fragments (P = 2, τ = 2, α = 0.5).
 - gpu: the `small` model with one learner per GPU (`elastic.learner_gpus=1`), on a Ray cluster
