@@ -20,6 +20,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# XLA's CPU backend without LLVM's expensive passes (the launched processes run so too,
+# lowcomm_jax.testing.launch_script): the HLO passes are the same, so every compiled program's HLO is
+# unchanged, and a tiny model's program compiles in about half the time while its run is no slower
+# that matters. Set before jax starts, inherited by the xdist workers, subprocesses and notebooks.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import pytest  # pylint: disable=wrong-import-position
 
