@@ -114,6 +114,18 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
     faults_lib.parse("kill:learner=2:step=4", 2)
 
 
+def test_the_binary_refuses_in_one_line_before_ray_starts(tmp_path):
+  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  proc = subprocess.run(
+      [sys.executable, str(CONFIGS.parent / "elastic.py"), f"--config={CONFIGS / 'elastic.py'}:tiny",
+       f"--workdir={tmp_path / 'run'}", "--config.elastic.faults=kill:learner=7:step=3"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert proc.stderr.startswith("ValueError: elastic.faults: 'kill:learner=7:step=3': learner must "
+                                "be in [0, 4)"), proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
 def test_fault_specs_and_poisson_schedule():
   parsed = faults_lib.parse("kill:learner=1:step=25, stop:learner=0:step=3:seconds=2.5,"
                             "slow:learner=1:step=1:factor=3,kill_syncer:round=2", 2)
