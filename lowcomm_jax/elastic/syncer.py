@@ -75,7 +75,8 @@ class Syncer:
       self.saves, state, data = restored
       self.phi, self.outer_states = host(state["phi"]), list(host(state["outer_states"]))
       self.rounds, self.step, self.stats = data["rounds"], data["step"], data["stats"]
-      self.live = set(data["live"])
+      # a resume with fewer learners (elastic.num_learners changed) waits for none of the others
+      self.live = set(data["live"]) & set(range(c.elastic.num_learners))
     else:  # φ_0 saved now: orbax's first save, the slow one, is not paid inside a round
       self._save()
     self._open = [dict() for _ in range(self.num_fragments)]  # learner -> its contribution
