@@ -18,7 +18,7 @@ jax.distributed program of `learners` processes on 127.0.0.1 (gloo), one CPU dev
 of `--allreduce_repeats` calls (this file run with --allreduce_worker).
 
 Writes benchmarks/results/elastic.json (`rows`, `round_time`) and elastic_timeline.png (per
-learner of the faulty run: training, syncing, dead, healing).
+learner of each run: starting, training, syncing, dead, healing).
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ _PLOT = flags.DEFINE_string("plot", str(RESULTS / "elastic_timeline.png"), "Time
 _WORKER = flags.DEFINE_string("allreduce_worker", "", "Internal: process_id,num_processes,port,"
                               "shapes.json of one all-reduce process.")
 
-KINDS = ("training", "syncing", "dead", "healing")
+KINDS = ("starting", "training", "syncing", "dead", "healing")
 
 
 # -- the timeline (pure) ---------------------------------------------------------------------------
 
 def intervals(events: list[dict], deaths: list[float], end: float) -> list[tuple[str, float, float]]:
   """One learner's (kind, t0, t1) intervals from its events.jsonl and the times the driver saw it
-  die: healing start→joined, training joined→sync_begin and sync_end→next, syncing
+  die: starting (the first start→joined), healing (every later start→joined), training joined→sync_begin and sync_end→next, syncing
   sync_begin→sync_end, dead death→the next start (a `kill` event is a death too). What is open at
   `end` closes there."""
   stream = sorted([(ev["time"], ev["event"]) for ev in events]
@@ -76,7 +76,7 @@ def intervals(events: list[dict], deaths: list[float], end: float) -> list[tuple
         kind, since = "dead", t
     elif event == "start":
       close(t)
-      kind, since = "healing", t
+      kind, since = "healing" if out or kind == "dead" else "starting", t
     elif event in ("joined", "sync_end") and kind is not None and kind != "dead":
       close(t)
       kind, since = "training", t
@@ -87,6 +87,30 @@ def intervals(events: list[dict], deaths: list[float], end: float) -> list[tuple
       close(t)
       kind = None
   close(end)
+  return out
+
+
+def rejoin_phases(events: list[dict], death: float) -> dict | None:
+  """Where one rejoin's seconds went, from the driver seeing the death: `restart` to the new
+  process's `start` (Ray restarting the actor: a process, its imports), `construct` start→ready
+  (the Trainer, the compilation cache), `called` ready→run (the driver's new `run` call),
+  `heal` run→joined (data, the initial state, φ and a peer's inner state from the syncer).
+  None when it did not rejoin."""
+  marks, t = {}, death
+  for ev in sorted(events, key=lambda ev: ev["time"]):
+    if ev["time"] <= death and ev["event"] != "kill":
+      continue
+    if ev["event"] in ("start", "ready", "run", "joined") and ev["event"] not in marks:
+      marks[ev["event"]] = ev["time"]
+    if ev["event"] == "joined":
+      break
+  if "joined" not in marks:
+    return None
+  out = {}
+  for name, event in (("restart", "start"), ("construct", "ready"), ("called", "run"),
+                      ("heal", "joined")):
+    if event in marks:
+      out[name], t = marks[event] - t, marks[event]
   return out
 
 
@@ -133,6 +157,14 @@ def _run(config, work: pathlib.Path) -> dict:
 
 def _row(summary: dict, fault_free: dict | None, rate: float) -> dict:
   rejoin = summary["rejoin_s"]
+  end = max(ev["time"] for evs in summary["events"] for ev in evs)
+  spent = {k: 0.0 for k in KINDS}
+  phases = []
+  for i, evs in enumerate(summary["events"]):
+    deaths = [d["time"] for d in summary["deaths"] if d["learner"] == i]
+    for kind, a, b in intervals(evs, deaths, end):
+      spent[kind] += b - a
+    phases += [p for p in (rejoin_phases(evs, d) for d in deaths) if p]
   return {
       "learners": summary["learners"], "faults_per_hour": rate,
       "goodput": summary["goodput"], "participation": summary["participation"],
@@ -146,6 +178,14 @@ def _row(summary: dict, fault_free: dict | None, rate: float) -> dict:
       "rounds": len(summary["participation_per_round"]),
       "wall_time_s": summary["wall_time_s"],
       "tokens_computed": summary["tokens_computed"], "tokens_merged": summary["tokens_merged"],
+      # the steps a dead learner's shard skips are not computed: goodput does not see them
+      "tokens_computed_vs_fault_free": summary["tokens_computed"]
+                                       / (fault_free or summary)["tokens_computed"],
+      "learner_seconds": spent,
+      "rejoin_phases_median_s": {k: statistics.median(p[k] for p in phases if k in p)
+                                 for k in ("restart", "construct", "called", "heal")}
+                                if phases else None,
+      "rejoin_phases_s": phases,
   }
 
 
@@ -216,8 +256,8 @@ def plot(path: str, runs: list[tuple[str, dict]]) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  colors = {"training": "tab:green", "syncing": "tab:blue", "dead": "tab:red",
-            "healing": "tab:orange"}
+  colors = {"starting": "tab:gray", "training": "tab:green", "syncing": "tab:blue",
+            "dead": "tab:red", "healing": "tab:orange"}
   fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.6 + 0.7 * sum(
       s["learners"] for _, s in runs)), squeeze=False)
   for ax, (title, s) in zip(axes[:, 0], runs):
@@ -232,7 +272,7 @@ def plot(path: str, runs: list[tuple[str, dict]]) -> None:
     ax.set_xlabel("seconds since the first learner started")
     ax.set_title(title)
   handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in colors.items()]
-  fig.legend(handles=handles, loc="upper right", ncol=4)
+  fig.legend(handles=handles, loc="upper right", ncol=5)
   fig.tight_layout(rect=(0, 0, 1, 0.95))
   fig.savefig(path, dpi=110)
 

@@ -29,7 +29,7 @@ def test_intervals_of_a_learner_that_dies_and_heals(bench):
             _ev(17, "sync_begin", step=30, fragment=0), _ev(18, "sync_end", step=30, fragment=0),
             _ev(20, "finished", step=40)]
   got = bench.intervals(events, deaths=[8.0], end=25.0)
-  assert got == [("healing", 0, 3), ("training", 3, 5), ("syncing", 5, 6), ("training", 6, 8.0),
+  assert got == [("starting", 0, 3), ("training", 3, 5), ("syncing", 5, 6), ("training", 6, 8.0),
                  ("dead", 8.0, 12), ("healing", 12, 15), ("training", 15, 17),
                  ("syncing", 17, 18), ("training", 18, 20)]
 
@@ -38,7 +38,7 @@ def test_a_kill_event_starts_the_dead_interval_and_the_drivers_later_death_does_
   events = [_ev(0, "start"), _ev(2, "joined", step=0), _ev(4, "kill", step=7),
             _ev(9, "start"), _ev(11, "joined", step=10)]
   got = bench.intervals(events, deaths=[4.6], end=14.0)
-  assert got == [("healing", 0, 2), ("training", 2, 4), ("dead", 4, 9), ("healing", 9, 11),
+  assert got == [("starting", 0, 2), ("training", 2, 4), ("dead", 4, 9), ("healing", 9, 11),
                  ("training", 11, 14.0)]
 
 
@@ -49,3 +49,12 @@ def test_last_arrival_waits_take_the_latest_sync_begin_of_each_round(bench):
        _ev(19, "sync_begin", step=20, fragment=0), _ev(20.5, "sync_end", step=20, fragment=0)]
   # round 10: b came last and waited 1.25 s; round 20: a came last and waited 0.5 s
   assert bench.last_arrival_waits([a, b]) == [1.25, 0.5]
+
+
+def test_rejoin_phases_split_death_to_joined(bench):
+  events = [_ev(0, "start"), _ev(2, "joined", step=0),
+            _ev(10.5, "start"), _ev(12, "ready"), _ev(12.25, "run"), _ev(15, "joined", step=30)]
+  got = bench.rejoin_phases(events, 9.0)
+  assert got == {"restart": 1.5, "construct": 1.5, "called": 0.25, "heal": 2.75}
+  assert sum(got.values()) == 15 - 9.0
+  assert bench.rejoin_phases(events[:2], 9.0) is None
