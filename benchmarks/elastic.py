@@ -1,15 +1,20 @@
 """Elastic learners through a Poisson fault schedule against the same run without faults, a
 timeline of every learner, and the syncer's round time against an in-program all-reduce.
 
-  nice -n 5 python benchmarks/elastic.py                       # tiny, 4 learners, 400 steps
-  nice -n 5 python benchmarks/elastic.py --steps=300 --faults_per_hour=180
+  nice -n 5 python benchmarks/elastic.py          # tiny, 4 learners, 1,500 steps, 360 kills per hour
+  nice -n 5 python benchmarks/elastic.py --steps=400 --faults_per_hour=200 --fault_free_runs=1
 
-Two runs of experiments/configs/elastic.py:tiny with `--steps` steps (lowcomm_jax.elastic.run, a
-local Ray on 127.0.0.1, one JAX compilation cache shared by both): without faults, then with
-`elastic.faults_per_hour` Poisson kills of random learners (`ray.kill`, Ray restarts the actor).
+Runs of experiments/configs/elastic.py:tiny with `--steps` steps (lowcomm_jax.elastic.run, a local
+Ray on 127.0.0.1, one JAX compilation cache shared by all): `--fault_free_runs` without faults (the
+first is the reference; a second shows how much an elastic run's loss varies with the order in
+which learners arrive), then one with `elastic.faults_per_hour` Poisson kills of random learners
+(`ray.kill` from the driver, from its start on; Ray restarts the actor).
 Each row: goodput (tokens merged into φ ÷ tokens computed), participation (accepted Δ ÷ live
 learners, mean over rounds), the median rejoin time (the driver seeing a death to the restarted
-learner's `joined`), φ's final eval loss and the fault-free run's, faults, deaths, wall time.
+learner's `joined`) and where it went (`rejoin_phases`), φ's final eval loss and the fault-free
+run's, faults fired (a kill while a learner still starts is a fault but no death), deaths, wall
+time, tokens computed against the fault-free run (a dead learner's shard skips steps), seconds
+per timeline kind summed over learners.
 
 The round time: in the fault-free run, per round the learner whose Δ reached the syncer last
 (latest `sync_begin`) and the seconds it waited for the syncer's reply (`sync_end`), median over
@@ -40,10 +45,12 @@ from absl import app, flags
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-_STEPS = flags.DEFINE_integer("steps", 400, "Steps of each run (tiny's own is 200).")
+_STEPS = flags.DEFINE_integer("steps", 1500, "Steps of each run (tiny's own is 200).")
 _LEARNERS = flags.DEFINE_integer("learners", 4, "elastic.num_learners.")
-_RATE = flags.DEFINE_float("faults_per_hour", 240.0, "elastic.faults_per_hour of the faulty run.")
+_RATE = flags.DEFINE_float("faults_per_hour", 360.0, "elastic.faults_per_hour of the faulty run.")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 1500.0, "elastic.timeout_s of each run.")
+_FREE_RUNS = flags.DEFINE_integer("fault_free_runs", 2, "Fault-free runs (a second one shows the "
+                                  "run-to-run spread of an elastic run's loss).")
 _REPEATS = flags.DEFINE_integer("allreduce_repeats", 30, "Timed all-reduce calls.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Folder of the runs (default: a temporary one).")
 _OUT = flags.DEFINE_string("out", str(RESULTS / "elastic.json"), "JSON output path.")
@@ -289,6 +296,7 @@ def main(argv):
   free = _config(_STEPS.value, n, 0.0, _TIMEOUT.value)
   faulty = _config(_STEPS.value, n, _RATE.value, _TIMEOUT.value)
   s_free = _run(free, base / "fault_free")
+  s_more = [_run(free, base / f"fault_free_{k}") for k in range(2, _FREE_RUNS.value + 1)]
   s_faulty = _run(faulty, base / "faulty")
   waits = last_arrival_waits(s_free["events"])
   reduce = allreduce_seconds(_param_shapes(free), n, _REPEATS.value)
@@ -299,7 +307,8 @@ def main(argv):
       "variant": "tiny", "steps": _STEPS.value, "sync_every": free.diloco.sync_every,
       "min_quorum": free.elastic.min_quorum, "grace_s": free.elastic.grace_s,
       "cpus": os.cpu_count(),
-      "rows": [_row(s_free, None, 0.0), _row(s_faulty, s_free, _RATE.value)],
+      "rows": [_row(s_free, None, 0.0)] + [_row(s, s_free, 0.0) for s in s_more]
+              + [_row(s_faulty, s_free, _RATE.value)],
       "round_time": {
           "syncer_round_s": round_s, "syncer_round_s_per_round": waits,
           "allreduce_s": reduce["allreduce_s"], "allreduce_s_all": reduce["times"],
