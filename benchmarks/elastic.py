@@ -71,6 +71,7 @@ def intervals(events: list[dict], deaths: list[float], end: float) -> list[tuple
   stream = sorted([(ev["time"], ev["event"]) for ev in events]
                   + [(t, "death") for t in deaths])
   out, kind, since = [], None, 0.0
+  joined_since_death = True  # as the driver counts: one death per life that had joined
 
   def close(t):
     if kind is not None and t > since:
@@ -78,13 +79,19 @@ def intervals(events: list[dict], deaths: list[float], end: float) -> list[tuple
 
   for t, event in stream:
     if event in ("death", "kill"):
-      if kind != "dead":
+      if joined_since_death and kind in ("starting", "healing"):
+        # the driver saw the death after Ray had already restarted the learner: that death
+        # ended the life before this start, whose end the events do not show
+        joined_since_death = False
+      elif joined_since_death:
         close(t)
         kind, since = "dead", t
+        joined_since_death = False
     elif event == "start":
       close(t)
       kind, since = "healing" if out or kind == "dead" else "starting", t
     elif event in ("joined", "sync_end") and kind is not None and kind != "dead":
+      joined_since_death = joined_since_death or event == "joined"
       close(t)
       kind, since = "training", t
     elif event == "sync_begin" and kind == "training":

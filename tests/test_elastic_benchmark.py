@@ -58,3 +58,9 @@ def test_rejoin_phases_split_death_to_joined(bench):
   assert got == {"restart": 1.5, "construct": 1.5, "called": 0.25, "heal": 2.75}
   assert sum(got.values()) == 15 - 9.0
   assert bench.rejoin_phases(events[:2], 9.0) is None
+
+
+def test_a_death_the_driver_sees_after_the_restart_does_not_kill_the_healing_learner(bench):
+  events = [_ev(0, "start"), _ev(2, "joined", step=0), _ev(9, "start"), _ev(11, "joined", step=50)]
+  got = bench.intervals(events, deaths=[9.5], end=14.0)
+  assert got == [("starting", 0, 2), ("training", 2, 9), ("healing", 9, 11), ("training", 11, 14.0)]
