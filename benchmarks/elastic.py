@@ -106,25 +106,33 @@ def intervals(events: list[dict], deaths: list[float], end: float) -> list[tuple
 
 def rejoin_phases(events: list[dict], death: float) -> dict | None:
   """Where one rejoin's seconds went, from the driver seeing the death: `restart` to the new
-  process's `start` (Ray restarting the actor: a process, its imports), `construct` start→ready
-  (the Trainer, the compilation cache), `called` ready→run (the driver's new `run` call),
-  `heal` run→joined (data, the initial state, φ and a peer's inner state from the syncer).
-  None when it did not rejoin."""
-  marks, t = {}, death
-  for ev in sorted(events, key=lambda ev: ev["time"]):
-    if ev["time"] <= death and ev["event"] != "kill":
-      continue
+  process's `start` (Ray restarting the actor: a process, its imports; negative when Ray had
+  restarted it before the driver noticed), `construct` start→ready (the Trainer, the compilation
+  cache), `called` ready→run (the driver's new `run` call), `heal` run→joined (data, the initial
+  state, φ and a peer's inner state from the syncer); `from_last_event`: joined minus the dead
+  life's last event, a bound from above on the time from the death itself (the driver notices it
+  late). None when it did not rejoin."""
+  events = sorted(events, key=lambda ev: ev["time"])
+  joined_before = [k for k, ev in enumerate(events)
+                   if ev["event"] == "joined" and ev["time"] <= death]
+  first = joined_before[-1] + 1 if joined_before else 0
+  starts = [k for k in range(first, len(events)) if events[k]["event"] == "start"]
+  if not starts:
+    return None
+  marks = {}
+  for ev in events[starts[0]:]:
     if ev["event"] in ("start", "ready", "run", "joined") and ev["event"] not in marks:
       marks[ev["event"]] = ev["time"]
     if ev["event"] == "joined":
       break
-  if "joined" not in marks:
+  if "joined" not in marks or starts[0] == 0:
     return None
-  out = {}
+  out, t = {}, death
   for name, event in (("restart", "start"), ("construct", "ready"), ("called", "run"),
                       ("heal", "joined")):
     if event in marks:
       out[name], t = marks[event] - t, marks[event]
+  out["from_last_event"] = marks["joined"] - events[starts[0] - 1]["time"]
   return out
 
 
@@ -197,7 +205,8 @@ def _row(summary: dict, fault_free: dict | None, rate: float) -> dict:
                                        / (fault_free or summary)["tokens_computed"],
       "learner_seconds": spent,
       "rejoin_phases_median_s": {k: statistics.median(p[k] for p in phases if k in p)
-                                 for k in ("restart", "construct", "called", "heal")}
+                                 for k in ("restart", "construct", "called", "heal",
+                                           "from_last_event")}
                                 if phases else None,
       "rejoin_phases_s": phases,
   }

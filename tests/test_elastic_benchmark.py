@@ -55,8 +55,9 @@ def test_rejoin_phases_split_death_to_joined(bench):
   events = [_ev(0, "start"), _ev(2, "joined", step=0),
             _ev(10.5, "start"), _ev(12, "ready"), _ev(12.25, "run"), _ev(15, "joined", step=30)]
   got = bench.rejoin_phases(events, 9.0)
-  assert got == {"restart": 1.5, "construct": 1.5, "called": 0.25, "heal": 2.75}
-  assert sum(got.values()) == 15 - 9.0
+  assert got == {"restart": 1.5, "construct": 1.5, "called": 0.25, "heal": 2.75,
+                 "from_last_event": 13.0}
+  assert sum(got[k] for k in ("restart", "construct", "called", "heal")) == 15 - 9.0
   assert bench.rejoin_phases(events[:2], 9.0) is None
 
 
@@ -64,3 +65,11 @@ def test_a_death_the_driver_sees_after_the_restart_does_not_kill_the_healing_lea
   events = [_ev(0, "start"), _ev(2, "joined", step=0), _ev(9, "start"), _ev(11, "joined", step=50)]
   got = bench.intervals(events, deaths=[9.5], end=14.0)
   assert got == [("starting", 0, 2), ("training", 2, 9), ("healing", 9, 11), ("training", 11, 14.0)]
+
+
+def test_rejoin_phases_when_the_driver_saw_the_death_after_the_restart(bench):
+  events = [_ev(0, "start"), _ev(2, "joined", step=0), _ev(7, "sync_end", step=10, fragment=0),
+            _ev(9, "start"), _ev(10, "ready"), _ev(10.5, "run"), _ev(12, "joined", step=20)]
+  got = bench.rejoin_phases(events, 9.5)
+  assert got == {"restart": -0.5, "construct": 1.0, "called": 0.5, "heal": 1.5,
+                 "from_last_event": 5.0}
