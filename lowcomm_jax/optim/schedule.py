@@ -68,7 +68,7 @@ def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
                    overlap_anchor, section)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (H=True is refused)
 def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered, overlap_anchor,
               section) -> FragmentSchedule:
   if overlap_anchor not in OVERLAP_ANCHORS:
