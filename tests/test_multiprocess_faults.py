@@ -90,7 +90,12 @@ def test_sigterm_to_one_process_saves_one_agreed_step_and_the_rerun_resumes_bit_
       pids[int(line.split()[2])] = int(line.split()[-1])
     if not sent and line.startswith("[0] step 2:"):  # early: later steps take milliseconds
       listening.extend(a for pid in pids.values() for a in listening_addresses(pid))
+      # process 0 held (SIGSTOP) while process 1 gets the SIGTERM, so the run cannot end before
+      # the processes agree on it (every step's agreement waits for process 0)
+      os.kill(pids[0], signal.SIGSTOP)
       os.kill(pids[1], signal.SIGTERM)  # what SLURM or Kubernetes sends before a kill
+      time.sleep(0.2)
+      os.kill(pids[0], signal.SIGCONT)
       sent.append(True)
 
   changes = multiprocess_changes(2, STREAMING)  # checkpoint.every=1000: only the preemption saves
