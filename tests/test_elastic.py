@@ -138,8 +138,8 @@ def test_fault_specs_and_poisson_schedule():
 
 
 def _events(workdir, learner):
-  path = pathlib.Path(workdir) / "learners" / str(learner) / "events.jsonl"
-  return [json.loads(line) for line in path.read_text().splitlines()]
+  from lowcomm_jax.elastic import driver  # pylint: disable=g-import-not-at-top
+  return driver.events(workdir, learner)
 
 
 def _waits(workdir, learner):

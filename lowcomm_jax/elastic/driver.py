@@ -154,7 +154,7 @@ def _summary(config, work: pathlib.Path, result: dict, finished: dict, deaths: l
       "participation_per_learner": [sum(i in r["accepted"] for r in stats["rounds"])
                                     / max(len(stats["rounds"]), 1) for i in range(n)],
       "rounds": result["rounds"],
-      "rejoin_s": rejoin_times(work, deaths, n),
+      "rejoin_s": rejoin_times(work, deaths),
       "deaths": deaths,
       "faults": faults_lib.fired(work),
       "refused_outer_steps": stats["refused"],
@@ -177,7 +177,7 @@ def _joined_after(work: pathlib.Path, learner: int, t: float) -> bool:
   return any(ev["event"] == "joined" and ev["time"] > t for ev in events(work, learner))
 
 
-def rejoin_times(work: pathlib.Path, deaths: list, n: int) -> list[float]:
+def rejoin_times(work: pathlib.Path, deaths: list) -> list[float]:
   """Seconds from each death (as the driver saw it) to the restarted learner's next `joined`."""
   times = []
   for death in deaths:
@@ -185,7 +185,6 @@ def rejoin_times(work: pathlib.Path, deaths: list, n: int) -> list[float]:
               if ev["event"] == "joined" and ev["time"] > death["time"]]
     if joined:
       times.append(min(joined) - death["time"])
-  del n
   return times
 
 

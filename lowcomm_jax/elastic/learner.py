@@ -61,6 +61,7 @@ class Learner:
     self.plans = [self.tx.plans(schedule_lib.Phase(send=(p,)))[self.tx.plan_name(p)]
                   for p in range(len(self.frags))]
     self.faults = faults_lib.parse(c.elastic.faults, c.elastic.num_learners)
+    self._handled = set()  # this start's faults already looked at
     progress = self.dir / "progress.json"
     self.progress = (json.loads(progress.read_text()) if progress.is_file() else
                      {"tokens_computed": 0, "steps": 0, "bytes_sent": 0, "bytes_received": 0})
@@ -211,8 +212,9 @@ class Learner:
   def _faults_at(self, step: int, slow: float) -> float:
     """Fires this learner's faults due after `step`; returns the slow-down factor from now on."""
     for fault in self.faults:  # at step S, or the first step after it (a catch-up skips steps)
-      if fault.learner != self.index or step < fault.step:
+      if fault.learner != self.index or step < fault.step or fault in self._handled:
         continue
+      self._handled.add(fault)  # looked at once per start: no marker file to test every step
       if fault.kind == "slow":
         slow = max(slow, fault.factor)  # from this step on, for the rest of the run
         faults_lib.fire_once(self.run_dir, fault)

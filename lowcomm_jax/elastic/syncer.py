@@ -253,7 +253,3 @@ class Syncer:
     return {"eval_loss": eval_loss, "eval_bits_per_byte": splits.bits_per_byte(eval_loss),
             "stats": self.stats, "rounds": self.rounds, "final_rounds": self.final_rounds,
             "step": self.step}
-
-  def global_params(self):
-    """φ (float32, host arrays)."""
-    return self.phi
