@@ -25,7 +25,8 @@ RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "
                 "network", "progress_bar", "distributed.timeout_seconds",
                 "distributed.init_timeout_seconds", "nonfinite", "diloco.codec_kernels",
                 # an elastic run's membership and faults may change when it resumes
-                "elastic.num_learners", "elastic.min_quorum", "elastic.grace_s", "elastic.late",
+                "elastic.num_learners", "elastic.min_quorum", "elastic.grace_s",
+                "elastic.adaptive_grace", "elastic.late",
                 "elastic.staleness_weight", "elastic.faults", "elastic.faults_per_hour",
                 "elastic.address", "elastic.max_restarts", "elastic.learner_cpus",
                 "elastic.learner_gpus", "elastic.timeout_s")
@@ -170,6 +171,9 @@ def default_config() -> ml_collections.ConfigDict:
       num_learners=2,  # N: learner actors, >= 1 (changes on resume: learners are added or removed)
       min_quorum=0,  # Δ_p a round waits for, in [0, num_learners] (0: all N; fewer while some are down)
       grace_s=1.0,  # seconds a round with its quorum waits for the other live learners, >= 0
+      # True: wait only for the learners whose next Δ_p is predicted within grace_s (from their
+      # recent arrivals); a straggler or a stopped learner then costs no wait (elastic/grace.py)
+      adaptive_grace=False,
       late="drop",  # drop | weight: a Δ_p sent from an older φ_p than the open round's is dropped,
       #               or merged with weight tokens · staleness_weight ** (rounds behind)
       staleness_weight=0.5,  # in (0, 1], read with late=weight

@@ -2,7 +2,8 @@
 
 A Ray actor (`ray.remote(Learner)`) owning its devices. Inside it the Trainer's machinery builds one
 replica (`options.learner_config`: the inner optimizer alone, compiled for its own mesh) and learner
-i of N reads shard i of N of the training data, as replica i of the SPMD run does. At the steps the
+i of N reads shard i of N of the training data, as replica i of the SPMD run does (a learner added
+while the run goes on, i ≥ N, reads shard i of i + 1: `options.data_shard`). At the steps the
 SPMD run's schedule names (`StreamingDiLoCo.phase_at`) it
 
   - takes Δ_p = φ_p − θ_p of the fragment due and sends it (`comm.remote.encode`, the fragment's
@@ -12,7 +13,9 @@ SPMD run's schedule names (`StreamingDiLoCo.phase_at`) it
 
 (Re)starting, it joins the syncer: it takes φ, the current rounds and step, and a live peer's inner
 optimizer state (none alive: a fresh one), and goes on from that step with the data it would have
-read there. Nobody else stops. Its files, under <workdir>/learners/<i>/: metrics.jsonl and
+read there. Nobody else stops. Removed from the run (`stop`, or a syncer that no longer counts
+it), it ends after its current step; at `stop_at_step` every learner ends (the run resumes from the
+syncer's latest round). Its files, under <workdir>/learners/<i>/: metrics.jsonl and
 tensorboard/ (its loss), events.jsonl (the timeline: start, joined, sync waits, faults) and
 progress.json (tokens computed and bytes sent and received, summed over its restarts).
 """
@@ -69,6 +72,7 @@ class Learner:
     # also while this learner waits for a round)
     self._lock = threading.Lock()
     self._state = None
+    self._removed = False
     self._event("ready")
 
   # -- served to peers (another thread of the actor) ---------------------------------------------
@@ -78,6 +82,10 @@ class Learner:
     with self._lock:
       return None if self._state is None else jax.device_get(self._state.opt_state)
 
+  def stop(self) -> None:
+    """Removed from the run: ends after the current step (or the round it waits for)."""
+    self._removed = True
+
   # -- the loop ----------------------------------------------------------------------------------
 
   def run(self) -> dict:
@@ -86,14 +94,18 @@ class Learner:
     from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
     from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
     from lowcomm_jax.train import metrics  # pylint: disable=g-import-not-at-top
-    c, tr, n = self.config, self.trainer, options.num_learners(self.config)
+    c, tr = self.config, self.trainer
     self._event("run")
     splits = pipeline.splits_of(c)
+    shard, num_shards = options.data_shard(c, self.index)
     data = iter(pipeline.train_dataset(splits.train, c.data.seq_len, c.data.batch_size, c.seed,
-                                       shard_index=self.index, num_shards=n))
+                                       shard_index=shard, num_shards=num_shards))
     state = tr.init_state()
     tr.program(tr.algorithm.phase_at(1), state, tr.source.route_at(1))  # compiled before joining
     joined = ray.get(self.syncer.join.remote(self.index))
+    if not joined["member"]:  # removed from the run while it was down
+      self._event("removed", step=joined["step"])
+      return {"learner": self.index, "step": joined["step"], "removed": True, **self.progress}
     start, phi, base_round = joined["step"], joined["phi"], list(joined["rounds"])
     if start:  # healing: φ, the peer's inner state, the data at that step
       opt_state = state.opt_state
@@ -122,7 +134,8 @@ class Learner:
     merge_fns = [self._merge_fn(p, state) for p in range(len(self.frags))]
     slow, step_times = 1.0, []
     step = start
-    while step < c.num_steps:
+    stop = c.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, c.num_steps)
+    while step < stop and not self._removed:
       step += 1
       began = time.perf_counter()
       batch = distributed.global_array(next(data)[None], tr.batch_sharding(),
@@ -183,8 +196,8 @@ class Learner:
       if len(done) == len(self.frags):
         break
     writer.close()
-    self._event("finished", step=step)
-    return {"learner": self.index, "step": step, **self.progress}
+    self._event("removed" if self._removed else "finished", step=step)
+    return {"learner": self.index, "step": step, "removed": self._removed, **self.progress}
 
   def _adopt(self, state, phi, step: int, opt_state=None):
     """The state with θ ← φ (all of it) at step `step` (and `opt_state`, a peer's inner state, if

@@ -48,6 +48,13 @@ def num_learners(config) -> int:
   return int(config.elastic.num_learners)
 
 
+def data_shard(config, learner: int) -> tuple[int, int]:
+  """(shard, number of shards) learner `learner` reads: i of N for the run's N learners, as SPMD
+  replica i; a learner added while the run goes on (i ≥ N) reads shard i of i + 1 (its windows
+  overlap those of the learners it was added to, which read on from where they are)."""
+  return learner, max(num_learners(config), learner + 1)
+
+
 def quorum(config) -> int:
   """Δ_p a round waits for (before the grace window), when every learner is live."""
   return int(config.elastic.min_quorum) or num_learners(config)

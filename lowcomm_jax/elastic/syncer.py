@@ -4,7 +4,9 @@ One Ray actor (`ray.remote(Syncer)`, async: every learner's `exchange` waits on 
 fragment p, round r collects the learners' Δ_p (`comm.remote` payloads, decoded here). It closes
 
   - at once when every live learner has sent, or
-  - `elastic.grace_s` seconds after `min(quorum, live learners)` Δ_p were accepted,
+  - when the grace window ends (`grace.window_end`: `elastic.grace_s` seconds after
+    `min(quorum, live learners)` Δ_p were accepted, or earlier with `elastic.adaptive_grace`, once
+    the learners still expected in time have sent),
 
 merges what it accepted weighted by tokens (equal weights: Σ Δ / n, the all-reduce's mean; else
 Σ w_i Δ_i / Σ w_i, in learner order), takes the SPMD run's outer step on φ_p
@@ -15,6 +17,10 @@ A Δ_p computed from an older φ_p than the open round's (its learner missed rou
 `elastic.late=drop` drops it, `weight` merges it with weight tokens · staleness_weight^(rounds
 behind). A restarted syncer continues from its latest checkpoint; the exchanges in flight when it
 died are sent again by Ray (`max_task_retries=-1`), so the open round is filled again.
+
+Membership: the run's learners are `elastic.num_learners` at its start (or its resume with another
+count), plus those the driver adds (`add`: the next unused index) less those it removes (`remove`),
+saved with φ. Only members are live; a removed learner's last Δ already sent is merged.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np
 
 from lowcomm_jax.comm import remote
 from lowcomm_jax.elastic import faults as faults_lib
+from lowcomm_jax.elastic import grace as grace_lib
 from lowcomm_jax.elastic import options
 from lowcomm_jax.optim import fragments as frag_lib
 from lowcomm_jax.optim import schedule as schedule_lib
@@ -66,8 +73,10 @@ class Syncer:
     self.rounds = [0] * self.num_fragments
     self.step = 0  # the latest step a closed round merged
     self.live: set[int] = set()
+    self.members = set(range(c.elastic.num_learners))
+    self._next_index = c.elastic.num_learners  # an added learner's index: never one used before
     self.stats = {"rounds": [], "tokens_merged": 0, "tokens_dropped": 0, "refused": 0,
-                  "joins": [], "leaves": [], "dropped": []}
+                  "joins": [], "leaves": [], "dropped": [], "added": [], "removed": []}
     self.ckpt = checkpoint.Checkpointer(self.dir, c.checkpoint.keep)
     self.saves = 0
     restored = self.ckpt.restore_latest(self._template())
@@ -75,13 +84,21 @@ class Syncer:
       self.saves, state, data = restored
       self.phi, self.outer_states = host(state["phi"]), list(host(state["outer_states"]))
       self.rounds, self.step, self.stats = data["rounds"], data["step"], data["stats"]
-      # a resume with fewer learners (elastic.num_learners changed) waits for none of the others
-      self.live = set(data["live"]) & set(range(c.elastic.num_learners))
+      for key in ("added", "removed"):  # a run saved before membership changes were counted
+        self.stats.setdefault(key, [])
+      if data.get("num_learners", c.elastic.num_learners) == c.elastic.num_learners:
+        self.members = set(data.get("members", self.members))  # as added and removed
+      # else a resume with another elastic.num_learners: its learners, and none of the others
+      self._next_index = max(data.get("next_index", 0), c.elastic.num_learners, *self.members)
+      self.live = set(data["live"]) & self.members
     else:  # φ_0 saved now: orbax's first save, the slow one, is not paid inside a round
       self._save()
     self._open = [dict() for _ in range(self.num_fragments)]  # learner -> its contribution
     self._closed = {}  # (p, r) -> asyncio.Event, set when round r of fragment p closed
-    self._timers = {}
+    self._gathering = False
+    self._timers = {}  # (p, r) -> (the grace window's end, its asyncio timer)
+    self._quorum_at = {}  # (p, r) -> when the round's quorum was in
+    self.arrivals = grace_lib.Arrivals()
     self._results = {}  # (p, r) -> φ_p after round r
     # compiled now, not in the first round that needs it (a round's time is the learners' wait)
     self._outer_steps = [jax.jit(self.tx.outer_step).lower(
@@ -106,32 +123,57 @@ class Syncer:
   # -- membership ------------------------------------------------------------------------------
 
   def join(self, learner: int) -> dict:
-    """A learner (re)starts: φ, the rounds, the step to start from and a live peer (or None)."""
+    """A learner (re)starts: φ, the rounds, the step to start from and a live peer (or None);
+    `member` False for a learner removed from the run (it stops)."""
+    if learner not in self.members:
+      return {"member": False, "step": self.step}
     peers = sorted(self.live - {learner})
     self.live.add(learner)
     self.stats["joins"].append((time.time(), learner))
-    return {"phi": self.phi, "rounds": list(self.rounds), "step": self.step,
+    return {"member": True, "phi": self.phi, "rounds": list(self.rounds), "step": self.step,
             "peer": peers[0] if peers else None}
 
+  def add(self) -> int:
+    """A learner added while the run goes on: its index (a member from now on, live once it
+    joins; it starts from φ and the step of the latest closed round, as a rejoining learner does)."""
+    learner = self._next_index
+    self._next_index += 1
+    self.members.add(learner)
+    self.stats["added"].append((time.time(), learner))
+    self._save()
+    return learner
+
+  def remove(self, learner: int) -> None:
+    """A learner removed while the run goes on: no more a member, its rounds stop waiting for it."""
+    self.members.discard(learner)
+    self.stats["removed"].append((time.time(), learner))
+    self.leave(learner)
+    self._save()
+
+  def begin(self) -> None:
+    """The driver starts (or resumes) the whole run: its members start together (`started`)."""
+    self._gathering = True
+
   async def started(self) -> None:
-    """Returns once every learner of a new run has joined (so that round 0 is everyone's), at once
-    for a run under way; after elastic.timeout_s / 10 seconds the run starts with who is there."""
-    if self.step or any(self.rounds):
-      return
+    """Returns once every member has joined when the run starts or resumes (so that its first
+    round is everyone's), at once for a learner that rejoins or is added while it goes on; after
+    elastic.timeout_s / 10 seconds the run starts with who is there."""
     deadline = time.time() + self.config.elastic.timeout_s / 10
-    while len(self.live) < self.config.elastic.num_learners and time.time() < deadline:
+    while self._gathering and not self.members <= self.live and time.time() < deadline:
       await asyncio.sleep(0.05)
+    self._gathering = False
 
   def leave(self, learner: int) -> None:
     """A learner died (noticed by Ray): its rounds stop waiting for it."""
     self.live.discard(learner)
+    self.arrivals.forget(learner)
     self.stats["leaves"].append((time.time(), learner))
     for p in range(self.num_fragments):  # what it sent before dying is kept
       self._check_close(p)
 
   def status(self) -> dict:
     return {"rounds": list(self.rounds), "final_rounds": self.final_rounds, "step": self.step,
-            "live": sorted(self.live), "done": self.done}
+            "live": sorted(self.live), "members": sorted(self.members), "done": self.done}
 
   @property
   def done(self) -> bool:
@@ -144,9 +186,10 @@ class Syncer:
     """Learner `learner`'s Δ_p, computed from φ_p of round `base_round` over `tokens` tokens up to
     its step `step`: returns φ_p once the open round closes, with the next round's number."""
     r = self.rounds[p]
-    if r >= self.final_rounds[p]:
+    if r >= self.final_rounds[p] or learner not in self.members:  # the end, or removed: it stops
       return {"phi": frag_lib.extract(self.frags[p], self.phi), "round": r, "done": True,
               "accepted": False, "step": self.step}
+    self.arrivals.arrived(p, learner, time.time())
     behind = max(r - base_round, 0)
     if behind == 0:
       weight = float(tokens)
@@ -178,9 +221,18 @@ class Syncer:
         os._exit(1)  # pylint: disable=protected-access
     if self.live <= set(contributions):
       self._close(p)
-    elif accepted >= need and (p, r) not in self._timers:
-      loop = asyncio.get_event_loop()
-      self._timers[(p, r)] = loop.call_later(self.config.elastic.grace_s, self._close_if_open, p, r)
+    elif accepted >= need:
+      now, e = time.time(), self.config.elastic
+      predicted = (lambda i: self.arrivals.predicted(p, i)) if e.adaptive_grace else None
+      end = grace_lib.window_end(self._quorum_at.setdefault((p, r), now), e.grace_s, now,
+                                 self.live - set(contributions), predicted)
+      if end <= now:
+        self._close(p)
+      elif self._timers.get((p, r), (None,))[0] != end:  # (re)set: an arrival may move the end
+        if (p, r) in self._timers:
+          self._timers[(p, r)][1].cancel()
+        timer = asyncio.get_event_loop().call_later(end - now, self._close_if_open, p, r)
+        self._timers[(p, r)] = (end, timer)
 
   def _close_if_open(self, p: int, r: int) -> None:
     if self.rounds[p] == r:
@@ -208,15 +260,19 @@ class Syncer:
     merged = sum(x["tokens"] for _, x in taken)
     self.stats["tokens_merged"] += merged
     self.stats["tokens_dropped"] += sum(x["tokens"] for _, x in contributions) - merged
-    record = {"fragment": p, "round": r, "time": time.time(), "live": len(self.live),
+    now = time.time()
+    quorum_at = self._quorum_at.pop((p, r), None)
+    record = {"fragment": p, "round": r, "time": now, "live": len(self.live),
               "contributors": [i for i, _ in contributions], "accepted": [i for i, _ in taken],
-              "behind": [x["behind"] for _, x in contributions]}
+              "behind": [x["behind"] for _, x in contributions],
+              # the grace window's wait: quorum in to closed (0: every live learner had sent)
+              "grace_waited_s": 0.0 if quorum_at is None else now - quorum_at}
     self.stats["rounds"].append(record)
     self.rounds[p] = r + 1
     self._results[(p, r)] = frag_lib.extract(frag, self.phi)
     self._results.pop((p, r - 3), None)
     self._open[p] = {}
-    timer = self._timers.pop((p, r), None)
+    _, timer = self._timers.pop((p, r), (None, None))
     if timer is not None:
       timer.cancel()
     self._save()
@@ -231,7 +287,9 @@ class Syncer:
     self.saves += 1
     self.ckpt.save(self.saves, {"phi": self.phi, "outer_states": tuple(self.outer_states)},
                    {"rounds": self.rounds, "step": self.step, "stats": self.stats,
-                    "live": sorted(self.live)})
+                    "live": sorted(self.live), "members": sorted(self.members),
+                    "num_learners": self.config.elastic.num_learners,
+                    "next_index": self._next_index})
     self.ckpt.wait()  # saved before anyone is answered: a restart never loses an answered round
 
   # -- the end ---------------------------------------------------------------------------------
@@ -252,4 +310,4 @@ class Syncer:
     self.ckpt.close()
     return {"eval_loss": eval_loss, "eval_bits_per_byte": splits.bits_per_byte(eval_loss),
             "stats": self.stats, "rounds": self.rounds, "final_rounds": self.final_rounds,
-            "step": self.step}
+            "step": self.step, "members": sorted(self.members)}

@@ -108,6 +108,8 @@ def _check_elastic_values(c) -> None:
   checks.integer(c, "elastic.min_quorum", 0, e.num_learners + 1,
                  f" (0: every learner; at most elastic.num_learners={e.num_learners})")
   checks.number(c, "elastic.grace_s", 0)
+  checks.require(isinstance(e.adaptive_grace, bool), "elastic.adaptive_grace", "True or False",
+                 e.adaptive_grace)
   checks.require(e.late in ("drop", "weight"), "elastic.late", "one of drop, weight", e.late)
   checks.number(c, "elastic.staleness_weight", 0, 1, low_open=True, high_open=False)
   faults.parse(e.faults, e.num_learners)
