@@ -1,8 +1,10 @@
 """Elastic learners through a Poisson fault schedule against the same run without faults, a
-timeline of every learner, and the syncer's round time against an in-program all-reduce.
+straggler under each grace window and late-Δ rule, a timeline of every learner, and the syncer's
+round time against an in-program all-reduce.
 
-  nice -n 5 python benchmarks/elastic.py          # tiny, 4 learners, 1,500 steps, 360 kills per hour
-  nice -n 5 python benchmarks/elastic.py --steps=400 --faults_per_hour=200 --fault_free_runs=1
+  python benchmarks/elastic.py          # tiny, 4 learners, 1,500 steps, 360 kills per hour
+  python benchmarks/elastic.py --steps=400 --faults_per_hour=200 --fault_free_runs=1
+  python benchmarks/elastic.py --fault_free_runs=1 --small_steps=600   # also rows at `small`
 
 Runs of experiments/configs/elastic.py:tiny with `--steps` steps (lowcomm_jax.elastic.run, a local
 Ray on 127.0.0.1, one JAX compilation cache shared by all): `--fault_free_runs` without faults (the
@@ -22,8 +24,18 @@ rounds. Against it: one all-reduce (mean over processes) of the same parameters,
 jax.distributed program of `learners` processes on 127.0.0.1 (gloo), one CPU device each, median
 of `--allreduce_repeats` calls (this file run with --allreduce_worker).
 
-Writes benchmarks/results/elastic.json (`rows`, `round_time`) and elastic_timeline.png (per
-learner of each run: starting, training, syncing, dead, healing).
+The straggler rows (`--straggler_steps`, 0: none): learner N − 1 is `--straggler_factor` times
+slower from its first step (`slow` fault), four runs: the fixed and the adaptive grace window
+(`elastic.adaptive_grace`), each with late Δ dropped and merged with a staleness weight
+(`elastic.late`); per row also the fast learners' median wait per round (sync_begin to sync_end)
+and the grace window's mean wait per round (the syncer's round log).
+
+The `small` rows (`--small_steps`, 0: none): experiments/configs/elastic.py:small without faults
+and with the same Poisson kills.
+
+Writes benchmarks/results/elastic.json (`rows`, each with its `scenario` and `variant`;
+`round_time`) and elastic_timeline.png (per learner of each run: starting, training, syncing, dead,
+healing).
 """
 
 from __future__ import annotations
@@ -55,6 +67,11 @@ _REPEATS = flags.DEFINE_integer("allreduce_repeats", 30, "Timed all-reduce calls
 _WORKDIR = flags.DEFINE_string("workdir", "", "Folder of the runs (default: a temporary one).")
 _OUT = flags.DEFINE_string("out", str(RESULTS / "elastic.json"), "JSON output path.")
 _PLOT = flags.DEFINE_string("plot", str(RESULTS / "elastic_timeline.png"), "Timeline picture.")
+_STRAGGLER_STEPS = flags.DEFINE_integer("straggler_steps", 1500, "Steps of each straggler run "
+                                        "(0: no straggler rows).")
+_STRAGGLER_FACTOR = flags.DEFINE_float("straggler_factor", 10.0, "How many times slower the "
+                                       "straggler is.")
+_SMALL_STEPS = flags.DEFINE_integer("small_steps", 0, "Steps of the `small` runs (0: none).")
 _WORKER = flags.DEFINE_string("allreduce_worker", "", "Internal: process_id,num_processes,port,"
                               "shapes.json of one all-reduce process.")
 
@@ -97,7 +114,7 @@ def intervals(events: list[dict], deaths: list[float], end: float) -> list[tuple
     elif event == "sync_begin" and kind == "training":
       close(t)
       kind, since = "syncing", t
-    elif event == "finished" and kind is not None and kind != "dead":
+    elif event in ("finished", "removed") and kind is not None and kind != "dead":
       close(t)
       kind = None
   close(end)
@@ -153,19 +170,32 @@ def last_arrival_waits(events_by_learner: list[list[dict]]) -> list[float]:
   return [rounds[k][1] for k in sorted(rounds)]
 
 
+def sync_waits(events: list[dict]) -> list[float]:
+  """One learner's waits for the syncer's replies: sync_begin to the next sync_end, in order."""
+  out, begun = [], None
+  for ev in events:
+    if ev["event"] == "sync_begin":
+      begun = ev["time"]
+    elif ev["event"] == "sync_end" and begun is not None:
+      out.append(ev["time"] - begun)
+      begun = None
+  return out
+
+
 # -- the runs --------------------------------------------------------------------------------------
 
-def _config(steps: int, learners: int, faults_per_hour: float, timeout_s: float):
+def _config(steps: int, learners: int, faults_per_hour: float, timeout_s: float,
+            variant: str = "tiny", **changes):
   from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   spec = importlib.util.spec_from_file_location(
       "elastic_config", ROOT / "experiments" / "configs" / "elastic.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  c = module.get_config("tiny")
+  c = module.get_config(variant)
   return config_lib.override(c, {
       "num_steps": steps, "eval.every": steps, "progress_bar": False,
       "elastic.num_learners": learners, "num_replicas": learners,
-      "elastic.faults_per_hour": faults_per_hour, "elastic.timeout_s": timeout_s})
+      "elastic.faults_per_hour": faults_per_hour, "elastic.timeout_s": timeout_s, **changes})
 
 
 def _run(config, work: pathlib.Path) -> dict:
@@ -177,8 +207,13 @@ def _run(config, work: pathlib.Path) -> dict:
   return summary
 
 
-def _row(summary: dict, fault_free: dict | None, rate: float) -> dict:
+def _row(summary: dict, fault_free: dict | None, rate: float, scenario: str = "poisson kills",
+         variant: str = "tiny") -> dict:
   rejoin = summary["rejoin_s"]
+  e = summary["config"]["elastic"]
+  slow = {int(f.split(":")[1].split("=")[1]) for f in e["faults"].split(",") if f.startswith("slow")}
+  fast_waits = [w for i, evs in enumerate(summary["events"]) if i not in slow
+                for w in sync_waits(evs)]
   end = max(ev["time"] for evs in summary["events"] for ev in evs)
   spent = {k: 0.0 for k in KINDS}
   phases = []
@@ -188,6 +223,8 @@ def _row(summary: dict, fault_free: dict | None, rate: float) -> dict:
       spent[kind] += b - a
     phases += [p for p in (rejoin_phases(evs, d) for d in deaths) if p]
   return {
+      "scenario": scenario, "variant": variant,
+      "late": e["late"], "adaptive_grace": e["adaptive_grace"], "grace_s": e["grace_s"],
       "learners": summary["learners"], "faults_per_hour": rate,
       "goodput": summary["goodput"], "participation": summary["participation"],
       "participation_per_learner": summary["participation_per_learner"],
@@ -199,6 +236,10 @@ def _row(summary: dict, fault_free: dict | None, rate: float) -> dict:
       "steps": summary["steps"], "learner_steps": summary["learner_steps"],
       "rounds": len(summary["participation_per_round"]),
       "wall_time_s": summary["wall_time_s"],
+      "fast_learner_median_wait_s": statistics.median(fast_waits) if fast_waits else None,
+      "grace_waited_s_mean": statistics.mean(r["grace_waited_s"] for r in summary["round_log"])
+                             if summary["round_log"] else None,
+      "tokens_dropped": summary["tokens_dropped"],
       "tokens_computed": summary["tokens_computed"], "tokens_merged": summary["tokens_merged"],
       # the steps a dead learner's shard skips are not computed: goodput does not see them
       "tokens_computed_vs_fault_free": summary["tokens_computed"]
@@ -314,6 +355,27 @@ def main(argv):
   s_free = _run(free, base / "fault_free")
   s_more = [_run(free, base / f"fault_free_{k}") for k in range(2, _FREE_RUNS.value + 1)]
   s_faulty = _run(faulty, base / "faulty")
+  rows = ([_row(s_free, None, 0.0, "no faults")] + [_row(s, s_free, 0.0, "no faults") for s in s_more]
+          + [_row(s_faulty, s_free, _RATE.value)])
+  if _STRAGGLER_STEPS.value:
+    fault = f"slow:learner={n - 1}:step=1:factor={_STRAGGLER_FACTOR.value:g}"
+    straggler_free = (s_free if _STRAGGLER_STEPS.value == _STEPS.value else
+                      _run(_config(_STRAGGLER_STEPS.value, n, 0.0, _TIMEOUT.value),
+                           base / "straggler_fault_free"))
+    for adaptive in (False, True):
+      for late in ("drop", "weight"):
+        config = _config(_STRAGGLER_STEPS.value, n, 0.0, _TIMEOUT.value, **{
+            "elastic.faults": fault, "elastic.adaptive_grace": adaptive, "elastic.late": late})
+        name = f"straggler_{'adaptive' if adaptive else 'fixed'}_{late}"
+        rows.append(_row(_run(config, base / name), straggler_free, 0.0,
+                         f"straggler x{_STRAGGLER_FACTOR.value:g}"))
+  if _SMALL_STEPS.value:
+    small = lambda rate: _config(_SMALL_STEPS.value, n, rate, _TIMEOUT.value, "small",
+                                 **{"diloco.sync_every": min(30, _SMALL_STEPS.value)})
+    s_small = _run(small(0.0), base / "small_fault_free")
+    rows += [_row(s_small, None, 0.0, "no faults", "small"),
+             _row(_run(small(_RATE.value), base / "small_faulty"), s_small, _RATE.value,
+                  "poisson kills", "small")]
   waits = last_arrival_waits(s_free["events"])
   reduce = allreduce_seconds(_param_shapes(free), n, _REPEATS.value)
   round_s = statistics.median(waits)
@@ -323,8 +385,7 @@ def main(argv):
       "variant": "tiny", "steps": _STEPS.value, "sync_every": free.diloco.sync_every,
       "min_quorum": free.elastic.min_quorum, "grace_s": free.elastic.grace_s,
       "cpus": os.cpu_count(),
-      "rows": [_row(s_free, None, 0.0)] + [_row(s, s_free, 0.0) for s in s_more]
-              + [_row(s_faulty, s_free, _RATE.value)],
+      "rows": rows,
       "round_time": {
           "syncer_round_s": round_s, "syncer_round_s_per_round": waits,
           "allreduce_s": reduce["allreduce_s"], "allreduce_s_all": reduce["times"],

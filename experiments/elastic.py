@@ -7,7 +7,9 @@ and `elastic.num_learners` learners (docs/elastic.md). Outputs in the workdir: c
 metrics.jsonl and tensorboard/ (per fragment round: participation, loss; the final eval loss),
 summary.json (goodput, participation, rejoin times, faults, bytes per learner), syncer/checkpoints/
 (φ and the outer optimizer state), learners/<i>/ (each learner's loss, timeline and counts).
-Rerunning the same command resumes from the syncer's checkpoint.
+Rerunning the same command resumes from the syncer's checkpoint (`--config.stop_at_step=S` stops
+every learner at step S; `--config.elastic.num_learners` may change on resume). To add and remove
+learners while the run goes on, call `lowcomm_jax.elastic.start` from Python (docs/elastic.md).
 """
 
 import sys
@@ -34,6 +36,10 @@ def main(argv):
   except TimeoutError as error:
     sys.exit(f"TimeoutError: {error}")
   if summary.get("complete_before_start"):
+    return
+  if summary.get("complete") is False:  # stop_at_step
+    print(f"stopped at step {summary['step']} (rounds {summary['rounds']}); the same command "
+          f"resumes {summary['workdir']}")
     return
   rejoin = summary["rejoin_s"]
   print(f"final eval loss {summary['final_eval_loss']:.4f}, goodput {summary['goodput']:.3f}, "

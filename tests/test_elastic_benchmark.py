@@ -73,3 +73,11 @@ def test_rejoin_phases_when_the_driver_saw_the_death_after_the_restart(bench):
   got = bench.rejoin_phases(events, 9.5)
   assert got == {"restart": -0.5, "construct": 1.0, "called": 0.5, "heal": 1.5,
                  "from_last_event": 5.0}
+
+
+def test_sync_waits_pair_each_begin_with_its_end(bench):
+  events = [_ev(0, "joined", step=0), _ev(2, "sync_begin", step=10, fragment=0),
+            _ev(2.5, "sync_end", step=10, fragment=0), _ev(4, "sync_begin", step=20, fragment=0),
+            _ev(4.25, "start"),  # killed while waiting: no end for that begin
+            _ev(7, "sync_begin", step=30, fragment=0), _ev(8, "sync_end", step=30, fragment=0)]
+  assert bench.sync_waits(events) == [0.5, 1.0]

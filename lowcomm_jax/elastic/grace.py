@@ -15,7 +15,10 @@ prediction falls inside the cap (quorum time + `grace_s`) and is not already pas
   - a straggler predicted beyond the cap, or a learner overdue (stopped, dead but not yet seen by
     Ray), costs nobody any wait: the round closes as soon as the quorum is in;
   - a learner without two arrivals yet (just started or rejoined) cannot be predicted: the round
-    waits for it up to the cap, as the fixed window does.
+    waits for it up to the cap, as the fixed window does;
+  - with `elastic.late=drop`, a learner whose next Δ_p starts from an older φ_p than the open
+    round's (it fell a round behind) is not waited for: its Δ_p would be dropped (the syncer leaves
+    it out of `missing`).
 
 The cap keeps the adaptive window's worst case the fixed window's.
 """

@@ -99,6 +99,7 @@ class Syncer:
     self._timers = {}  # (p, r) -> (the grace window's end, its asyncio timer)
     self._quorum_at = {}  # (p, r) -> when the round's quorum was in
     self.arrivals = grace_lib.Arrivals()
+    self._based_on = {}  # (p, learner) -> the round of the φ_p its next Δ_p starts from
     self._results = {}  # (p, r) -> φ_p after round r
     # compiled now, not in the first round that needs it (a round's time is the learners' wait)
     self._outer_steps = [jax.jit(self.tx.outer_step).lower(
@@ -130,6 +131,8 @@ class Syncer:
     peers = sorted(self.live - {learner})
     self.live.add(learner)
     self.stats["joins"].append((time.time(), learner))
+    for p, r in enumerate(self.rounds):
+      self._based_on[(p, learner)] = r
     return {"member": True, "phi": self.phi, "rounds": list(self.rounds), "step": self.step,
             "peer": peers[0] if peers else None}
 
@@ -200,6 +203,7 @@ class Syncer:
     if weight == 0:  # dropped: answered at once (the learner catches up), the round goes on
       self.stats["tokens_dropped"] += int(tokens)
       self.stats["dropped"].append((time.time(), learner, p, r, behind))
+      self._based_on[(p, learner)] = r
       return {"phi": frag_lib.extract(self.frags[p], self.phi), "round": r, "done": False,
               "accepted": False, "step": self.step}
     self._open[p][learner] = dict(delta=remote.decode(self.plans[p], payload), weight=weight,
@@ -207,6 +211,7 @@ class Syncer:
     event = self._closed.setdefault((p, r), asyncio.Event())
     self._check_close(p)
     await event.wait()
+    self._based_on[(p, learner)] = r + 1
     return {"phi": self._results[(p, r)], "round": r + 1, "done": r + 1 >= self.final_rounds[p],
             "accepted": weight > 0, "step": self.step}
 
@@ -223,9 +228,14 @@ class Syncer:
       self._close(p)
     elif accepted >= need:
       now, e = time.time(), self.config.elastic
-      predicted = (lambda i: self.arrivals.predicted(p, i)) if e.adaptive_grace else None
+      missing = self.live - set(contributions)
+      predicted = None
+      if e.adaptive_grace:
+        predicted = lambda i: self.arrivals.predicted(p, i)
+        if e.late == "drop":  # a Δ_p from an older φ_p than round r's would be dropped anyway
+          missing = {i for i in missing if self._based_on.get((p, i), r) >= r}
       end = grace_lib.window_end(self._quorum_at.setdefault((p, r), now), e.grace_s, now,
-                                 self.live - set(contributions), predicted)
+                                 missing, predicted)
       if end <= now:
         self._close(p)
       elif self._timers.get((p, r), (None,))[0] != end:  # (re)set: an arrival may move the end
