@@ -168,7 +168,8 @@ def default_config() -> ml_collections.ConfigDict:
   # optimizer state and closes each fragment's round once min_quorum learners sent their Δ_p and a
   # grace window passed. num_replicas is not read: learner i of N reads shard i of N of the data.
   c.elastic = ml_collections.ConfigDict(dict(
-      num_learners=2,  # N: learner actors, >= 1 (changes on resume: learners are added or removed)
+      num_learners=2,  # N: learner actors, >= 1 (may change on resume; while the run goes on,
+      #                  learners are added and removed by lowcomm_jax.elastic.start's run object)
       min_quorum=0,  # Δ_p a round waits for, in [0, num_learners] (0: all N; fewer while some are down)
       grace_s=1.0,  # seconds a round with its quorum waits for the other live learners, >= 0
       # True: wait only for the learners whose next Δ_p is predicted within grace_s (from their

@@ -290,3 +290,46 @@ def test_the_adaptive_grace_window_waits_only_for_learners_expected_in_time():
   assert end(30.0, {2}, None) == 35.0  # the fixed window
   arrivals.forget(1)
   assert predicted(1) is None and arrivals.predicted(1, 1) is None
+
+
+def test_the_syncer_stops_waiting_for_an_overdue_learner_with_the_adaptive_window(tmp_path):
+  """The syncer in this process (no Ray), 3 learners, quorum 2, grace 3 s: in rounds 0 and 1 all
+  three send, 0.2 s after the last round closed; in round 2 learner 2 is silent (stopped). The
+  adaptive window closes round 2 once learner 2 is overdue (its interval, plus a quarter, after its
+  last Δ); the fixed one waits the whole 3 s."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.comm import remote  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.elastic import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.optim import fragments as frag_lib  # pylint: disable=g-import-not-at-top
+  cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+           "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")}
+  waited = {}
+  try:
+    for adaptive in (True, False):
+      config = _config(**{"num_steps": 30, "elastic.num_learners": 3, "num_replicas": 3,
+                          "elastic.min_quorum": 2, "elastic.grace_s": 3.0,
+                          "elastic.adaptive_grace": adaptive})
+      syncer = syncer_lib.Syncer(config.to_json_best_effort(), str(tmp_path / str(adaptive)))
+      zeros = jax.tree.map(np.zeros_like, frag_lib.extract(syncer.frags[0], syncer.phi))
+      payload, _ = remote.encode(syncer.plans[0], syncer.tx.plan_name(0), zeros)
+
+      async def rounds(syncer=syncer, payload=payload):
+        for i in range(3):
+          syncer.join(i)
+        for r in range(3):
+          await asyncio.gather(*[syncer.exchange(i, 0, r, payload, 128, 5 * (r + 1), 1.0)
+                                 for i in ((0, 1, 2) if r < 2 else (0, 1))])
+          await asyncio.sleep(0.2)
+
+      asyncio.run(rounds())
+      records = syncer.stats["rounds"]
+      assert [r["accepted"] for r in records] == [[0, 1, 2], [0, 1, 2], [0, 1]]
+      waited[adaptive] = [r["grace_waited_s"] for r in records]
+      syncer.writer.close()
+      syncer.ckpt.close()
+  finally:
+    for key, value in cache.items():
+      jax.config.update(key, value)
+  assert waited[False][2] >= 3.0  # the fixed window: the whole grace_s
+  # adaptive: a quarter of learner 2's interval (0.2 s plus a round's close) past its prediction
+  assert waited[True][2] < 1.5, waited

@@ -143,9 +143,8 @@ class ElasticRun:
     return self._ask("remove", learner)
 
   def status(self) -> dict:
-    """The syncer's view: rounds, step, live learners, members, done."""
-    if self._result is not None:
-      return {"done": True, "members": [], "live": []}
+    """The syncer's view while the run goes on: rounds, step, live learners, members, done."""
+    self._going_on()
     return self._ray.get(self.syncer.status.remote())
 
   def wait(self, timeout: float | None = None) -> dict:
@@ -163,12 +162,20 @@ class ElasticRun:
 
   # -- the loop --------------------------------------------------------------------------------
 
-  def _ask(self, kind: str, arg):
+  def _going_on(self) -> None:
     if self._thread is None or not self._thread.is_alive():
       raise RuntimeError(f"the elastic run in {self.work} is not going on")
-    answer = concurrent.futures.Future()
+
+  def _ask(self, kind: str, arg):
+    self._going_on()
+    thread, answer = self._thread, concurrent.futures.Future()
     self._requests.put((kind, arg, answer))
-    return answer.result()
+    while True:
+      try:
+        return answer.result(timeout=0.5)
+      except concurrent.futures.TimeoutError:
+        if not thread.is_alive() and not answer.done():  # the run ended before serving it
+          raise RuntimeError(f"the elastic run in {self.work} is not going on") from None
 
   def _start_learner(self, i: int) -> None:
     from lowcomm_jax.elastic.learner import Learner  # pylint: disable=g-import-not-at-top
@@ -214,8 +221,8 @@ class ElasticRun:
   def _drive(self) -> dict:
     ray, work, e = self._ray, self.work, self.config.elastic
     runs, finished, deaths, removed = self._runs, {}, [], set()
-    kills = faults_lib.poisson_kills(e.faults_per_hour, e.timeout_s, len(self.learners),
-                                     self.config.seed)
+    kills = [(t, sorted(self.learners)[i]) for t, i in faults_lib.poisson_kills(
+        e.faults_per_hour, e.timeout_s, len(self.learners), self.config.seed)]
     while runs:
       if time.time() - self.began > e.timeout_s:
         raise TimeoutError(f"the elastic run did not finish within elastic.timeout_s={e.timeout_s} "
@@ -256,7 +263,7 @@ class ElasticRun:
               "members": status["members"], "workdir": str(work.absolute())}
     result = ray.get(self.syncer.finish.remote())
     summary = _summary(self.config, work, result, finished, deaths, time.time() - self.began,
-                       len(self.learners))
+                       max(self.learners) + 1)  # indices 0 … n − 1: every learner it had
     return workdir_lib.write_summary(work, summary)
 
   def _end_actors(self) -> None:
