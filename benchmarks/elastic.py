@@ -124,9 +124,9 @@ def intervals(events: list[dict], deaths: list[float], end: float) -> list[tuple
 def rejoin_phases(events: list[dict], death: float) -> dict | None:
   """Where one rejoin's seconds went, from the driver seeing the death: `restart` to the new
   process's `start` (Ray restarting the actor: a process, its imports; negative when Ray had
-  restarted it before the driver noticed), `construct` start→ready (the Trainer, the compilation
-  cache), `called` ready→run (the driver's new `run` call), `heal` run→joined (data, the initial
-  state, φ and a peer's inner state from the syncer); `from_last_event`: joined minus the dead
+  restarted it before the driver noticed), `construct` start→ready (the Trainer, the data, a
+  fresh state, the step program from the compilation cache), `called` ready→run (the driver's new
+  `run` call), `heal` run→joined (φ and a peer's inner state); `from_last_event`: joined minus the dead
   life's last event, a bound from above on the time from the death itself (the driver notices it
   late). None when it did not rejoin."""
   events = sorted(events, key=lambda ev: ev["time"])

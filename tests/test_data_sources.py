@@ -157,17 +157,26 @@ def test_prepared_ids_are_the_tokenizers_stream_and_train_and_evaluate(tmp_path,
   """prepare_data's .bin (two worker processes) holds exactly the tokenizer's stream of the
   documents; a run trains on it, reports bits per byte, and evaluation gives the run's own final
   eval loss from its checkpoint."""
-  with open(tmp_path / "docs.jsonl", "w") as f:
+  tok = tokenizer_lib.load_tokenizer(trained["bpe"])
+
+  def held_out(path):  # the documents an evaluation of `path` holds out
+    return [t for i, (_, t) in enumerate(licenses)
+            if corpora.is_eval_document(f"{path}:{i + 1}", 20)]
+
+  # which documents are held out hashes their ids, the file's path in them: a file name whose
+  # held-out documents fill at least one batch of 8 windows of 32 tokens, whatever the folder
+  docs = next(path for path in (tmp_path / f"docs{k}.jsonl" for k in range(200))
+              if (len(tok.encode_documents(held_out(path))) - 1) // 32 >= 8)
+  with open(docs, "w") as f:
     for _, text in licenses:
       f.write(json.dumps({"body": text}) + "\n")
-  corpus = f"jsonl:{tmp_path}/docs.jsonl:body"
+  corpus = f"jsonl:{docs}:body"
   out = tmp_path / "ids" / "docs.bin"
   proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "prepare_data.py"),
                          f"--corpus={corpus}", f"--tokenizer={trained['bpe']}", f"--out={out}",
                          "--workers=2"], capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   meta = json.loads((tmp_path / "ids" / "docs.json").read_text())
-  tok = tokenizer_lib.load_tokenizer(trained["bpe"])
   expected = tok.encode_documents(t for _, t in licenses)
   ids, read_meta = files.read_tokens(f"tokens:{out}")
   np.testing.assert_array_equal(ids, expected)
@@ -194,13 +203,11 @@ def test_prepared_ids_are_the_tokenizers_stream_and_train_and_evaluate(tmp_path,
   own, other = evaluation.evaluate_corpora(tmp_path / "run", [f"tokens:{out}", corpus])
   testing.assert_within(own["eval_loss"], summary["final_eval_loss"], testing.sum_error_bound(
       summary["final_eval_loss"], testing.chain_of_sums(trainer.model_cfg, 32, 2 * 8 * 32)), "eval loss")
-  # The same documents tokenized afresh, held out by document instead of the stream's tail.
-  held = [t for i, (_, t) in enumerate(licenses)
-          if corpora.is_eval_document(f"{tmp_path}/docs.jsonl:{i + 1}", 20)]
-  # which documents are held out hashes their ids (this test's folder in them): up to 2 batches of
-  # 8 windows of 32 tokens, as many as the held-out stream fills
+  # The same documents tokenized afresh, held out by document instead of the stream's tail: up to
+  # 2 batches of 8 windows of 32 tokens, as many as the held-out stream fills
+  held = held_out(docs)
   windows = (len(tok.encode_documents(held)) - 1) // 32
-  assert held and other["corpus"] == corpus and windows >= 8
+  assert other["corpus"] == corpus
   assert other["eval_tokens"] == min(windows // 8, 2) * 8 * 32
   assert other["eval_bytes_per_token"] == pytest.approx(
       sum(len(t.encode()) + 1 for t in held) / len(tok.encode_documents(held)), rel=1e-12)

@@ -73,7 +73,22 @@ class Learner:
     self._lock = threading.Lock()
     self._state = None
     self._removed = False
+    # the data, a fresh state and the step program, made while Ray restarts this actor (before the
+    # driver has noticed the death and calls `run`): a rejoin then waits only for φ and a peer
+    self._prepared = self._prepare()
     self._event("ready")
+
+  def _prepare(self):
+    """(the data iterator of this learner's shard, a fresh state), the step program compiled."""
+    from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+    c, tr = self.config, self.trainer
+    splits = pipeline.splits_of(c)
+    shard, num_shards = options.data_shard(c, self.index)
+    data = iter(pipeline.train_dataset(splits.train, c.data.seq_len, c.data.batch_size, c.seed,
+                                       shard_index=shard, num_shards=num_shards))
+    state = tr.init_state()
+    tr.program(tr.algorithm.phase_at(1), state, tr.source.route_at(1))
+    return data, state
 
   # -- served to peers (another thread of the actor) ---------------------------------------------
 
@@ -92,16 +107,11 @@ class Learner:
     """Trains until the last step or the last round; returns this start's counts."""
     import ray  # pylint: disable=g-import-not-at-top
     from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
-    from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
     from lowcomm_jax.train import metrics  # pylint: disable=g-import-not-at-top
     c, tr = self.config, self.trainer
     self._event("run")
-    splits = pipeline.splits_of(c)
-    shard, num_shards = options.data_shard(c, self.index)
-    data = iter(pipeline.train_dataset(splits.train, c.data.seq_len, c.data.batch_size, c.seed,
-                                       shard_index=shard, num_shards=num_shards))
-    state = tr.init_state()
-    tr.program(tr.algorithm.phase_at(1), state, tr.source.route_at(1))  # compiled before joining
+    data, state = self._prepared or self._prepare()  # compiled before joining
+    self._prepared = None
     joined = ray.get(self.syncer.join.remote(self.index))
     if not joined["member"]:  # removed from the run while it was down
       self._event("removed", step=joined["step"])
