@@ -1,7 +1,7 @@
 """Pallas codec kernels (interpret mode on CPU) are bit-identical to the jnp references.
 
-Each case compiles one program holding the reference and the kernel for two
-tensors: one whose size is a multiple of the block and one that is not (so
+Each case compiles one program holding the reference and the kernels (the Triton and TPU kernel
+body, and the Mosaic GPU one) for two tensors: one whose size is a multiple of the block and one that is not (so
 the last block is padded), with a grid of several steps whose last step is
 partly padding rows. One block of the first tensor holds a NaN and one an
 inf, to check the NaN policy is the same in both paths.
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import codecs, comm
+from lowcomm_jax.codecs import kernels
 
 CASES = [(name, "nearest") for name in ("e3m0", "e2m1", "int4", "int8", "bf16", "fp32")] + [
     (name, "stochastic") for name in ("e3m0", "e2m1", "int4", "int8", "bf16")]
@@ -43,19 +44,23 @@ def test_pallas_matches_reference_bit_for_bit(name, rounding):
     for i, x in enumerate(xs):
       x_key = jax.random.fold_in(key, i)
       reference = codec.encode(x, x_key)
-      kernel = codec.encode(x, x_key, use_pallas=True, interpret=True, rows_per_step=2)
-      out.append((reference, kernel, codec.decode(reference),
-                  codec.decode(reference, use_pallas=True, interpret=True, rows_per_step=2)))
+      kernel_outputs = []
+      for gpu in kernels.GPU_KERNELS:
+        options = dict(use_pallas=True, interpret=True, rows_per_step=2, gpu=gpu)
+        kernel_outputs.append((codec.encode(x, x_key, **options),
+                               codec.decode(reference, **options)))
+      out.append((reference, codec.decode(reference), kernel_outputs))
     return out
 
   results = both_paths(inputs, jax.random.key(4, impl="rbg"))
-  for x, (reference, kernel, decoded_ref, decoded_kernel) in zip(inputs, results):
-    assert np.array_equal(_raw(kernel.codes), _raw(reference.codes))
-    if reference.scales is None:
-      assert kernel.scales is None
-    else:
-      assert np.array_equal(_raw(kernel.scales), _raw(reference.scales))
-    assert np.array_equal(_raw(decoded_kernel), _raw(decoded_ref))
+  for x, (reference, decoded_ref, kernel_outputs) in zip(inputs, results):
+    for kernel, decoded_kernel in kernel_outputs:
+      assert np.array_equal(_raw(kernel.codes), _raw(reference.codes))
+      if reference.scales is None:
+        assert kernel.scales is None
+      else:
+        assert np.array_equal(_raw(kernel.scales), _raw(reference.scales))
+      assert np.array_equal(_raw(decoded_kernel), _raw(decoded_ref))
     assert decoded_ref.shape == x.shape
   if not codec.single_block:
     # 4 blocks at 2 per step: two grid steps; 3 blocks: two steps, the second with a padding row.
@@ -75,10 +80,14 @@ def test_grid_steps_follow_tile_size():
   encoded = jax.eval_shape(codec.encode, big)
   assert _pallas_grids(lambda e: codec.decode(e, use_pallas=True, interpret=True),
                        encoded) == [(4,)]
-  # 5 blocks, 2 per step: 3 steps, the last one half padding.
+  # 5 blocks, 2 per step: 3 steps, the last one half padding; Mosaic GPU takes at least 8 blocks
+  # a step (its scales' tile is then 128 bytes): 20 blocks in 3 steps.
   small = jax.ShapeDtypeStruct((5 * 1024,), jnp.float32)
-  assert _pallas_grids(lambda x: codec.encode(x, use_pallas=True, interpret=True,
-                                              rows_per_step=2), small) == [(3,)]
+  encode = lambda x, gpu: codec.encode(x, use_pallas=True, interpret=True, rows_per_step=2, gpu=gpu)
+  assert _pallas_grids(lambda x: encode(x, "triton"), small) == [(3,)]
+  assert _pallas_grids(lambda x: encode(x, "mosaic_gpu"), small) == [(1,)]
+  assert _pallas_grids(lambda x: encode(x, "mosaic_gpu"),
+                       jax.ShapeDtypeStruct((20 * 1024,), jnp.float32)) == [(3,)]
 
 
 def _streaming_e3m0_config(codec_kernels: str):
@@ -154,7 +163,7 @@ def test_kernel_tiles_are_powers_of_two(name):
   codec = codecs.get_codec(name, block_size=1024)
   x = jax.ShapeDtypeStruct((2250,), jnp.float32)
   jaxpr = jax.make_jaxpr(lambda x: codec.encode(x, use_pallas=True, interpret=True,
-                                                rows_per_step=3))(x)
+                                                rows_per_step=3, gpu="triton"))(x)
   shapes = [tuple(getattr(d, "block_size", d) for d in bm.block_shape)
             for eqn in _pallas_eqns(jaxpr.jaxpr) for bm in eqn.params["grid_mapping"].block_mappings]
   assert shapes and all(d & (d - 1) == 0 for shape in shapes for d in shape

@@ -145,7 +145,7 @@ def scales_from_absmax(absmax: jax.Array, grid_max: float):
   and the divisor is the scale where that is safe to divide by and 1 for an
   all-zero (or flushed) block, whose values then all code to zero.
   """
-  finite = jnp.isfinite(absmax)
+  finite = absmax < jnp.inf  # isfinite of a magnitude (no rule for is_finite in Mosaic GPU)
   scale = jnp.where(finite, absmax / grid_max, jnp.nan)
   divisor = jnp.where(finite & (scale > 0), scale, 1.0)
   return scale, divisor, finite
@@ -286,32 +286,34 @@ class Codec(abc.ABC):
 
   def encode_blocks(self, x_blocks: jax.Array, key: jax.Array | None = None, *,
                     use_pallas: bool = False, interpret: bool | None = None,
-                    rows_per_step: int | None = None):
+                    rows_per_step: int | None = None, gpu: str | None = None):
     """Quantizes fp32 blocks ``[B, L]``; returns ``(codes, scales or None)``.
 
     With ``use_pallas``: ``interpret=True`` runs the Pallas kernel in interpret mode; otherwise
     compiled on GPU and TPU, and elsewhere interpreted (``None``) or the jnp reference
-    (``False``), see :mod:`lowcomm_jax.codecs.kernels`.
+    (``False``); ``gpu``: the GPU kernel (``mosaic_gpu``, ``triton``, ``reference``; default
+    ``kernels.gpu_kernel()``), see :mod:`lowcomm_jax.codecs.kernels`.
     """
     x_blocks = x_blocks.astype(jnp.float32)
     bits = self.random_bits(key, x_blocks.shape)
     if use_pallas and x_blocks.size:
       return kernels.quantize(x_blocks, bits, codec=self, interpret=interpret,
-                              rows_per_step=rows_per_step)
+                              rows_per_step=rows_per_step, gpu=gpu)
     return self.quantize_reference(x_blocks, bits)
 
   def decode_blocks(self, codes: jax.Array, scales: jax.Array | None, *,
                     use_pallas: bool = False, interpret: bool | None = None,
-                    rows_per_step: int | None = None) -> jax.Array:
+                    rows_per_step: int | None = None, gpu: str | None = None) -> jax.Array:
     """Dequantizes to fp32 blocks ``[B, L]`` (options as :meth:`encode_blocks`)."""
     if use_pallas and codes.size:
       return kernels.dequantize(codes, scales, codec=self, interpret=interpret,
-                                rows_per_step=rows_per_step)
+                                rows_per_step=rows_per_step, gpu=gpu)
     return self.dequantize_reference(codes, scales)
 
   # ------------------------------------------------------------ tensor API
   def encode(self, x: jax.Array, key: jax.Array | None = None, *, use_pallas: bool = False,
-             interpret: bool | None = None, rows_per_step: int | None = None) -> EncodedTensor:
+             interpret: bool | None = None, rows_per_step: int | None = None,
+             gpu: str | None = None) -> EncodedTensor:
     """Encodes a tensor of any shape and size.
 
     Args:
@@ -321,7 +323,9 @@ class Codec(abc.ABC):
       interpret: True: Pallas interpret mode; None: compiled on GPU/TPU, interpreted elsewhere;
         False: compiled on GPU/TPU, the jnp reference elsewhere.
       rows_per_step: blocks per Pallas grid step, rounded up to a power of 2
-        (default: per platform, ``kernels.TILE_VALUES``).
+        (default: per backend, ``kernels.TILE_VALUES``).
+      gpu: the GPU kernel (``mosaic_gpu``, ``triton``, ``reference``; default
+        ``kernels.gpu_kernel()``), also the kernel body interpret mode runs.
 
     Returns:
       The :class:`EncodedTensor`.
@@ -330,21 +334,24 @@ class Codec(abc.ABC):
     num_blocks, block_len = self.layout(x.size)
     x_blocks = blocks_from_flat(x.reshape(-1).astype(jnp.float32), num_blocks, block_len)
     codes, scales = self.encode_blocks(x_blocks, key, use_pallas=use_pallas, interpret=interpret,
-                                       rows_per_step=rows_per_step)
+                                       rows_per_step=rows_per_step, gpu=gpu)
     return EncodedTensor(codes=codes, scales=scales, shape=tuple(x.shape))
 
   def decode(self, encoded: EncodedTensor, *, use_pallas: bool = False,
-             interpret: bool | None = None, rows_per_step: int | None = None) -> jax.Array:
+             interpret: bool | None = None, rows_per_step: int | None = None,
+             gpu: str | None = None) -> jax.Array:
     """Decodes to a float32 tensor of the original shape."""
     num_elements = math.prod(encoded.shape)
     x_blocks = self.decode_blocks(encoded.codes, encoded.scales, use_pallas=use_pallas,
-                                  interpret=interpret, rows_per_step=rows_per_step)
+                                  interpret=interpret, rows_per_step=rows_per_step, gpu=gpu)
     return flat_from_blocks(x_blocks, num_elements).reshape(encoded.shape)
 
   def roundtrip(self, x: jax.Array, key: jax.Array | None = None, *, use_pallas: bool = False,
-                interpret: bool | None = None, rows_per_step: int | None = None) -> jax.Array:
+                interpret: bool | None = None, rows_per_step: int | None = None,
+                gpu: str | None = None) -> jax.Array:
     """``decode(encode(x))``: what the receiver sees (float32, shape of ``x``)."""
-    options = dict(use_pallas=use_pallas, interpret=interpret, rows_per_step=rows_per_step)
+    options = dict(use_pallas=use_pallas, interpret=interpret, rows_per_step=rows_per_step,
+                   gpu=gpu)
     return self.decode(self.encode(x, key, **options), **options)
 
 

@@ -5,8 +5,8 @@ left out so the range is symmetric); it is a :class:`~fourbit.GridCodec` with
 the grid 0, 1, ..., 7 and ``scale = absmax / 7``. ``int8`` stores
 ``round(x / scale)`` in [-127, 127] as two's-complement int8 with
 ``scale = absmax / 127`` (-128 unused, for the same symmetry). Ties round to
-even, as ``jnp.round`` does (computed from ``floor``); stochastic rounding rounds up with probability
-equal to the fractional part.
+even, as ``jnp.round`` does (computed from the integer part); stochastic rounding rounds up with
+probability equal to the fractional part.
 """
 
 from __future__ import annotations
@@ -34,11 +34,19 @@ class INT4(fourbit.GridCodec):
   grid: ClassVar[tuple[float, ...]] = INT4_GRID
 
 
+def _floor(magnitude: jax.Array) -> jax.Array:
+  """``jnp.floor`` of values in [0, 2^31) as the integer part (truncation is floor there); Pallas
+  Mosaic GPU has no rule for ``floor``."""
+  return magnitude.astype(jnp.int32).astype(jnp.float32)
+
+
 def _round_half_even(magnitude: jax.Array) -> jax.Array:
-  """``jnp.round`` of non-negative values, from ``floor`` (Triton has no rule for ``round``)."""
-  floor = jnp.floor(magnitude)
+  """``jnp.round`` of values in [0, 2^31), from the integer part (Triton has no rule for
+  ``round``)."""
+  whole = magnitude.astype(jnp.int32)
+  floor = whole.astype(jnp.float32)
   fraction = magnitude - floor  # exact for floats
-  odd = floor - 2.0 * jnp.floor(floor * 0.5) == 1.0
+  odd = (whole & 1) == 1
   up = (fraction > 0.5) | ((fraction == 0.5) & odd)
   return floor + up.astype(jnp.float32)
 
@@ -50,7 +58,7 @@ def _encode_int8_values(x: jax.Array, divisor: jax.Array, finite: jax.Array,
   if bits is None:
     level = _round_half_even(magnitude)
   else:
-    floor = jnp.floor(magnitude)
+    floor = _floor(magnitude)
     level = floor + (base.uniform_from_bits(bits) < magnitude - floor).astype(jnp.float32)
   level = jnp.minimum(level, INT8_MAX)
   return jnp.where(x < 0, -level, level).astype(jnp.int32).astype(jnp.int8)

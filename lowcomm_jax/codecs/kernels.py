@@ -26,6 +26,8 @@ operands replicated within the map.
 from __future__ import annotations
 
 import functools
+import importlib
+import re
 from typing import Callable
 
 import jax
@@ -35,37 +37,111 @@ from jax.sharding import PartitionSpec as P
 
 from lowcomm_jax.codecs import packing
 
-__all__ = ["COMPILED_PLATFORMS", "MAX_COMPILED_COLUMNS", "TILE_VALUES", "compiled_supported",
-           "quantize", "dequantize", "on_every_axis"]
+__all__ = ["COMPILED_PLATFORMS", "GPU_KERNELS", "MAX_COMPILED_COLUMNS", "TILE_VALUES",
+           "compiled_supported", "gpu_kernel", "gpu_kernel_available", "quantize", "dequantize",
+           "on_every_axis"]
 
 # The platforms with a compiled kernel, each proven to lower by tests/test_lowering.py.
 COMPILED_PLATFORMS = ("cuda", "tpu")
+# The compiled GPU kernels: Pallas Mosaic GPU (JAX's maintained GPU backend) and Pallas Triton.
+GPU_KERNELS = ("mosaic_gpu", "triton")
 # Values per grid step. Interpret mode has a large fixed cost per grid step, so its tiles are large;
-# a Triton program holds its tile in registers; a Mosaic tile sits in VMEM, double-buffered.
-TILE_VALUES = {"interpret": 1 << 18, "cuda": 1 << 12, "tpu": 1 << 17}
-# Rows of a Mosaic tile are a multiple of the 8-bit sublane tiling (32 rows).
-_MIN_ROWS = {"interpret": 1, "cuda": 1, "tpu": 32}
-# The widest padded block a compiled kernel takes (a Triton program's tile, a VMEM tile).
+# a Triton program holds its tile in registers; a Mosaic GPU tile sits in shared memory (at most
+# 8192 values: 147 KiB, double-buffered, for stochastic rounding's fp32 values and uint32 bits); a
+# Mosaic tile sits in VMEM, double-buffered.
+TILE_VALUES = {"interpret": 1 << 18, "triton": 1 << 12, "mosaic_gpu": 1 << 13, "tpu": 1 << 17}
+# Rows of a Mosaic tile are a multiple of the 8-bit sublane tiling (32 rows); a Mosaic GPU tile's
+# scales (16 bytes a row) are a multiple of its warpgroup's 128 threads' bytes.
+_MIN_ROWS = {"interpret": 1, "triton": 1, "tpu": 32, "mosaic_gpu": 8}
+# The widest padded block a compiled kernel takes (a Triton program's tile, a VMEM tile, a shared
+# memory tile).
 MAX_COMPILED_COLUMNS = 1 << 13
+# A Mosaic GPU kernel's rows (a block, or half of one) are at least one value per thread of its
+# warpgroup.
+MOSAIC_GPU_MIN_WIDTH = 128
+# The first JAX whose Mosaic GPU lowers for Ampere (before it, Hopper and newer only).
+_MOSAIC_GPU_AMPERE_JAX = (0, 11)
 
 
 def _pow2(n: int) -> int:
   return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _compiler_params(platform: str):
-  if platform == "cuda":
+def _jax_version() -> tuple[int, ...]:
+  return tuple(int(part) for part in jax.__version__.split(".")[:2])
+
+
+@functools.cache
+def gpu_kernel_available(kernel: str) -> bool:
+  """Whether the installed JAX has the Pallas backend of a :data:`GPU_KERNELS` entry."""
+  module = {"mosaic_gpu": "mosaic_gpu", "triton": "triton"}[kernel]
+  try:
+    importlib.import_module(f"jax.experimental.pallas.{module}")
+  except ImportError:
+    return False
+  return True
+
+
+def _compute_capability(device) -> tuple[int, int] | None:
+  """A GPU's compute capability: a device's own, or read off an abstract device's kind (``None``
+  where unknown)."""
+  capability = getattr(device, "compute_capability", None)
+  if capability:
+    major, minor = str(capability).split(".")[:2]
+    return int(major), int(minor)
+  kind = getattr(device, "device_kind", "") or ""
+  for pattern, value in ((r"\bG?B\d{3}\b", (10, 0)), (r"\bG?H\d{3}\b", (9, 0)),
+                         (r"\bL\d{1,2}S?\b|RTX 40", (8, 9)), (r"\bA\d{1,3}\b|RTX 30", (8, 0))):
+    if re.search(pattern, kind):
+      return value
+  return None
+
+
+def _current_gpu():
+  """The GPU a program is traced for: the abstract mesh's device, else this host's first GPU."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is not None:
+    return device
+  try:
+    return jax.devices("gpu")[0]
+  except RuntimeError:
+    return None
+
+
+def gpu_kernel(device=None) -> str:
+  """The compiled GPU kernel for the installed JAX on ``device`` (default: the GPU the program is
+  traced for; an unknown GPU counts as a current one): ``mosaic_gpu`` where JAX's Mosaic GPU takes
+  the codecs (Hopper and newer; Ampere too from JAX 0.11), else ``triton`` where JAX still has it,
+  else ``reference`` (the jnp reference)."""
+  device = _current_gpu() if device is None else device
+  capability = _compute_capability(device) if device is not None else None
+  mosaic_major = 8 if _jax_version() >= _MOSAIC_GPU_AMPERE_JAX else 9
+  if gpu_kernel_available("mosaic_gpu") and (capability is None or capability[0] >= mosaic_major):
+    return "mosaic_gpu"
+  if gpu_kernel_available("triton"):
+    return "triton"
+  return "reference"
+
+
+def _compiler_params(backend: str):
+  if backend == "triton":
     from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
     return pltriton.CompilerParams(num_warps=4, num_stages=1)
-  if platform == "tpu":
+  if backend == "mosaic_gpu":
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+    return plgpu.CompilerParams(max_concurrent_steps=2)
+  if backend == "tpu":
     from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
     return pltpu.CompilerParams(dimension_semantics=("parallel",))
   return None
 
 
-def _columns(codec, block_len: int) -> int:
-  """Padded columns of one block as a kernel sees it: 2 halves of W, or W."""
-  return 2 * _pow2(block_len // 2) if codec.packed else _pow2(block_len)
+def _columns(codec, block_len: int, min_width: int = 1) -> int:
+  """Padded columns of one block as a kernel sees it: 2 halves of W, or W (at least
+  ``min_width``)."""
+  if codec.packed:
+    return 2 * max(_pow2(block_len // 2), min_width)
+  return max(_pow2(block_len), min_width)
 
 
 def compiled_supported(codec, block_len: int | None = None) -> bool:
@@ -109,7 +185,17 @@ def on_every_axis(fn: Callable) -> Callable:
   return wrapped
 
 
-def _rowwise_call(kernel, inputs, out_columns_dtypes, platform: str, rows_per_step: int | None,
+def _out_shapes(inputs, rows: int, out_columns_dtypes):
+  """The outputs' ``[rows, columns]`` shapes. Inside shard_map (check_vma) outputs must say over
+  which mesh axes they vary: as the most varying input does."""
+  manual_axis_types = [getattr(jax.typeof(a), "manual_axis_type", None) for a in inputs]
+  manual_axis_type = max(manual_axis_types,
+                         key=lambda mat: -1 if mat is None else len(mat.varying))
+  return tuple(jax.ShapeDtypeStruct((rows, columns), dtype, manual_axis_type=manual_axis_type)
+               for columns, dtype in out_columns_dtypes)
+
+
+def _rowwise_call(kernel, inputs, out_columns_dtypes, backend: str, rows_per_step: int | None,
                   row_values: int):
   """``kernel`` over tiles of rows of 2-D arrays with power-of-2 columns; outputs ``[rows, cols]``.
 
@@ -117,31 +203,24 @@ def _rowwise_call(kernel, inputs, out_columns_dtypes, platform: str, rows_per_st
   """
   num_rows = inputs[0].shape[0]
   if rows_per_step is None:
-    rows_per_step = max(1, TILE_VALUES[platform] // row_values)
-  rows_per_step = max(_pow2(rows_per_step), _MIN_ROWS[platform])
-  rows_per_step = min(rows_per_step, max(_pow2(num_rows), _MIN_ROWS[platform]))
+    rows_per_step = max(1, TILE_VALUES[backend] // row_values)
+  rows_per_step = max(_pow2(rows_per_step), _MIN_ROWS[backend])
+  rows_per_step = min(rows_per_step, max(_pow2(num_rows), _MIN_ROWS[backend]))
   num_steps = -(-num_rows // rows_per_step)
   padded_rows = num_steps * rows_per_step
   inputs = [jnp.pad(a, ((0, padded_rows - num_rows), (0, 0))) for a in inputs]
-  # Inside shard_map (check_vma) outputs must say over which mesh axes they
-  # vary: as the most varying input does.
-  manual_axis_types = [getattr(jax.typeof(a), "manual_axis_type", None) for a in inputs]
-  manual_axis_type = max(manual_axis_types,
-                         key=lambda mat: -1 if mat is None else len(mat.varying))
 
   def tile(columns):
     return pl.BlockSpec((rows_per_step, columns), lambda step: (step, 0))
 
   outputs = pl.pallas_call(
       kernel,
-      out_shape=tuple(jax.ShapeDtypeStruct((padded_rows, columns), dtype,
-                                           manual_axis_type=manual_axis_type)
-                      for columns, dtype in out_columns_dtypes),
+      out_shape=_out_shapes(inputs, padded_rows, out_columns_dtypes),
       grid=(num_steps,),
       in_specs=[tile(a.shape[1]) for a in inputs],
       out_specs=tuple(tile(columns) for columns, _ in out_columns_dtypes),
-      interpret=platform == "interpret",
-      compiler_params=_compiler_params(platform),
+      interpret=backend == "interpret",
+      compiler_params=_compiler_params(backend),
   )(*inputs)
   return tuple(out[:num_rows] for out in outputs)
 
@@ -159,7 +238,7 @@ def _pad_columns(a: jax.Array, columns: int) -> jax.Array:
   return jnp.pad(a, ((0, 0), (0, columns - a.shape[1])))
 
 
-def _quantize_kernel(codec, platform, x_blocks, bits, rows_per_step):
+def _quantize_kernel(codec, backend, x_blocks, bits, rows_per_step):
   block_len = x_blocks.shape[1]
   columns = _columns(codec, block_len)
   parts = 2 if codec.packed else 1
@@ -186,12 +265,12 @@ def _quantize_kernel(codec, platform, x_blocks, bits, rows_per_step):
 
   from lowcomm_jax.codecs.base import scales_from_absmax  # pylint: disable=g-import-not-at-top
   out_specs = [(width, codec.code_dtype)] + ([(1, jnp.float32)] if codec.has_scales else [])
-  outputs = _rowwise_call(kernel, inputs, out_specs, platform, rows_per_step, columns)
+  outputs = _rowwise_call(kernel, inputs, out_specs, backend, rows_per_step, columns)
   codes = outputs[0][:, :codec.code_columns(block_len)]
   return codes, (outputs[1][:, 0] if codec.has_scales else None)
 
 
-def _dequantize_kernel(codec, platform, codes, scales, rows_per_step):
+def _dequantize_kernel(codec, backend, codes, scales, rows_per_step):
   block_len = codes.shape[1] * 2 if codec.packed else codes.shape[1]
   columns = _columns(codec, block_len)
   parts = 2 if codec.packed else 1
@@ -208,30 +287,150 @@ def _dequantize_kernel(codec, platform, codes, scales, rows_per_step):
 
   inputs = [_pad_columns(codes, width)] + ([scales[:, None]] if codec.has_scales else [])
   (out,) = _rowwise_call(kernel, inputs,
-                         [(columns, jnp.float32)], platform, rows_per_step, columns)
+                         [(columns, jnp.float32)], backend, rows_per_step, columns)
+  return _unarrange(codec, out, block_len, width)
+
+
+def _unarrange(codec, out, block_len: int, width: int):
+  """A kernel's padded ``[B, columns]`` values back to blocks ``[B, block_len]``."""
   if not codec.packed:
     return out[:, :block_len]
   half = block_len // 2
   return out if width == half else jnp.concatenate(
       [out[:, :half], out[:, width:width + half]], axis=1)
 
+def _segment(width: int) -> int:
+  """Values per segment of a Mosaic GPU row: the bulk copy engine copies boxes of at most 256
+  values a side."""
+  return min(width, 256)
 
-def _dispatch(kernel_fn, reference_fn, supported: bool, interpret: bool | None):
-  """The kernel per platform (see the module docstring); ``*args -> outputs``."""
+
+def _mosaic_gpu_call(kernel, inputs, out_columns_dtypes, interpret: bool,
+                     rows_per_step: int | None, row_values: int, segment: int):
+  """``kernel(row, *refs)`` for each row of tiles of 2-D arrays, by Pallas Mosaic GPU (or its body
+  interpreted); outputs ``[rows, cols]``.
+
+  A Mosaic GPU register array reduces along an axis only in the matrix units' layouts (64 rows
+  a warpgroup), too many rows of a block for shared memory, so the kernel walks its tile a row (a
+  block) at a time and reduces each row whole. The refs are 3-D, a row as segments of ``segment``
+  values (:func:`_part`); a block's scale travels as a row of 4 (16 bytes, the copy engine's
+  unit).
+  """
+  num_rows = inputs[0].shape[0]
+  if rows_per_step is None:
+    rows_per_step = max(1, TILE_VALUES["interpret" if interpret else "mosaic_gpu"] // row_values)
+  rows_per_step = max(min(_pow2(rows_per_step), _pow2(num_rows), 256), _MIN_ROWS["mosaic_gpu"])
+  num_steps = -(-num_rows // rows_per_step)
+  padded_rows = num_steps * rows_per_step
+  split = lambda columns: (columns // segment, segment) if columns >= segment else (1, columns)
+  inputs = [jnp.pad(a, ((0, padded_rows - num_rows), (0, 0))).reshape(
+      (padded_rows,) + split(a.shape[1])) for a in inputs]
+
+  def body(*refs):
+    jax.lax.fori_loop(0, rows_per_step, lambda row, carry: (kernel(row, *refs), carry)[1], 0)
+
+  def tile(columns):
+    return pl.BlockSpec((rows_per_step,) + split(columns), lambda step: (step, 0, 0))
+
+  outputs = pl.pallas_call(
+      body,
+      out_shape=tuple(jax.ShapeDtypeStruct((padded_rows,) + split(columns), shape.dtype,
+                                           manual_axis_type=shape.manual_axis_type)
+                      for (columns, _), shape in zip(
+                          out_columns_dtypes,
+                          _out_shapes(inputs, padded_rows, out_columns_dtypes))),
+      grid=(num_steps,),
+      in_specs=[tile(a.shape[1] * a.shape[2]) for a in inputs],
+      out_specs=tuple(tile(columns) for columns, _ in out_columns_dtypes),
+      interpret=interpret,
+      compiler_params=None if interpret else _compiler_params("mosaic_gpu"),
+  )(*inputs)
+  return tuple(out.reshape(padded_rows, -1)[:num_rows] for out in outputs)
+
+
+def _part(ref, row, start: int, width: int):
+  """Values ``start`` to ``start + width`` of a row of a 3-D Mosaic GPU ref, as segments."""
+  segment = ref.shape[-1]
+  return ref[row, pl.ds(start // segment, width // segment), :]
+
+
+def _mosaic_gpu_quantize(codec, interpret, x_blocks, bits, rows_per_step):
+  from lowcomm_jax.codecs.base import scales_from_absmax  # pylint: disable=g-import-not-at-top
+  block_len = x_blocks.shape[1]
+  columns = _columns(codec, block_len, MOSAIC_GPU_MIN_WIDTH)
+  parts = 2 if codec.packed else 1
+  width = columns // parts
+  arrange = (lambda a: _halves(a, width)) if codec.packed else (
+      lambda a: _pad_columns(a, columns))
+  inputs = [arrange(x_blocks)] + ([] if bits is None else [arrange(bits)])
+
+  def kernel(row, *refs):
+    x_ref, bits_ref = refs[0], (refs[1] if bits is not None else None)
+    codes_ref, scale_ref = refs[len(inputs):]
+    xs = [_part(x_ref, row, i * width, width) for i in range(parts)]
+    bs = [None if bits_ref is None else _part(bits_ref, row, i * width, width)
+          for i in range(parts)]
+    absmax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x)) for x in xs])
+    scale, divisor, finite = scales_from_absmax(absmax, codec.grid_max)
+    scale_ref[row, 0, 0] = scale
+    codes = [codec.encode_values(x, divisor, finite, b) for x, b in zip(xs, bs)]
+    codes_ref[row] = packing.pack_pair(*codes) if codec.packed else codes[0]
+
+  codes, scales = _mosaic_gpu_call(kernel, inputs, [(width, codec.code_dtype), (4, jnp.float32)],
+                                   interpret, rows_per_step, columns, _segment(width))
+  return codes[:, :codec.code_columns(block_len)], scales[:, 0]
+
+
+def _mosaic_gpu_dequantize(codec, interpret, codes, scales, rows_per_step):
+  block_len = codes.shape[1] * 2 if codec.packed else codes.shape[1]
+  columns = _columns(codec, block_len, MOSAIC_GPU_MIN_WIDTH)
+  parts = 2 if codec.packed else 1
+  width = columns // parts
+
+  def kernel(row, codes_ref, scale_ref, out_ref):
+    scale = scale_ref[row, 0, 0]
+    row_codes = codes_ref[row]
+    values = packing.unpack_pair(row_codes) if codec.packed else (row_codes,)
+    for i, part in enumerate(values):
+      segment = out_ref.shape[-1]
+      out_ref[row, pl.ds(i * width // segment, width // segment), :] = codec.decode_values(
+          part, scale)
+
+  inputs = [_pad_columns(codes, width), jnp.broadcast_to(scales[:, None], (scales.shape[0], 4))]
+  (out,) = _mosaic_gpu_call(kernel, inputs, [(columns, jnp.float32)], interpret, rows_per_step,
+                            columns, _segment(width))
+  return _unarrange(codec, out, block_len, width)
+
+
+def _kernel(triton_tpu_fn, mosaic_gpu_fn, backend: str, interpret: bool):
+  """``*args -> outputs`` of one backend's kernel (``triton``, ``mosaic_gpu``, ``tpu``), compiled
+  or, with ``interpret``, interpreted."""
+  if backend == "mosaic_gpu":
+    return functools.partial(mosaic_gpu_fn, interpret)
+  return functools.partial(triton_tpu_fn, "interpret" if interpret else backend)
+
+
+def _dispatch(kernel_of, reference_fn, supported: bool, interpret: bool | None, gpu: str | None):
+  """The kernel per platform (see the module docstring); ``*args -> outputs``.
+
+  ``kernel_of(backend, interpret)``: a backend's kernel; ``gpu``: the GPU backend (default:
+  :func:`gpu_kernel`)."""
+  gpu = gpu_kernel() if gpu is None else gpu
+  # Interpret mode runs the Mosaic GPU body for the codecs it takes, else the Triton and TPU one.
+  interpreted = kernel_of(gpu if supported and gpu == "mosaic_gpu" else "triton", True)
   if interpret:
-    return lambda *args: kernel_fn("interpret", *args)
-  elsewhere = reference_fn if interpret is False else (
-      lambda *args: kernel_fn("interpret", *args))
+    return interpreted
+  elsewhere = reference_fn if interpret is False else interpreted
   if not supported:
     return elsewhere
-  compiled = {platform: on_every_axis(lambda *args, platform=platform: kernel_fn(platform, *args))
-              for platform in COMPILED_PLATFORMS}
+  compiled = {"tpu": on_every_axis(kernel_of("tpu", False)),
+              "cuda": reference_fn if gpu == "reference" else on_every_axis(kernel_of(gpu, False))}
   return lambda *args: jax.lax.platform_dependent(*args, default=elsewhere, **compiled)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "interpret", "rows_per_step"))
+@functools.partial(jax.jit, static_argnames=("codec", "interpret", "rows_per_step", "gpu"))
 def quantize(x_blocks: jax.Array, bits: jax.Array | None, *, codec, interpret: bool | None,
-             rows_per_step: int | None = None):
+             rows_per_step: int | None = None, gpu: str | None = None):
   """Pallas quantize: fp32 ``[B, L]`` (+ uint32 bits) to ``(codes [B, C], scales [B] or None)``.
 
   Jitted (traced once per shape and codec: a model's many same-shaped leaves share the trace).
@@ -240,23 +439,31 @@ def quantize(x_blocks: jax.Array, bits: jax.Array | None, *, codec, interpret: b
     x_blocks: fp32 ``[B, L]``.
     bits: uint32 ``[B, L]`` for stochastic rounding, else None.
     codec: the codec.
-    interpret: True: interpret mode; None / False: compiled on cuda and tpu, interpret mode /
-      the jnp reference elsewhere.
-    rows_per_step: blocks per grid step (rounded up to a power of 2); default per platform.
+    interpret: True: interpret mode (of the ``gpu`` kernel's body); None / False: compiled on
+      cuda and tpu, interpret mode / the jnp reference elsewhere.
+    rows_per_step: blocks per grid step (rounded up to a power of 2); default per backend.
+    gpu: the kernel on cuda, one of :data:`GPU_KERNELS` or ``reference``; default
+      :func:`gpu_kernel`.
   """
-  kernel = lambda platform, x, b: _quantize_kernel(codec, platform, x, b, rows_per_step)
+  kernel_of = lambda backend, interpret: _kernel(
+      lambda b, x, bits: _quantize_kernel(codec, b, x, bits, rows_per_step),
+      lambda i, x, bits: _mosaic_gpu_quantize(codec, i, x, bits, rows_per_step),
+      backend, interpret)
   reference = lambda x, b: codec.quantize_reference(x, b)
   supported = compiled_supported(codec, x_blocks.shape[1])
-  return _dispatch(kernel, reference, supported, interpret)(x_blocks, bits)
+  return _dispatch(kernel_of, reference, supported, interpret, gpu)(x_blocks, bits)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "interpret", "rows_per_step"))
+@functools.partial(jax.jit, static_argnames=("codec", "interpret", "rows_per_step", "gpu"))
 def dequantize(codes: jax.Array, scales: jax.Array | None, *, codec, interpret: bool | None,
-               rows_per_step: int | None = None) -> jax.Array:
+               rows_per_step: int | None = None, gpu: str | None = None) -> jax.Array:
   """Pallas dequantize: codes ``[B, C]`` and scales ``[B]`` (or None) to fp32 ``[B, L]`` (see
   :func:`quantize`)."""
-  kernel = lambda platform, c, s: _dequantize_kernel(codec, platform, c, s, rows_per_step)
+  kernel_of = lambda backend, interpret: _kernel(
+      lambda b, c, s: _dequantize_kernel(codec, b, c, s, rows_per_step),
+      lambda i, c, s: _mosaic_gpu_dequantize(codec, i, c, s, rows_per_step),
+      backend, interpret)
   reference = lambda c, s: codec.dequantize_reference(c, s)
   block_len = codes.shape[1] * 2 if codec.packed else codes.shape[1]
   supported = compiled_supported(codec, block_len)
-  return _dispatch(kernel, reference, supported, interpret)(codes, scales)
+  return _dispatch(kernel_of, reference, supported, interpret, gpu)(codes, scales)
