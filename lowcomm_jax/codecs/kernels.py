@@ -59,6 +59,9 @@ MAX_COMPILED_COLUMNS = 1 << 13
 # A Mosaic GPU kernel's rows (a block, or half of one) are at least one value per thread of its
 # warpgroup.
 MOSAIC_GPU_MIN_WIDTH = 128
+# Thread blocks of a Mosaic GPU kernel (each pipelines its share of the tiles): a few per
+# multiprocessor of the largest GPUs.
+MOSAIC_GPU_CTAS = 512
 # The first JAX whose Mosaic GPU lowers for Ampere (before it, Hopper and newer only).
 _MOSAIC_GPU_AMPERE_JAX = (0, 11)
 
@@ -129,7 +132,8 @@ def _compiler_params(backend: str):
     return pltriton.CompilerParams(num_warps=4, num_stages=1)
   if backend == "mosaic_gpu":
     from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-    return plgpu.CompilerParams(max_concurrent_steps=2)
+    # Lane semantics (a thread's values, as Triton's), the default until JAX 0.12.
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
   if backend == "tpu":
     from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
     return pltpu.CompilerParams(dimension_semantics=("parallel",))
@@ -314,37 +318,54 @@ def _mosaic_gpu_call(kernel, inputs, out_columns_dtypes, interpret: bool,
   a warpgroup), too many rows of a block for shared memory, so the kernel walks its tile a row (a
   block) at a time and reduces each row whole. The refs are 3-D, a row as segments of ``segment``
   values (:func:`_part`); a block's scale travels as a row of 4 (16 bytes, the copy engine's
-  unit).
+  unit). Compiled, at most :data:`MOSAIC_GPU_CTAS` thread blocks each pipeline their share of the
+  tiles (``plgpu.kernel`` and ``plgpu.emit_pipeline``: what every supported JAX offers; the
+  grid-over-``pallas_call`` form left Mosaic GPU in JAX 0.12), the next tile's copy in flight
+  while one is computed.
   """
   num_rows = inputs[0].shape[0]
   if rows_per_step is None:
     rows_per_step = max(1, TILE_VALUES["interpret" if interpret else "mosaic_gpu"] // row_values)
   rows_per_step = max(min(_pow2(rows_per_step), _pow2(num_rows), 256), _MIN_ROWS["mosaic_gpu"])
   num_steps = -(-num_rows // rows_per_step)
-  padded_rows = num_steps * rows_per_step
+  ctas = 1 if interpret else min(num_steps, MOSAIC_GPU_CTAS)
+  steps_per_cta = -(-num_steps // ctas)
+  padded_rows = ctas * steps_per_cta * rows_per_step
   split = lambda columns: (columns // segment, segment) if columns >= segment else (1, columns)
   inputs = [jnp.pad(a, ((0, padded_rows - num_rows), (0, 0))).reshape(
       (padded_rows,) + split(a.shape[1])) for a in inputs]
+  out_shapes = tuple(jax.ShapeDtypeStruct((padded_rows,) + split(columns), shape.dtype,
+                                          manual_axis_type=shape.manual_axis_type)
+                     for (columns, _), shape in zip(
+                         out_columns_dtypes, _out_shapes(inputs, padded_rows, out_columns_dtypes)))
 
-  def body(*refs):
+  def rows(*refs):
     jax.lax.fori_loop(0, rows_per_step, lambda row, carry: (kernel(row, *refs), carry)[1], 0)
 
-  def tile(columns):
-    return pl.BlockSpec((rows_per_step,) + split(columns), lambda step: (step, 0, 0))
+  if interpret:
+    def tile(columns):
+      return pl.BlockSpec((rows_per_step,) + split(columns), lambda step: (step, 0, 0))
+    outputs = pl.pallas_call(
+        rows, out_shape=out_shapes, grid=(num_steps,),
+        in_specs=[tile(a.shape[1] * a.shape[2]) for a in inputs],
+        out_specs=tuple(tile(columns) for columns, _ in out_columns_dtypes), interpret=True,
+    )(*inputs)
+  else:
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
 
-  outputs = pl.pallas_call(
-      body,
-      out_shape=tuple(jax.ShapeDtypeStruct((padded_rows,) + split(columns), shape.dtype,
-                                           manual_axis_type=shape.manual_axis_type)
-                      for (columns, _), shape in zip(
-                          out_columns_dtypes,
-                          _out_shapes(inputs, padded_rows, out_columns_dtypes))),
-      grid=(num_steps,),
-      in_specs=[tile(a.shape[1] * a.shape[2]) for a in inputs],
-      out_specs=tuple(tile(columns) for columns, _ in out_columns_dtypes),
-      interpret=interpret,
-      compiler_params=None if interpret else _compiler_params("mosaic_gpu"),
-  )(*inputs)
+    def tile(columns):
+      return pl.BlockSpec((rows_per_step,) + split(columns),
+                          lambda step: (step * ctas + jax.lax.axis_index("cta"), 0, 0))
+
+    def body(*refs):
+      plgpu.emit_pipeline(
+          lambda _, *tile_refs: rows(*tile_refs), grid=(steps_per_cta,),
+          in_specs=[tile(a.shape[1] * a.shape[2]) for a in inputs],
+          out_specs=[tile(columns) for columns, _ in out_columns_dtypes],
+          max_concurrent_steps=2)(*refs)
+
+    outputs = plgpu.kernel(body, out_type=out_shapes, grid=(ctas,), grid_names=("cta",),
+                           compiler_params=_compiler_params("mosaic_gpu"))(*inputs)
   return tuple(out.reshape(padded_rows, -1)[:num_rows] for out in outputs)
 
 
