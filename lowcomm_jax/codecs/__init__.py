@@ -19,6 +19,7 @@ from lowcomm_jax.codecs.base import (
     KERNEL_MODES,
     all_finite,
     check_finite,
+    kernel_choice,
     kernel_options,
 )
 from lowcomm_jax.codecs.error_feedback import (

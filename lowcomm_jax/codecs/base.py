@@ -52,12 +52,15 @@ __all__ = [
     "flat_from_blocks",
     "uniform_from_bits",
     "KERNEL_MODES",
+    "kernel_choice",
     "kernel_options",
 ]
 
 ROUNDING_MODES = ("nearest", "stochastic")
 # Which implementation encodes and decodes on the wire path (config key diloco.codec_kernels).
-KERNEL_MODES = ("auto", "pallas", "reference")
+KERNEL_MODES = ("auto", "pallas", "pallas_mosaic_gpu", "pallas_triton", "reference")
+# The GPU kernel a forced mode names.
+_FORCED_GPU = {"pallas_mosaic_gpu": "mosaic_gpu", "pallas_triton": "triton"}
 
 
 @jax.tree_util.register_dataclass
@@ -85,40 +88,80 @@ class EncodedTensor:
                for leaf in jax.tree.leaves(self))
 
 
+def _platform_of(platform: str | None) -> str:
+  """``cuda``, ``tpu``, ``cpu``, … of a platform name, ``jax.default_backend()`` by default (which
+  names NVIDIA GPUs ``gpu``)."""
+  platform = jax.default_backend() if platform is None else platform
+  if platform == "gpu":
+    version = getattr(jax.devices()[0].client, "platform_version", "") or ""
+    return "rocm" if "rocm" in version.lower() else "cuda"
+  return platform
+
+
 def kernel_options(mode: str, codec: "Codec | None" = None,
-                   platform: str | None = None) -> dict[str, Any]:
+                   platform: str | None = None, device=None) -> dict[str, Any]:
   """The ``encode_blocks``/``decode_blocks`` options of a kernel mode.
 
-  ``reference``: the jnp reference. ``pallas``: the Pallas kernels, compiled on GPU (Triton) and
-  TPU (Mosaic), interpreted on CPU (slow: for tests; bit-identical to the reference). ``auto``:
-  the compiled kernels where the program is lowered for GPU or TPU, the reference elsewhere (and
-  for codecs or blocks without a compiled kernel: ``kernels.compiled_supported``).
+  ``reference``: the jnp reference. ``pallas``: the Pallas kernels, compiled on GPU (the kernel
+  :func:`lowcomm_jax.codecs.kernels.gpu_kernel` picks for the installed JAX and the GPU: Mosaic GPU,
+  else Triton) and TPU (Mosaic), interpreted on CPU (slow: for tests; bit-identical to the
+  reference). ``pallas_mosaic_gpu`` / ``pallas_triton``: ``pallas`` with that GPU kernel (on CPU,
+  its body interpreted). ``auto``: the compiled kernels where the program is lowered for GPU or
+  TPU, the reference elsewhere (and for codecs or blocks without a compiled kernel:
+  ``kernels.compiled_supported``).
 
   Args:
     mode: one of :data:`KERNEL_MODES`.
-    codec: when given, ``pallas`` is checked against it on ``platform``.
+    codec: when given, a ``pallas*`` mode is checked against it on ``platform``.
     platform: where the program runs (default: ``jax.default_backend()``).
+    device: the GPU it runs on (default: this host's first GPU, on a GPU host).
 
   Raises:
-    ValueError: naming ``diloco.codec_kernels`` and the allowed values, or ``pallas`` where it
-      cannot compile.
+    ValueError: naming ``diloco.codec_kernels`` and the allowed values, or a ``pallas*`` mode
+      where it cannot compile.
   """
   if mode not in KERNEL_MODES:
     raise ValueError(f"diloco.codec_kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
-  platform = jax.default_backend() if platform is None else platform
-  if mode == "pallas" and platform != "cpu":
-    if platform not in kernels.COMPILED_PLATFORMS:
+  platform = _platform_of(platform)
+  gpu = _FORCED_GPU.get(mode)
+  if mode.startswith("pallas") and platform != "cpu":
+    if platform not in kernels.COMPILED_PLATFORMS or (gpu and platform != "cuda"):
+      where = "cuda" if gpu else ", ".join(kernels.COMPILED_PLATFORMS)
       raise ValueError(
-          f"diloco.codec_kernels=pallas has no compiled kernel on {platform} (only on "
-          f"{', '.join(kernels.COMPILED_PLATFORMS)}); use diloco.codec_kernels=auto or reference")
+          f"diloco.codec_kernels={mode} has no compiled kernel on {platform} (only on {where}); "
+          f"use diloco.codec_kernels=auto or reference")
+    if platform == "cuda":
+      refusal = kernels.gpu_kernel_refusal(gpu, device)
+      if refusal:
+        raise ValueError(f"diloco.codec_kernels={mode}: {refusal}; use diloco.codec_kernels=auto "
+                         f"or reference")
     if codec is not None and not kernels.compiled_supported(codec):
       raise ValueError(
-          f"diloco.codec_kernels=pallas: codec {codec.name!r} with block size {codec.block_size} "
+          f"diloco.codec_kernels={mode}: codec {codec.name!r} with block size {codec.block_size} "
           f"has no compiled kernel (scaled codecs with blocks of at most "
           f"{kernels.MAX_COMPILED_COLUMNS} values do); use diloco.codec_kernels=auto or reference")
   if mode == "reference":
     return dict(use_pallas=False, interpret=None)
-  return dict(use_pallas=True, interpret=None if mode == "pallas" else False)
+  return dict(use_pallas=True, interpret=False if mode == "auto" else None, gpu=gpu)
+
+
+def kernel_choice(mode: str, codec: "Codec | None", platform: str | None = None,
+                  device=None) -> str:
+  """What encodes and decodes on the wire under ``mode`` (checked as :func:`kernel_options`):
+  ``pallas_mosaic_gpu``, ``pallas_triton``, ``pallas_tpu``, ``pallas_interpret_mosaic_gpu`` or
+  ``pallas_interpret_triton`` (interpret mode of that body, on CPU), or ``reference``."""
+  options = kernel_options(mode, codec, platform, device)
+  platform = _platform_of(platform)
+  if not options["use_pallas"] or codec is None or not kernels.compiled_supported(codec):
+    return "reference"
+  gpu = options["gpu"] or kernels.gpu_kernel(device)
+  if platform == "tpu":
+    return "pallas_tpu"
+  if platform == "cuda":
+    return "reference" if gpu == "reference" else f"pallas_{gpu}"
+  if options["interpret"] is False:  # auto, where no compiled kernel exists
+    return "reference"
+  return f"pallas_interpret_{'triton' if gpu == 'reference' else gpu}"
 
 
 def uniform_from_bits(bits: jax.Array) -> jax.Array:

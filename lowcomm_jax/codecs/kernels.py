@@ -38,8 +38,8 @@ from jax.sharding import PartitionSpec as P
 from lowcomm_jax.codecs import packing
 
 __all__ = ["COMPILED_PLATFORMS", "GPU_KERNELS", "MAX_COMPILED_COLUMNS", "TILE_VALUES",
-           "compiled_supported", "gpu_kernel", "gpu_kernel_available", "quantize", "dequantize",
-           "on_every_axis"]
+           "compiled_supported", "gpu_kernel", "gpu_kernel_available", "gpu_kernel_refusal",
+           "quantize", "dequantize", "on_every_axis"]
 
 # The platforms with a compiled kernel, each proven to lower by tests/test_lowering.py.
 COMPILED_PLATFORMS = ("cuda", "tpu")
@@ -111,18 +111,35 @@ def _current_gpu():
     return None
 
 
+def gpu_kernel_refusal(kernel: str | None, device=None) -> str | None:
+  """Why the GPU kernel ``kernel`` (one of :data:`GPU_KERNELS`; ``None``: the one
+  :func:`gpu_kernel` picks) cannot compile with the installed JAX on ``device`` (default: the GPU
+  the program is traced for), or ``None`` where it can."""
+  version = jax.__version__
+  if kernel is None:
+    return None if gpu_kernel(device) != "reference" else (
+        f"jax {version} has no Pallas GPU backend that compiles the codec kernels for this GPU")
+  if not gpu_kernel_available(kernel):
+    return f"jax {version} has no jax.experimental.pallas.{kernel}"
+  if kernel == "mosaic_gpu":
+    device = _current_gpu() if device is None else device
+    capability = _compute_capability(device) if device is not None else None
+    major = 8 if _jax_version() >= _MOSAIC_GPU_AMPERE_JAX else 9
+    if capability is not None and capability[0] < major:
+      kind = getattr(device, "device_kind", "this GPU")
+      return (f"Pallas Mosaic GPU in jax {version} compiles for compute capability {major}.0 "
+              f"and newer; {kind} has {capability[0]}.{capability[1]}")
+  return None
+
+
 def gpu_kernel(device=None) -> str:
   """The compiled GPU kernel for the installed JAX on ``device`` (default: the GPU the program is
   traced for; an unknown GPU counts as a current one): ``mosaic_gpu`` where JAX's Mosaic GPU takes
   the codecs (Hopper and newer; Ampere too from JAX 0.11), else ``triton`` where JAX still has it,
   else ``reference`` (the jnp reference)."""
-  device = _current_gpu() if device is None else device
-  capability = _compute_capability(device) if device is not None else None
-  mosaic_major = 8 if _jax_version() >= _MOSAIC_GPU_AMPERE_JAX else 9
-  if gpu_kernel_available("mosaic_gpu") and (capability is None or capability[0] >= mosaic_major):
-    return "mosaic_gpu"
-  if gpu_kernel_available("triton"):
-    return "triton"
+  for kernel in GPU_KERNELS:
+    if gpu_kernel_refusal(kernel, device) is None:
+      return kernel
   return "reference"
 
 

@@ -21,10 +21,12 @@ def fake_devices_hint(requested: dict, devices=None) -> str:
           f"{FAKE_DEVICES_FLAG}={needed} in the environment")
 
 
-def startup_line(config, model_cfg, num_params: int, mesh, workdir) -> str:
+def startup_line(config, model_cfg, num_params: int, mesh, workdir,
+                 codec_kernel: str | None = None) -> str:
   """"model tiny (2 layers, d_model 32, 101,376 parameters) | mesh replica=1 data=8 … on 8 cpu
   devices | 1,024 tokens per step (1 replica × 16 sequences × 64 tokens) | algorithm dp, gradients
-  replicas | workdir /abs/run"."""
+  replicas | workdir /abs/run"; with ``codec_kernel`` (what encodes the outer gradients,
+  ``codecs.kernel_choice``) the algorithm's part ends ", codec e3m0 by pallas_mosaic_gpu"."""
   c = config
   platforms = ",".join(sorted({d.platform for d in mesh.devices.flat}))
   axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
@@ -33,11 +35,12 @@ def startup_line(config, model_cfg, num_params: int, mesh, workdir) -> str:
   per_step = f"{replicas} × {c.data.batch_size} sequences × {c.data.seq_len} tokens"
   if c.optimizer.accumulation_steps > 1:
     per_step += f", in {c.optimizer.accumulation_steps} micro-batches"
+  codec = f", codec {c.diloco.codec} by {codec_kernel}" if codec_kernel else ""
   return (f"model {c.model.size} ({model_cfg.num_layers} layers, d_model {model_cfg.d_model}, "
           f"{num_params:,} parameters) | mesh {axes} on {mesh.devices.size} {platforms} "
           f"device{'s' if mesh.devices.size > 1 else ''} | "
           f"{tokens:,} tokens per step ({per_step}) | algorithm {c.algorithm}, gradients "
-          f"{c.gradients} | workdir {workdir.absolute()}")
+          f"{c.gradients}{codec} | workdir {workdir.absolute()}")
 
 
 def startup_warnings(config, mesh, param_specs) -> list[str]:

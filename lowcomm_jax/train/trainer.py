@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lowcomm_jax import comm
+from lowcomm_jax import codecs, comm
 from lowcomm_jax import config as config_lib
 from lowcomm_jax import distributed
 from lowcomm_jax import mesh as mesh_lib
@@ -112,8 +112,21 @@ class Trainer:
   def startup_report(self) -> list[str]:
     """The start-up line (model, parameters, mesh and devices, tokens per step, algorithm,
     workdir) and the warnings about the layout, as the run prints them."""
-    return ([startup.startup_line(self.config, self.model_cfg, self.num_params, self.mesh, self.workdir)]
+    return ([startup.startup_line(self.config, self.model_cfg, self.num_params, self.mesh,
+                                  self.workdir, self.codec_kernel)]
             + startup.startup_warnings(self.config, self.mesh, self.param_specs))
+
+  @property
+  def codec_kernel(self) -> str | None:
+    """What encodes and decodes the outer gradients on the wire on this run's devices
+    (`codecs.kernel_choice`: `pallas_mosaic_gpu`, `pallas_triton`, `pallas_tpu`,
+    `pallas_interpret_*`, `reference`); None where no codec encodes them."""
+    tx = getattr(self.algorithm, "tx", None)
+    if getattr(tx, "codec", None) is None or not hasattr(tx, "codec_kernels"):
+      return None
+    device = self.mesh.devices.flat[0]
+    return codecs.kernel_choice(tx.codec_kernels, tx.codec, device.platform,
+                                device if device.platform == "gpu" else None)
 
   def _check_workdir(self) -> None:
     self.run_state = workdir_lib.check_workdir(
@@ -514,6 +527,7 @@ class Trainer:
         "wall_time_s": wall,
         "tokens_per_s": tokens_per_s,
         "mesh": dict(self.mesh.shape),
+        "codec_kernel": self.codec_kernel,
         "workdir": str(self.workdir.absolute()),
         **final,
     }
