@@ -9,17 +9,20 @@ and two algorithms: `dp` (plain optax AdamW) and `streaming_diloco_e3m0` (Stream
 worker per host, P = 3 strided fragments plus the non-block one, H = 100, τ = 1, α = 0.5, outer
 gradients sent as e3m0; a model whose layers 3 does not divide gets P = 2 or 1, H = 25 (P + 1)). Every run is bfloat16, `--seq_len` tokens per sequence (2048), on a mesh
 of every local device (`data` axis), with the largest per-device batch that fits: doubling from 1
-until XLA reports the device out of memory (at compile time or at the first step). The timed steps
+until XLA reports the device out of memory (at compile time or at the first step), or, for a preset
+`--batches` names, halving from that batch until it fits. The timed steps
 are non-sync steps (a Streaming DiLoCo sync step also encodes and sends a fragment), `--steps` of
 them after `--warmup`, in alternating rounds with the dp setup of the same preset; a row holds the
 median tokens/s, the Trainer's MFU (train/mfu.py: the chip's bf16 datasheet peak by device kind)
 and, for Streaming DiLoCo, its step time over dp's.
 
-Kernel rows, for each 4-bit and 8-bit codec: the compiled Pallas encode and decode (each its own
-program, so the codes are really written and read) of 2^`--log2_values` float32 values;
-`gb_per_s` counts the float32 bytes a round trip reads and writes (8 per value, as a copy does) over
-encode + decode time, and `fraction_of_copy` divides it by a measured float32 copy of the same array.
-A codec whose kernel fails to compile gets a row with its error instead of figures.
+Kernel rows, for each 4-bit and 8-bit codec and each GPU kernel of `--gpu_kernels` (on GPU; the
+default is the one `codecs.kernels.gpu_kernel` picks): the compiled Pallas encode and decode (each
+its own program, so the codes are really written and read) of 2^`--log2_values` float32 values,
+each timed over `--calls` calls in a row; `gb_per_s` counts the float32 bytes a round trip reads
+and writes (8 per value, as a copy does) over encode + decode time, and `fraction_of_copy` divides
+it by a measured float32 copy of the same array. A codec whose kernel fails to compile gets a row
+with its error instead of figures. `--parts` runs the training or the kernel rows alone.
 
 On CPU only `--smoke` runs (and writes to a temporary file unless `--out` says otherwise): CPU
 figures are no accelerator results.
@@ -58,6 +61,12 @@ _ATTENTION = flags.DEFINE_string("attention", None, "model.attention (default: t
 _REMAT = flags.DEFINE_string("remat", None, "model.remat (default: the config's).")
 _LOG2_VALUES = flags.DEFINE_integer("log2_values", 28, "log2 of the float32 values the codecs code.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Interleaved timings per kernel program.")
+_CALLS = flags.DEFINE_integer("calls", 10, "Calls in a row per kernel timing.")
+_BATCHES = flags.DEFINE_list("batches", [], "model=batch: the per-device batch to try first for a "
+                             "preset (halved until it fits) instead of doubling from 1.")
+_GPU_KERNELS = flags.DEFINE_list("gpu_kernels", None, "GPU kernels of the kernel rows (mosaic_gpu, "
+                                 "triton; default: the one codecs.kernels.gpu_kernel picks).")
+_PARTS = flags.DEFINE_list("parts", ["training", "kernels"], "Which rows: training, kernels.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny sizes on any backend, to check the script runs.")
 _OUT = flags.DEFINE_string("out", None, f"Where to write the results (default {RESULTS}; with "
                            "--smoke a temporary file).")
@@ -128,7 +137,20 @@ class Setup:
 
 
 def largest_fitting(model: str, algorithm: str, root: pathlib.Path) -> Setup:
-  """The setup of the largest per-device batch (1, 2, 4, ...) that compiles and runs."""
+  """The setup of the largest per-device batch (1, 2, 4, ...) that compiles and runs, or the first
+  of the `--batches` guess, its half, ... that does."""
+  guesses = dict(item.split("=") for item in _BATCHES.value)
+  if model in guesses:
+    batch = int(guesses[model])
+    while batch >= 1:
+      try:
+        return Setup(run_config(model, algorithm, batch, _SEQ_LEN.value),
+                     root / f"{model}_{algorithm}_{batch}")
+      except Exception as error:  # pylint: disable=broad-except
+        if not out_of_memory(error):
+          raise
+      batch //= 2
+    raise SystemExit(f"{model} {algorithm}: a batch of 1 per device does not fit")
   best = None
   batch = 1
   while batch <= _MAX_BATCH.value:
@@ -168,7 +190,8 @@ def training_rows(root: pathlib.Path) -> list[dict]:
                  batch_per_device=c.data.batch_size // len(devices), seq_len=c.data.seq_len,
                  dtype=c.model.dtype, attention=c.model.attention,
                  remat=c.model.get("remat", "none"), layer_loop=c.model.layer_loop,
-                 device_kind=devices[0].device_kind, devices=len(devices))
+                 codec_kernel=trainer.codec_kernel, device_kind=devices[0].device_kind,
+                 devices=len(devices))
       rows.append(row)
       print(f"{model:<10} {algorithm:<22} batch {row['batch_per_device']:>4}/device  "
             f"{row['tokens_per_s']:>12.0f} tokens/s  MFU {row['mfu']:.3f}  "
@@ -177,54 +200,68 @@ def training_rows(root: pathlib.Path) -> list[dict]:
   return rows
 
 
-def _median_seconds(fn, x, repeats: int) -> list[float]:
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(x))
-    times.append(time.perf_counter() - start)
-  return times
+def _seconds(fn, x, calls: int) -> float:
+  """Seconds per call of `calls` calls in a row (dispatch overlapping the device's work)."""
+  jax.block_until_ready(x)
+  start = time.perf_counter()
+  for _ in range(calls):
+    out = fn(x)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / calls
+
+
+def _first_line(error: Exception) -> str:
+  text = str(error).strip()
+  return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def kernel_rows() -> list[dict]:
   n = 1 << _LOG2_VALUES.value
   x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-  copy = jax.jit(jnp.copy)
+  copy = jax.jit(lambda a: a + 0)  # reads and writes every value once, as a copy
   programs = {"copy": (copy, x)}
   errors = {}
-  for name in KERNEL_CODECS:
+  on_gpu = jax.devices()[0].platform == "gpu"
+  gpus = (_GPU_KERNELS.value or [codecs.kernels.gpu_kernel()]) if on_gpu else [None]
+  cases = [(name, gpu) for gpu in gpus for name in KERNEL_CODECS]
+  for name, gpu in cases:
     codec = codecs.get_codec(name)
     try:
-      encode = jax.jit(functools.partial(codec.encode, use_pallas=True))
+      options = dict(use_pallas=True, gpu=gpu)
+      encode = jax.jit(functools.partial(codec.encode, **options))
       encoded = jax.block_until_ready(encode(x))
-      decode = jax.jit(functools.partial(codec.decode, use_pallas=True))
+      decode = jax.jit(functools.partial(codec.decode, **options))
       jax.block_until_ready(decode(encoded))
     except Exception as error:  # pylint: disable=broad-except
-      errors[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+      errors[name, gpu] = _first_line(error)
       continue
-    programs[name + "/encode"], programs[name + "/decode"] = (encode, x), (decode, encoded)
+    programs[name, gpu, "encode"], programs[name, gpu, "decode"] = (encode, x), (decode, encoded)
   jax.block_until_ready(copy(x))
   times = {key: [] for key in programs}
   for _ in range(_REPEATS.value):  # interleaved, so a slow moment hits every program alike
     for key, (fn, arg) in programs.items():
-      times[key] += _median_seconds(fn, arg, 1)
+      times[key].append(_seconds(fn, arg, _CALLS.value))
   median = {key: statistics.median(ts) for key, ts in times.items()}
   copy_gb_per_s = 8 * n / median["copy"] / 1e9
-  rows = [dict(codec="copy", gb_per_s=copy_gb_per_s, fraction_of_copy=1.0, seconds=median["copy"])]
   device_kind = jax.devices()[0].device_kind
-  for name in KERNEL_CODECS:
-    if name in errors:
-      rows.append(dict(codec=name, error=errors[name], device_kind=device_kind))
+  rows = [dict(codec="copy", gb_per_s=copy_gb_per_s, fraction_of_copy=1.0, seconds=median["copy"],
+               device_kind=device_kind)]
+  for name, gpu in cases:
+    kernel = codecs.kernel_choice("pallas", codecs.get_codec(name),
+                                  "cuda" if on_gpu else jax.devices()[0].platform) if gpu is None \
+        else f"pallas_{gpu}"
+    if (name, gpu) in errors:
+      rows.append(dict(codec=name, kernel=kernel, error=errors[name, gpu], device_kind=device_kind))
       continue
-    seconds = median[name + "/encode"] + median[name + "/decode"]
+    seconds = median[name, gpu, "encode"] + median[name, gpu, "decode"]
     gb_per_s = 8 * n / seconds / 1e9
-    rows.append(dict(codec=name, gb_per_s=gb_per_s, fraction_of_copy=gb_per_s / copy_gb_per_s,
-                     encode_s=median[name + "/encode"], decode_s=median[name + "/decode"],
-                     device_kind=device_kind))
+    rows.append(dict(codec=name, kernel=kernel, gb_per_s=gb_per_s,
+                     fraction_of_copy=gb_per_s / copy_gb_per_s, encode_s=median[name, gpu, "encode"],
+                     decode_s=median[name, gpu, "decode"], device_kind=device_kind))
   for row in rows:
     figures = (f"{row['gb_per_s']:>9.1f} GB/s  {row['fraction_of_copy']:.3f} of copy"
                if "gb_per_s" in row else row["error"])
-    print(f"{row['codec']:<6} {figures}", flush=True)
+    print(f"{row['codec']:<6} {row.get('kernel', ''):<18} {figures}", flush=True)
   return rows
 
 
@@ -234,7 +271,8 @@ def main(argv):
   if _SMOKE.value:
     flags.FLAGS.models = _MODELS.value or ["tiny"]
     for name, value in (("seq_len", 64), ("steps", 2), ("rounds", 1), ("warmup", 1),
-                        ("max_batch_per_device", 2), ("log2_values", 14), ("repeats", 2)):
+                        ("max_batch_per_device", 2), ("log2_values", 14), ("repeats", 2),
+                        ("calls", 2)):
       if not flags.FLAGS[name].present:
         flags.FLAGS[name].value = value
   elif platform == "cpu":
@@ -243,13 +281,19 @@ def main(argv):
       pathlib.Path(tempfile.mkdtemp()) / "accelerator_smoke.json" if _SMOKE.value else RESULTS)
   if (_SMOKE.value or platform == "cpu") and out.resolve() == RESULTS.resolve():
     sys.exit(f"--out: {RESULTS} holds accelerator figures only, not --smoke or CPU ones")
-  with tempfile.TemporaryDirectory() as root:
-    rows = training_rows(pathlib.Path(root))
+  unknown = set(_PARTS.value) - {"training", "kernels"}
+  if unknown:
+    sys.exit(f"--parts: each of training, kernels; got {', '.join(sorted(unknown))}")
+  rows = []
+  if "training" in _PARTS.value:
+    with tempfile.TemporaryDirectory() as root:
+      rows = training_rows(pathlib.Path(root))
   result = dict(command=" ".join(["python", "benchmarks/accelerator.py", *sys.argv[1:]]),
                 smoke=_SMOKE.value, platform=platform, device_kind=jax.devices()[0].device_kind,
                 devices=jax.local_device_count(), jax=jax.__version__, seq_len=_SEQ_LEN.value,
                 steps=_STEPS.value, rounds=_ROUNDS.value, streaming_diloco=STREAMING,
-                log2_values=_LOG2_VALUES.value, training=rows, kernels=kernel_rows())
+                log2_values=_LOG2_VALUES.value, training=rows,
+                kernels=kernel_rows() if "kernels" in _PARTS.value else [])
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1))
   print(f"wrote {out}")

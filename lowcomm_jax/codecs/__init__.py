@@ -41,6 +41,7 @@ __all__ = [
     "all_finite",
     "check_finite",
     "KERNEL_MODES",
+    "kernel_choice",
     "kernel_options",
     "ErrorFeedbackState",
     "error_feedback_roundtrip",
