@@ -42,17 +42,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
   >>"$log" 2>&1
 
 # The reference runs on the host's CPU, the kernels on the GPU.
-step 150 kernel_tests env JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/test_codec_kernels.py \
+step 110 kernel_tests env JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/test_codec_kernels.py \
   -k compiled_gpu -p no:randomly -p no:cacheprovider -q -rs --junitxml="$out/kernel_tests.xml"
 
-step 90 kernel_throughput python3 benchmarks/accelerator.py --parts=kernels \
+step 60 kernel_throughput python3 benchmarks/accelerator.py --parts=kernels \
   --gpu_kernels=mosaic_gpu,triton --log2_values=28 --repeats=5 --calls=10 \
   --out="$out/accelerator_kernels.json"
 
-for model in sdl_35m=16 sdl_1b=8; do
-  step 150 "training_${model%=*}" python3 benchmarks/accelerator.py --parts=training \
+for model in 80:sdl_35m=16 140:sdl_1b=8; do
+  seconds=${model%%:*} model=${model#*:}
+  step "$seconds" "training_${model%=*}" python3 benchmarks/accelerator.py --parts=training \
     --models="${model%=*}" --batches="$model" --attention=dot_product --seq_len=2048 --steps=5 \
-    --rounds=3 --warmup=1 --out="$out/accelerator_${model%=*}.json"
+    --rounds=2 --warmup=1 --out="$out/accelerator_${model%=*}.json"
 done
 
 python3 - "$out" <<'EOF'
