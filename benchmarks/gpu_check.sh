@@ -49,7 +49,7 @@ step 60 kernel_throughput python3 benchmarks/accelerator.py --parts=kernels \
   --gpu_kernels=mosaic_gpu,triton --log2_values=28 --repeats=5 --calls=10 \
   --out="$out/accelerator_kernels.json"
 
-for model in 80:sdl_35m=16 140:sdl_1b=8; do
+for model in 100:sdl_35m=16 200:sdl_1b=8; do
   seconds=${model%%:*} model=${model#*:}
   step "$seconds" "training_${model%=*}" python3 benchmarks/accelerator.py --parts=training \
     --models="${model%=*}" --batches="$model" --attention=dot_product --seq_len=2048 --steps=5 \

@@ -259,6 +259,13 @@ def _pad_columns(a: jax.Array, columns: int) -> jax.Array:
   return jnp.pad(a, ((0, 0), (0, columns - a.shape[1])))
 
 
+def _magnitude_max(x: jax.Array, axis: int | None = None) -> jax.Array:
+  """The largest ``|x|`` (over ``axis`` kept, or all), inf where ``x`` holds a NaN: Triton's max
+  skips NaNs, and a NaN or an inf makes the block's scale NaN and its codes zero alike."""
+  magnitude = jnp.where(x == x, jnp.abs(x), jnp.inf)  # pylint: disable=comparison-with-itself
+  return jnp.max(magnitude, axis=axis, keepdims=axis is not None)
+
+
 def _quantize_kernel(codec, backend, x_blocks, bits, rows_per_step):
   block_len = x_blocks.shape[1]
   columns = _columns(codec, block_len)
@@ -276,9 +283,8 @@ def _quantize_kernel(codec, backend, x_blocks, bits, rows_per_step):
     bs = [None if bits_ref is None else part(bits_ref, i) for i in range(parts)]
     scale = divisor = finite = None
     if codec.has_scales:
-      absmax = jnp.max(jnp.abs(xs[0]), axis=1, keepdims=True)
-      for x in xs[1:]:  # max is exact: the same absmax as the whole block's
-        absmax = jnp.maximum(absmax, jnp.max(jnp.abs(x), axis=1, keepdims=True))
+      # max is exact: the same absmax as the whole block's
+      absmax = functools.reduce(jnp.maximum, [_magnitude_max(x, axis=1) for x in xs])
       scale, divisor, finite = scales_from_absmax(absmax, codec.grid_max)
       out_refs[1][...] = scale
     codes = [codec.encode_values(x, divisor, finite, b) for x, b in zip(xs, bs)]
@@ -408,7 +414,7 @@ def _mosaic_gpu_quantize(codec, interpret, x_blocks, bits, rows_per_step):
     xs = [_part(x_ref, row, i * width, width) for i in range(parts)]
     bs = [None if bits_ref is None else _part(bits_ref, row, i * width, width)
           for i in range(parts)]
-    absmax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x)) for x in xs])
+    absmax = functools.reduce(jnp.maximum, [_magnitude_max(x) for x in xs])
     scale, divisor, finite = scales_from_absmax(absmax, codec.grid_max)
     scale_ref[row, 0, 0] = scale
     codes = [codec.encode_values(x, divisor, finite, b) for x, b in zip(xs, bs)]
