@@ -2,26 +2,31 @@
 
 The cross product is every algorithm × gradient source × codec × executor × layout (`cross_product`);
 the Trainer's constructor decides which combinations are allowed. On this CPU host, with what a GPU
-or TPU host would pick (`diloco.codec_kernels=auto`: the compiled Pallas kernels, Triton on cuda and
-Mosaic on tpu; `model.layer_loop=scan`), each allowed combination's Trainer gives its step programs
-(one per distinct phase and routing), and with `diloco.overlap_executor=thread` also the programs
-the thread runs (`comm.fragment_mean`). A program is traced and lowered once per key
-(`programs_of`). A program that sends a codec-encoded fragment holds the compiled kernels (Triton or
-Mosaic custom calls, not the jnp reference) and one that sends nothing holds none. `python
-tests/test_lowering.py --write-table` rewrites the table in docs/accelerators.md from the
-enumeration (`test_table_in_docs_is_the_enumeration` keeps the two equal); `--lower` lowers outside
-pytest. `jax.export` exports the dp and Streaming DiLoCo steps for each platform.
+or TPU host would pick (`diloco.codec_kernels=auto`: the compiled Pallas kernels, on cuda the GPU
+kernel the codecs pick for an H100 with this jax version, Mosaic on tpu; `model.layer_loop=scan`),
+each allowed combination's Trainer gives its step programs (one per distinct phase and routing),
+and with `diloco.overlap_executor=thread` also the programs the thread runs (`comm.fragment_mean`).
+A program is traced and lowered once per key (`programs_of`). A program that sends a
+codec-encoded fragment holds the compiled kernels (their custom calls, by target name, and no other
+GPU kernel's; not the jnp reference) and one that sends nothing holds none. The codec kernels alone
+are lowered for an abstract H100 and A100 in each `diloco.codec_kernels` mode
+(`codec_kernel_rows`). `python tests/test_lowering.py --write-table` rewrites the table in
+docs/accelerators.md from the enumeration (`test_table_in_docs_is_the_enumeration` keeps the two
+equal), `--write-kernel-table` this jax version's rows of the GPU kernel table; `--lower` lowers
+outside pytest. `jax.export` exports the dp and Streaming DiLoCo steps for each platform.
 
 Lowering for cuda on a CPU host needs an abstract GPU device from jax 0.11 on (Triton reads the
-target from the abstract mesh): the programs are traced under an abstract mesh with the Trainer's
-axes and an H100 device (`mesh.tracing` keeps it).
+target from the abstract mesh), and the codecs pick their GPU kernel by it: the programs are
+traced under an abstract mesh with the Trainer's axes and an H100 device (`mesh.tracing` keeps it).
 """
 import argparse
+import collections
 import contextlib
 import functools
 import itertools
 import os
 import pathlib
+import re
 import sys
 import time
 import tempfile
@@ -37,14 +42,46 @@ import pytest
 
 from lowcomm_jax import comm
 from lowcomm_jax import config as config_lib
+from lowcomm_jax import codecs
 from lowcomm_jax import mesh as mesh_lib
+from lowcomm_jax.codecs import kernels
 from lowcomm_jax.optim import fragments as frag_lib
 from lowcomm_jax.train import Trainer, overlap
 
 PLATFORMS = ("cuda", "tpu")
-# What a compiled Pallas kernel lowers to, per platform.
-KERNEL_MARK = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
-GPU = "NVIDIA H100 80GB HBM3"
+# The custom call each compiled Pallas kernel lowers to (its target name in the module).
+KERNEL_TARGETS = {"mosaic_gpu": "mosaic_gpu_v2", "triton": "__gpu$xla.gpu.triton",
+                  "tpu": "tpu_custom_call"}
+# The abstract GPUs programs are lowered for: a Hopper and an Ampere (Mosaic GPU compiles for
+# Hopper and newer, and for Ampere from jax 0.11).
+GPUS = {"H100": "NVIDIA H100 80GB HBM3", "A100": "NVIDIA A100-SXM4-80GB"}
+GPU = GPUS["H100"]
+
+
+def abstract_gpu(kind: str = GPU):
+  return jax.sharding.AbstractDevice(kind, platform="gpu", num_cores=None)
+
+
+# What the battery's programs hold, per platform: on cuda the kernel the codecs pick for an H100
+# with this jax version (`kernels.gpu_kernel`).
+KERNEL_MARK = {"cuda": KERNEL_TARGETS[kernels.gpu_kernel(abstract_gpu())],
+               "tpu": KERNEL_TARGETS["tpu"]}
+_GPU_TARGETS = (KERNEL_TARGETS["mosaic_gpu"], KERNEL_TARGETS["triton"])
+
+
+def custom_calls(module_text: str) -> collections.Counter:
+  """The custom calls of a lowered module (StableHLO text), by target name."""
+  return collections.Counter(re.findall(r"stablehlo\.custom_call @([\w$.]+)\(", module_text))
+
+
+def kernel_calls(module_text: str, platform: str):
+  """The compiled kernels' calls in a module lowered for `platform`, or a failure line where it
+  holds another GPU kernel's (a Triton call beside Mosaic GPU's, say)."""
+  calls = custom_calls(module_text)
+  foreign = {t: calls[t] for t in _GPU_TARGETS if t != KERNEL_MARK[platform] and calls[t]}
+  if foreign:
+    return f"holds other GPU kernels: {foreign}"
+  return calls[KERNEL_MARK[platform]]
 LAYOUTS = ("replicated", "fsdp", "tensor", "fsdp_tensor")
 CODECS = ("e3m0", "e2m1", "int4", "int8")
 
@@ -200,16 +237,15 @@ def _trace(key, trainer, state):
   return jax.jit(mean).trace(delta, residual, rng)
 
 
-def _target(platform: str, mesh):
-  """What lowering for `platform` on this host needs: for cuda from jax 0.11 on, an abstract mesh
-  with the Trainer's axes and a GPU device."""
-  device_type = getattr(jax.sharding, "AbstractDevice", None)
-  if platform != "cuda" or device_type is None:
+def _target(platform: str, mesh, kind: str = GPU):
+  """What lowering for `platform` on this host needs: for cuda an abstract mesh with the Trainer's
+  axes and a GPU device (from jax 0.11 Triton reads its target there, and the codecs pick their
+  GPU kernel by it)."""
+  if platform != "cuda":
     return contextlib.nullcontext()
-  device = device_type(GPU, platform="gpu", num_cores=None)
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
       tuple(mesh.axis_sizes), tuple(mesh.axis_names), axis_types=tuple(mesh.axis_types),
-      abstract_device=device))
+      abstract_device=abstract_gpu(kind)))
 
 
 def kernels_expected(combination: Combination, sends: bool, platform: str | None = None) -> bool:
@@ -258,7 +294,7 @@ def lower_programs(combinations) -> dict:
         for platforms in together or [(p,) for p in PLATFORMS]:
           try:
             text = traced.lower(lowering_platforms=platforms).as_text()
-            lowered[key].update({p: text.count(KERNEL_MARK[p]) for p in platforms})
+            lowered[key].update({p: kernel_calls(text, p) for p in platforms})
           except Exception as error:  # pylint: disable=broad-except
             lowered[key].update({p: f"{type(error).__name__}: {error}"[:400] for p in platforms})
   return lowered
@@ -391,6 +427,107 @@ def test_table_in_docs_is_the_enumeration():
   assert _docs_table() == table()
 
 
+# The codec kernels on each abstract GPU, lowered for cuda: every codec, a tensor whose size is a
+# multiple of the block (256) and one that is not (the last block padded), rounding to nearest, and
+# e3m0 rounding stochastically; each case one encode and one decode kernel.
+KERNEL_CASES = tuple((codec, "nearest", size) for codec in CODECS for size in (768, 805)) + (
+    ("e3m0", "stochastic", 805),)
+GPU_MODES = ("pallas", "pallas_mosaic_gpu", "pallas_triton")  # `auto` picks as `pallas` on cuda
+_KERNEL_NAMES = {"mosaic_gpu": "Mosaic GPU", "triton": "Triton"}
+
+
+def _codec_kernels_module(kind: str, gpu: str) -> str:
+  """The module of every KERNEL_CASES encode and decode with the `gpu` kernel, lowered for cuda
+  on the abstract GPU `kind`."""
+  def every_case(key):
+    out = []
+    for i, (name, rounding, size) in enumerate(KERNEL_CASES):
+      codec = codecs.get_codec(name, block_size=256, rounding=rounding)
+      options = dict(use_pallas=True, interpret=False, gpu=gpu)
+      encoded = codec.encode(jax.numpy.ones((size,)), jax.random.fold_in(key, i), **options)
+      out.append(codec.decode(encoded, **options))
+    return out
+
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract_gpu(kind))
+  with jax.sharding.use_abstract_mesh(mesh):
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return jax.jit(every_case).trace(key).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@functools.lru_cache(maxsize=None)
+def codec_kernel_rows() -> dict:
+  """{(GPU, mode): (the GPU kernel, its custom calls by target) or the refusal's line} for each
+  abstract GPU of GPUS and each of GPU_MODES, on this jax version. A kernel's module is lowered
+  once, `pallas` reading the forced mode's of the kernel it picks."""
+  rows, modules = {}, {}
+  for name, kind in GPUS.items():
+    for mode in GPU_MODES:
+      try:
+        options = codecs.kernel_options(mode, codecs.get_codec("e3m0", block_size=256), "cuda",
+                                        abstract_gpu(kind))
+      except ValueError as error:
+        rows[name, mode] = str(error)
+        continue
+      gpu = options["gpu"] or kernels.gpu_kernel(abstract_gpu(kind))
+      if (kind, gpu) not in modules:
+        calls = custom_calls(_codec_kernels_module(kind, gpu))
+        modules[kind, gpu] = {t: calls[t] for t in _GPU_TARGETS}
+      rows[name, mode] = (gpu, modules[kind, gpu])
+  return rows
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_codec_kernels_lower_for_cuda_with_each_gpu_kernel(name):
+  """On each abstract GPU, every mode that is not refused lowers every codec and size to its GPU
+  kernel's custom calls, an encode and a decode per case, and no other GPU kernel's; Triton is
+  never refused while jax has it, and Mosaic GPU is refused only on an Ampere before jax 0.11."""
+  rows = {mode: verdict for (gpu_name, mode), verdict in codec_kernel_rows().items()
+          if gpu_name == name}
+  for mode, verdict in rows.items():
+    if isinstance(verdict, str):
+      assert verdict.startswith(f"diloco.codec_kernels={mode}: "), verdict
+      continue
+    gpu, calls = verdict
+    assert calls == {t: (2 * len(KERNEL_CASES) if t == KERNEL_TARGETS[gpu] else 0)
+                     for t in _GPU_TARGETS}, (mode, calls)
+  assert not isinstance(rows["pallas_triton"], str)
+  old_jax = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11)
+  assert isinstance(rows["pallas_mosaic_gpu"], str) == (name == "A100" and old_jax)
+  # `pallas` (and `auto`) picks Mosaic GPU wherever it is not refused.
+  assert rows["pallas"][0] == ("triton" if isinstance(rows["pallas_mosaic_gpu"], str) else
+                               "mosaic_gpu")
+
+
+KERNEL_TABLE_BEGIN = "<!-- kernel-table: python tests/test_lowering.py --write-kernel-table -->"
+KERNEL_TABLE_END = "<!-- /kernel-table -->"
+KERNEL_TABLE_HEAD = ("| jax | GPU | `auto`, `pallas` | `pallas_mosaic_gpu` | `pallas_triton` |\n"
+                     "|---|---|---|---|---|")
+
+
+def kernel_table_rows() -> list[str]:
+  """This jax version's rows of the table of GPU kernels in docs/accelerators.md."""
+  def cell(verdict):
+    if isinstance(verdict, str):
+      return "refused: " + verdict.split(": ", 1)[1].split("; use ")[0]
+    gpu, calls = verdict
+    return f"{_KERNEL_NAMES[gpu]} ({calls[KERNEL_TARGETS[gpu]]} `{KERNEL_TARGETS[gpu]}` calls)"
+  rows = codec_kernel_rows()
+  return [f"| {jax.__version__} | {name} | " + " | ".join(cell(rows[name, mode]) for mode in GPU_MODES)
+          + " |" for name in GPUS]
+
+
+def _docs_kernel_table() -> list[str]:
+  text = DOCS.read_text()
+  table = text[text.index(KERNEL_TABLE_BEGIN) + len(KERNEL_TABLE_BEGIN):text.index(KERNEL_TABLE_END)]
+  return [line for line in table.strip().splitlines()[2:] if line.startswith("|")]
+
+
+def test_kernel_table_in_docs_holds_this_jax_versions_rows():
+  """docs/accelerators.md's table of GPU kernels holds this jax version's rows as the battery
+  lowers them (rewrite them with `--write-kernel-table`, on each jax version)."""
+  assert set(kernel_table_rows()) <= set(_docs_kernel_table()), "\n".join(kernel_table_rows())
+
+
 def _send_phase(trainer):
   """The phase of the first step that sends a fragment, else the first step's."""
   phases = [trainer.algorithm.phase_at(step) for step in range(1, trainer.config.num_steps + 1)]
@@ -460,6 +597,8 @@ def main(argv) -> int:
   parser = argparse.ArgumentParser(description="The lowering battery outside pytest.")
   parser.add_argument("--write-table", action="store_true",
                       help=f"rewrite the cross product's table in {DOCS}")
+  parser.add_argument("--write-kernel-table", action="store_true",
+                      help=f"rewrite this jax version's rows of the GPU kernel table in {DOCS}")
   parser.add_argument("--lower", action="store_true",
                       help="lower every distinct program and print the failures and the time")
   args = parser.parse_args(argv)
@@ -468,6 +607,16 @@ def main(argv) -> int:
     head, tail = text.split(TABLE_BEGIN)
     DOCS.write_text(f"{head}{TABLE_BEGIN}\n{table()}\n{TABLE_END}{tail.split(TABLE_END, 1)[1]}")
     print(f"wrote {DOCS}")
+  if args.write_kernel_table:
+    mine = kernel_table_rows()
+    others = [row for row in _docs_kernel_table() if not row.startswith(f"| {jax.__version__} |")]
+    version = lambda row: tuple(int(v) for v in row.split("|")[1].strip().split("."))
+    table = "\n".join([KERNEL_TABLE_HEAD] + sorted(others + mine, key=version))
+    text = DOCS.read_text()
+    head, tail = text.split(KERNEL_TABLE_BEGIN)
+    DOCS.write_text(f"{head}{KERNEL_TABLE_BEGIN}\n{table}\n{KERNEL_TABLE_END}"
+                    f"{tail.split(KERNEL_TABLE_END, 1)[1]}")
+    print(f"wrote jax {jax.__version__}'s rows in {DOCS}")
   if args.lower:
     start = time.perf_counter()
     combinations = allowed()
