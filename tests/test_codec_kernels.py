@@ -121,7 +121,11 @@ def test_training_with_pallas_kernels_on_the_wire_is_bit_identical_to_the_refere
         lambda d: comm.compressed_mean(d, "replica", tx.codec, kernels=tx.codec_kernels),
         axis_name="replica"))(jnp.ones((2, 300))))
     assert ("pallas_call" in jaxpr) == (mode == "pallas")
-    trainer.run()
+    summary = trainer.run()
+    # What encoded on the wire, as summary.json records it: on CPU, pallas interprets the kernel
+    # body of the GPU kernel picked for this jax version.
+    assert summary["codec_kernel"] == ("reference" if mode == "reference" else
+                                       f"pallas_interpret_{kernels.gpu_kernel()}")
     final[mode] = trainer.final_state
   state_p, state_r = final["pallas"], final["reference"]
   for a, b in zip(jax.tree.leaves((state_p.params, state_p.opt_state)),
@@ -133,29 +137,64 @@ def test_training_with_pallas_kernels_on_the_wire_is_bit_identical_to_the_refere
 
 def test_bad_codec_kernels_is_refused_naming_the_option():
   from lowcomm_jax.train import validation  # pylint: disable=g-import-not-at-top
-  with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of .*auto.*pallas.*reference"):
+  with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of .*auto.*pallas.*"
+                                       r"pallas_mosaic_gpu.*pallas_triton.*reference"):
     validation.validate(_streaming_e3m0_config("triton"))
   with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of"):
     codecs.kernel_options("cuda")
   assert codecs.kernel_options("reference") == dict(use_pallas=False, interpret=None)
-  # Compiled on GPU/TPU; elsewhere interpreted (pallas) or the jnp reference (auto).
-  assert codecs.kernel_options("pallas") == dict(use_pallas=True, interpret=None)
-  assert codecs.kernel_options("auto") == dict(use_pallas=True, interpret=False)
+  # Compiled on GPU/TPU; elsewhere interpreted (pallas*) or the jnp reference (auto); the GPU
+  # kernel picked where the program is traced (None) or forced.
+  assert codecs.kernel_options("pallas") == dict(use_pallas=True, interpret=None, gpu=None)
+  assert codecs.kernel_options("auto") == dict(use_pallas=True, interpret=False, gpu=None)
+  for gpu in kernels.GPU_KERNELS:
+    assert codecs.kernel_options(f"pallas_{gpu}") == dict(use_pallas=True, interpret=None, gpu=gpu)
+
+
+A100 = jax.sharding.AbstractDevice("NVIDIA A100-SXM4-80GB", platform="gpu", num_cores=None)
+H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", platform="gpu", num_cores=None)
 
 
 def test_pallas_is_refused_where_no_compiled_kernel_exists():
   e3m0 = codecs.get_codec("e3m0")
-  for platform in ("cuda", "tpu"):
-    assert codecs.kernel_options("pallas", e3m0, platform)["use_pallas"]
-    with pytest.raises(ValueError, match=r"diloco.codec_kernels=pallas: codec 'bf16'"):
-      codecs.kernel_options("pallas", codecs.get_codec("bf16"), platform)
-    with pytest.raises(ValueError, match=r"diloco.codec_kernels=pallas: codec 'e3m0' with block "
-                                         r"size 65536"):
-      codecs.kernel_options("pallas", codecs.get_codec("e3m0", block_size=1 << 16), platform)
-  with pytest.raises(ValueError, match=r"diloco.codec_kernels=pallas has no compiled kernel on rocm"):
-    codecs.kernel_options("pallas", e3m0, "rocm")
+  for mode in ("pallas", "pallas_mosaic_gpu", "pallas_triton"):
+    for platform in ("cuda", "tpu") if mode == "pallas" else ("cuda",):
+      assert codecs.kernel_options(mode, e3m0, platform, H100)["use_pallas"]
+      with pytest.raises(ValueError, match=rf"diloco.codec_kernels={mode}: codec 'bf16'"):
+        codecs.kernel_options(mode, codecs.get_codec("bf16"), platform, H100)
+      with pytest.raises(ValueError, match=rf"diloco.codec_kernels={mode}: codec 'e3m0' with block "
+                                           r"size 65536"):
+        codecs.kernel_options(mode, codecs.get_codec("e3m0", block_size=1 << 16), platform, H100)
+    with pytest.raises(ValueError, match=rf"diloco.codec_kernels={mode} has no compiled kernel on "
+                                         r"rocm"):
+      codecs.kernel_options(mode, e3m0, "rocm")
+  for gpu in kernels.GPU_KERNELS:
+    with pytest.raises(ValueError, match=rf"diloco.codec_kernels=pallas_{gpu} has no compiled "
+                                         r"kernel on tpu \(only on cuda\)"):
+      codecs.kernel_options(f"pallas_{gpu}", e3m0, "tpu")
+  # Mosaic GPU on an Ampere: refused where this jax compiles it for Hopper and newer only.
+  refusal = kernels.gpu_kernel_refusal("mosaic_gpu", A100)
+  assert (refusal is not None) == (tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11))
+  if refusal:
+    assert "compute capability 9.0 and newer; NVIDIA A100-SXM4-80GB has 8.0" in refusal
+    with pytest.raises(ValueError, match=r"^diloco.codec_kernels=pallas_mosaic_gpu: Pallas Mosaic "
+                                         r"GPU in jax .* use diloco.codec_kernels=auto or reference$"):
+      codecs.kernel_options("pallas_mosaic_gpu", e3m0, "cuda", A100)
   # auto never refuses: the reference runs where no compiled kernel exists.
   assert codecs.kernel_options("auto", codecs.get_codec("bf16"), "rocm")["use_pallas"]
+
+
+def test_kernel_choice_names_what_encodes_on_the_wire():
+  e3m0, bf16 = codecs.get_codec("e3m0"), codecs.get_codec("bf16")
+  assert codecs.kernel_choice("auto", e3m0, "cuda", H100) == "pallas_mosaic_gpu"
+  assert codecs.kernel_choice("pallas_triton", e3m0, "cuda", H100) == "pallas_triton"
+  assert codecs.kernel_choice("auto", e3m0, "cuda", A100) == f"pallas_{kernels.gpu_kernel(A100)}"
+  assert codecs.kernel_choice("auto", e3m0, "tpu") == "pallas_tpu"
+  assert codecs.kernel_choice("auto", e3m0, "cpu") == "reference"
+  assert codecs.kernel_choice("auto", bf16, "cuda", H100) == "reference"
+  assert codecs.kernel_choice("reference", e3m0, "cuda", H100) == "reference"
+  assert codecs.kernel_choice("pallas", e3m0, "cpu", H100) == "pallas_interpret_mosaic_gpu"
+  assert codecs.kernel_choice("pallas_triton", e3m0, "cpu") == "pallas_interpret_triton"
 
 
 @pytest.mark.parametrize("name", ["e3m0", "int8"])

@@ -25,6 +25,18 @@ def test_the_line_names_model_parameters_mesh_tokens_algorithm_and_workdir(tmp_p
   assert not (tmp_path / "run").exists()  # reported before anything is written
 
 
+def test_the_line_names_what_encodes_the_outer_gradients(tmp_path):
+  """With a codec on the wire the algorithm's part names the kernel that encodes it
+  (`codecs.kernel_choice`); on CPU `auto` is the jnp reference, `pallas_triton` its body
+  interpreted."""
+  for mode, kernel in (("auto", "reference"), ("pallas_triton", "pallas_interpret_triton")):
+    config = tiny_config(**{"algorithm": "streaming_diloco", "num_replicas": 2, "mesh.replica": 2,
+                            "diloco.sync_every": 4, "diloco.codec": "e3m0",
+                            "diloco.codec_kernels": mode})
+    line = Trainer(config, tmp_path / mode).startup_report()[0]
+    assert f"| algorithm streaming_diloco, gradients replicas, codec e3m0 by {kernel} |" in line
+
+
 @pytest.mark.parametrize("layout,mesh_data,warned", [("fsdp", 1, True), ("fsdp", 8, False),
                                                      ("tensor", 8, True), ("replicated", 1, False)])
 def test_a_layout_that_shards_nothing_is_named(tmp_path, layout, mesh_data, warned):
