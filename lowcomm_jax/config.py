@@ -129,11 +129,13 @@ def default_config() -> ml_collections.ConfigDict:
       #           elsewhere (τ = 0, diloco, noloco, dp, the pipeline)
       overlap_executor="auto",
       codec_kernels="auto",  # the codec's encode/decode on the wire: auto (compiled Pallas kernels,
-                             # Triton on GPU and Mosaic on TPU, for e3m0/e2m1/int4/int8 with blocks
-                             # of at most 8192; jnp reference elsewhere) | pallas (also on CPU,
-                             # interpreted: slow, for tests; refused where no compiled kernel
-                             # exists) | reference (jnp); all three give bit-identical results, so
-                             # a resumed run may change it (docs/accelerators.md)
+                             # on GPU Mosaic GPU or Triton per JAX version and GPU, Mosaic on TPU,
+                             # for e3m0/e2m1/int4/int8 with blocks of at most 8192; jnp reference
+                             # elsewhere) | pallas (also on CPU, interpreted: slow, for tests;
+                             # refused where no compiled kernel exists) | pallas_mosaic_gpu |
+                             # pallas_triton (pallas with that GPU kernel, refused where it cannot
+                             # compile) | reference (jnp); all give bit-identical results, so a
+                             # resumed run may change it (docs/accelerators.md)
   ))
   c.noloco = ml_collections.ConfigDict(dict(  # docs/algorithms.md §2.3; defaults from the paper's code
       sync_every=50,  # H: inner steps between two gossip outer steps, at most num_steps

@@ -117,7 +117,8 @@ def compressed_mean(tree: Any, axis_name, codec: codecs.Codec, name: str = "comp
       for no feedback (``lowcomm_jax.codecs.error_feedback``: the residual is what this
       replica's encoding of ``tree + residual`` dropped, on exactly the chunks and blocks sent;
       the owner's re-encoding of the mean is shared by all replicas and not fed back).
-    kernels: ``"reference"`` (jnp), ``"pallas"`` (the Pallas kernels; interpreted on CPU) or
+    kernels: ``"reference"`` (jnp), ``"pallas"`` (the Pallas kernels; interpreted on CPU),
+      ``"pallas_mosaic_gpu"`` / ``"pallas_triton"`` (``"pallas"`` with that GPU kernel) or
       ``"auto"`` (Pallas where the platform compiles them: GPU, TPU), see
       :func:`lowcomm_jax.codecs.kernel_options`.
 

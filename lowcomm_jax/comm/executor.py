@@ -108,7 +108,7 @@ class OuterCommExecutor:
     codec: the plan of a submission that names none: None for a float32 mean (`comm.mean`, an
       all-reduce), or a `lowcomm_jax.codecs` Codec for the compressed mean
       (`comm.compressed_mean`: all_to_all + all_gather of encoded chunks).
-    kernels: that codec's encode/decode ("reference", "pallas", "auto"; see
+    kernels: that codec's encode/decode (one of `codecs.KERNEL_MODES`; see
       `lowcomm_jax.codecs.kernel_options`).
     axis_name: the replica axis the programs bind (`vmap` over the leading axis).
     mesh: when given, checked with `check_layout` (inner axes inside one process).

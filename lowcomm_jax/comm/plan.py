@@ -47,7 +47,7 @@ class Plan:
     delay: τ, steps the collective overlaps before its result is consumed (see the module doc).
     error_feedback: keep a per-replica residual of what the encoding dropped.
     feedback_decay: β in e ← β·e + Δ (1.0: the plain residual).
-    kernels: the codec's encode/decode ("reference", "pallas", "auto").
+    kernels: the codec's encode/decode (one of `codecs.KERNEL_MODES`).
     groupings: for group_mean, int[K, M // n, n]: the pool of partitions; the step program picks
       one with an index (`carry(..., grouping=)`).
     seed: stochastic rounding's key is fold_in(key(seed), count), the same on every replica.

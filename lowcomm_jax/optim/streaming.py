@@ -282,8 +282,9 @@ def streaming_diloco(inner: optax.GradientTransformation,
     error_feedback: keep each replica's quantization residual per fragment and add it to that
       fragment's next outer gradient (needs a codec).
     codec_kernels: how the codec encodes and decodes on the wire: "reference" (jnp), "pallas"
-      (the Pallas kernels; interpreted on CPU, bit-identical to the reference) or "auto" (Pallas
-      where the platform compiles them, GPU/TPU; the reference elsewhere).
+      (the Pallas kernels; interpreted on CPU, bit-identical to the reference), "pallas_mosaic_gpu"
+      / "pallas_triton" ("pallas" with that GPU kernel) or "auto" (Pallas where the platform
+      compiles them, GPU/TPU; the reference elsewhere); see `codecs.kernel_options`.
   """
   outer = outer if outer is not None else outer_nesterov()
   schedule, resolve = schedule_and_fragments(sync_every, fragments, overlap_steps, merge_alpha,
