@@ -12,15 +12,23 @@ padded. Zeros change no block's absmax and code to zero, and the padding is
 sliced off after, so the wire layout is the codec's and the codes are
 bit-identical to the jnp reference.
 
+On GPUs there are two kernels (``gpu``): Pallas Mosaic GPU, JAX's maintained
+GPU backend, and Pallas Triton, deprecated from JAX 0.11. :func:`gpu_kernel`
+picks per JAX version and GPU: Mosaic GPU where the installed JAX compiles it
+for the GPU, else Triton where JAX still has it, else the jnp reference. The
+Mosaic GPU kernel walks its tile a block at a time (:func:`_mosaic_gpu_call`);
+both share the codecs' value math, so the codes are the same.
+
 Where it runs (``interpret``): ``True``, Pallas interpret mode on any
-platform (what the tests compare with the reference on CPU); otherwise the
-program holds one branch per platform (``lax.platform_dependent``, resolved
-when it is lowered): Pallas Triton on ``cuda`` and Mosaic on ``tpu``, each
-chosen with its ``compiler_params`` and its own tile size, and on any other
-platform interpret mode (``None``) or the jnp reference (``False``). A
-compiled kernel runs under ``jax.shard_map`` manual over every mesh axis not
-already manual (Mosaic kernels cannot be partitioned automatically), its
-operands replicated within the map.
+platform (what the tests compare with the reference on CPU: the Mosaic GPU
+kernel's body, or the Triton and TPU one's); otherwise the program holds one
+branch per platform (``lax.platform_dependent``, resolved when it is
+lowered): the GPU kernel on ``cuda`` and Mosaic on ``tpu``, each chosen with
+its ``compiler_params`` and its own tile size, and on any other platform
+interpret mode (``None``) or the jnp reference (``False``). A compiled kernel
+runs under ``jax.shard_map`` manual over every mesh axis not already manual
+(Mosaic kernels cannot be partitioned automatically), its operands replicated
+within the map.
 """
 
 from __future__ import annotations
@@ -259,6 +267,21 @@ def _pad_columns(a: jax.Array, columns: int) -> jax.Array:
   return jnp.pad(a, ((0, 0), (0, columns - a.shape[1])))
 
 
+def _layout(codec, block_len: int, min_width: int = 1) -> tuple[int, int, int]:
+  """(padded columns, parts, columns per part) of a block as a kernel sees it (:func:`_columns`)."""
+  columns = _columns(codec, block_len, min_width)
+  parts = 2 if codec.packed else 1
+  return columns, parts, columns // parts
+
+
+def _arranged(codec, arrays, columns: int, width: int) -> list:
+  """The arrays (None left out) as a kernel reads them: halves of ``width`` (4-bit) or
+  ``columns`` columns, zero padded."""
+  arrange = (lambda a: _halves(a, width)) if codec.packed else (
+      lambda a: _pad_columns(a, columns))
+  return [arrange(a) for a in arrays if a is not None]
+
+
 def _magnitude_max(x: jax.Array, axis: int | None = None) -> jax.Array:
   """The largest ``|x|`` (over ``axis`` kept, or all), inf where ``x`` holds a NaN: Triton's max
   skips NaNs, and a NaN or an inf makes the block's scale NaN and its codes zero alike."""
@@ -268,12 +291,8 @@ def _magnitude_max(x: jax.Array, axis: int | None = None) -> jax.Array:
 
 def _quantize_kernel(codec, backend, x_blocks, bits, rows_per_step):
   block_len = x_blocks.shape[1]
-  columns = _columns(codec, block_len)
-  parts = 2 if codec.packed else 1
-  width = columns // parts
-  arrange = (lambda a: _halves(a, width)) if codec.packed else (
-      lambda a: _pad_columns(a, columns))
-  inputs = [arrange(x_blocks)] + ([] if bits is None else [arrange(bits)])
+  columns, parts, width = _layout(codec, block_len)
+  inputs = _arranged(codec, [x_blocks, bits], columns, width)
 
   def kernel(*refs):
     x_ref, bits_ref = refs[0], (refs[1] if bits is not None else None)
@@ -299,9 +318,7 @@ def _quantize_kernel(codec, backend, x_blocks, bits, rows_per_step):
 
 def _dequantize_kernel(codec, backend, codes, scales, rows_per_step):
   block_len = codes.shape[1] * 2 if codec.packed else codes.shape[1]
-  columns = _columns(codec, block_len)
-  parts = 2 if codec.packed else 1
-  width = columns // parts
+  columns, _, width = _layout(codec, block_len)
 
   def kernel(*refs):
     codes_ref, out_ref = refs[0], refs[-1]
@@ -401,12 +418,8 @@ def _part(ref, row, start: int, width: int):
 def _mosaic_gpu_quantize(codec, interpret, x_blocks, bits, rows_per_step):
   from lowcomm_jax.codecs.base import scales_from_absmax  # pylint: disable=g-import-not-at-top
   block_len = x_blocks.shape[1]
-  columns = _columns(codec, block_len, MOSAIC_GPU_MIN_WIDTH)
-  parts = 2 if codec.packed else 1
-  width = columns // parts
-  arrange = (lambda a: _halves(a, width)) if codec.packed else (
-      lambda a: _pad_columns(a, columns))
-  inputs = [arrange(x_blocks)] + ([] if bits is None else [arrange(bits)])
+  columns, parts, width = _layout(codec, block_len, MOSAIC_GPU_MIN_WIDTH)
+  inputs = _arranged(codec, [x_blocks, bits], columns, width)
 
   def kernel(row, *refs):
     x_ref, bits_ref = refs[0], (refs[1] if bits is not None else None)
@@ -427,9 +440,7 @@ def _mosaic_gpu_quantize(codec, interpret, x_blocks, bits, rows_per_step):
 
 def _mosaic_gpu_dequantize(codec, interpret, codes, scales, rows_per_step):
   block_len = codes.shape[1] * 2 if codec.packed else codes.shape[1]
-  columns = _columns(codec, block_len, MOSAIC_GPU_MIN_WIDTH)
-  parts = 2 if codec.packed else 1
-  width = columns // parts
+  columns, _, width = _layout(codec, block_len, MOSAIC_GPU_MIN_WIDTH)
 
   def kernel(row, codes_ref, scale_ref, out_ref):
     scale = scale_ref[row, 0, 0]
