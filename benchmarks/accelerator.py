@@ -256,8 +256,9 @@ def kernel_rows() -> list[dict]:
     seconds = median[name, gpu, "encode"] + median[name, gpu, "decode"]
     gb_per_s = 8 * n / seconds / 1e9
     rows.append(dict(codec=name, kernel=kernel, gb_per_s=gb_per_s,
-                     fraction_of_copy=gb_per_s / copy_gb_per_s, encode_s=median[name, gpu, "encode"],
-                     decode_s=median[name, gpu, "decode"], device_kind=device_kind))
+                     fraction_of_copy=gb_per_s / copy_gb_per_s,
+                     encode_s=median[name, gpu, "encode"], decode_s=median[name, gpu, "decode"],
+                     device_kind=device_kind))
   for row in rows:
     figures = (f"{row['gb_per_s']:>9.1f} GB/s  {row['fraction_of_copy']:.3f} of copy"
                if "gb_per_s" in row else row["error"])

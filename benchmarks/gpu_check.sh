@@ -1,14 +1,16 @@
 #!/bin/bash
-# One GPU host's checks, each step bounded in time, in order of what matters most: the compiled codec
-# kernels against the reference (tests/test_codec_kernels.py, Mosaic GPU and Triton), the codec
-# throughput against a copy (both kernels), then benchmarks/accelerator.py's training rows for
-# sdl_35m and sdl_1b (dp and Streaming DiLoCo e3m0, bfloat16, cuDNN attention, sequences of 2048).
+# One GPU host's checks, each step bounded in time, in order of what matters most: the compiled
+# codec kernels against the reference (tests/test_codec_kernels.py, Mosaic GPU and Triton), the
+# codec throughput against a copy (both kernels), then benchmarks/accelerator.py's training rows
+# for sdl_35m and sdl_1b (dp and Streaming DiLoCo e3m0, bfloat16, cuDNN attention, sequences of
+# 2048).
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [WHEEL_DIR]
 #
 # WHEEL_DIR: wheels of the dependencies the host's Python lacks, installed without resolving (the
 # host's own jax, flax, optax, ... are used as they are). Every step writes its files into OUT_DIR
-# as it ends, so a step that runs out of time leaves the earlier ones; a short table ends the output.
+# as it ends, so a step that runs out of time leaves the earlier ones; a short table ends the
+# output.
 set -u
 out=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR [WHEEL_DIR]}
 wheels=${2:-}
@@ -19,7 +21,8 @@ if [ -n "$wheels" ]; then
     --target /tmp/site "$wheels"/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_DISABLE_MOST_OPTIMIZATIONS=0
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export JAX_DISABLE_MOST_OPTIMIZATIONS=0
 log=$out/gpu_check.log
 
 step() {  # step SECONDS NAME COMMAND...: runs COMMAND with a time limit, its output into the log
@@ -37,7 +40,8 @@ from lowcomm_jax.codecs import kernels
 d = jax.devices()[0]
 print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, d.device_kind,
       'compute capability', getattr(d, 'compute_capability', None))
-print('gpu kernel picked:', kernels.gpu_kernel(), {k: kernels.gpu_kernel_refusal(k) for k in kernels.GPU_KERNELS})"
+print('gpu kernel picked:', kernels.gpu_kernel(),
+      {k: kernels.gpu_kernel_refusal(k) for k in kernels.GPU_KERNELS})"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
   >>"$log" 2>&1
 
