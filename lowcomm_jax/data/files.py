@@ -1,8 +1,10 @@
 """Corpora from the user's own files (`data.corpus`), read locally: no hub, no download.
 
-  text:<glob>               text files (a folder: every file under it); a document per file, cut
-                            further by data.doc_separator and data.doc_chars
-  jsonl:<glob>:<field>      JSON Lines; a document per line, its string `field`
+  text:<glob>               text files (a folder: every file under it; `.gz` files are read
+                            decompressed); a document per file, cut further by
+                            data.doc_separator and data.doc_chars
+  jsonl:<glob>:<field>      JSON Lines (`.gz` read decompressed); a document per line, its string
+                            `field`
   parquet:<glob>:<column>   Parquet files (pyarrow); a document per row of string `column`
   hf:<folder>:<column>      a Hugging Face `datasets` Dataset or DatasetDict saved with
                             `save_to_disk`, read from its Arrow files with pyarrow (the `datasets`
@@ -10,7 +12,13 @@
   tokens:<file>             pre-tokenized ids, `.bin` (raw uint16/uint32) or `.npy`, with a
                             metadata JSON beside it (`<file stem>.json`, as
                             experiments/prepare_data.py writes): {"dtype", "vocab_size",
-                            "tokenizer", "num_tokens", "eos_id"}
+                            "tokenizer", "num_tokens", "eos_id"}, and from prepare_data.py the
+                            SHA-256 of the ids file and of the tokenizer's file ("sha256",
+                            "tokenizer_sha256")
+
+Text is UTF-8: a text or JSON Lines file holding NUL bytes, or whose undecodable bytes make more
+than MAX_REPLACED of its characters U+FFFD, is no text (a binary or compressed file matched by the
+glob) and is refused, naming it and how many of the matched files are like it.
 
 Globs are sorted and `**` recurses, so the document order (and with the seed, the shuffle) is the
 same on every machine. `check` reads names, sizes and headers only; `identity_files` is what a run's
@@ -19,8 +27,12 @@ corpus identity hashes (paths and sizes).
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import gzip
+import hashlib
 import json
+import os
 import pathlib
 from typing import Iterable, Iterator
 
@@ -30,6 +42,38 @@ PREFIXES = ("text:", "jsonl:", "parquet:", "hf:", "tokens:")
 FORMS = ("'text:<glob>', 'jsonl:<glob>:<field>', 'parquet:<glob>:<column>', "
          "'hf:<save_to_disk folder>:<column>', 'tokens:<file.bin|file.npy>'")
 TOKEN_DTYPES = ("uint16", "uint32")
+# The share of U+FFFD (undecodable bytes) above which a file is no UTF-8 text.
+MAX_REPLACED = 0.01
+
+
+def sha256_file(path) -> str:
+  """The SHA-256 of a file's bytes, read in blocks."""
+  sha = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      sha.update(block)
+  return sha.hexdigest()
+
+
+def refuse_existing(path, overwrite: bool, flag: str = "--out") -> None:
+  """Raises unless `path` is new or `overwrite` is given: a run may be reading it."""
+  if pathlib.Path(path).exists() and not overwrite:
+    raise ValueError(f"{flag}={path} exists, and a run may be reading it; give a new path, or "
+                     "--overwrite to replace it (written beside it, then renamed into place: a "
+                     "reader keeps the old file)")
+
+
+@contextlib.contextmanager
+def new_file(path):
+  """Yields a temporary path beside `path`, renamed onto `path` once the block ends without error
+  (removed otherwise): a reader of the old file keeps it (its inode), never sees a torn new one."""
+  path = pathlib.Path(path)
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  try:
+    yield tmp
+    os.replace(tmp, path)
+  finally:
+    tmp.unlink(missing_ok=True)
 
 
 def is_file_corpus(name: str) -> bool:
@@ -178,6 +222,40 @@ def _read_arrow(path: pathlib.Path):
       return pa.ipc.open_file(source).read_all()
 
 
+def _raw_bytes(path: pathlib.Path) -> bytes:
+  return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+
+
+def _not_text(data: bytes) -> str | None:
+  """Why `data` is not UTF-8 text (None when it is)."""
+  if b"\x00" in data:
+    return f"holds NUL bytes ({data.count(0)})"
+  text = data.decode("utf-8", errors="replace")
+  replaced = text.count("\ufffd")
+  if replaced > MAX_REPLACED * max(len(text), 1):
+    return (f"is not UTF-8 text ({replaced} of its {len(text)} characters are undecodable bytes, "
+            f"more than {MAX_REPLACED:.0%})")
+  return None
+
+
+def read_text(name: str, path: pathlib.Path, matched: list[pathlib.Path]) -> str:
+  """The text of one of a corpus's `matched` files (decompressed if `.gz`); raises naming it, and
+  how many of `matched` are no text either, when it is no UTF-8 text."""
+  try:
+    data = _raw_bytes(path)
+  except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+    raise ValueError(f"data.corpus={name!r}: {path} cannot be read ({type(error).__name__}: "
+                     f"{error})") from None
+  why = _not_text(data)
+  if why is None:
+    return data.decode("utf-8", errors="replace")
+  rest = matched[matched.index(path) + 1:] if path in matched else []
+  others = sum(1 for p in rest if _not_text(_raw_bytes(p)) is not None)
+  raise ValueError(f"data.corpus={name!r}: {path} {why}; {1 + others} of the {len(matched)} files "
+                   "matched are no text (binary or compressed other than .gz): remove them or "
+                   "narrow the glob")
+
+
 def documents(name: str) -> list[tuple[str, str]]:
   """(doc_id, text) of a text, jsonl, parquet or hf corpus, in file order."""
   docs = list(iter_documents(name))
@@ -191,21 +269,22 @@ def iter_documents(name: str) -> Iterator[tuple[str, str]]:
   than memory, as experiments/prepare_data.py reads them."""
   kind, rest, field = _parse(name)
   if kind == "text":
-    for path in _matches(name, rest):
-      yield str(path), path.read_text(encoding="utf-8", errors="replace")
+    matched = _matches(name, rest)
+    for path in matched:
+      yield str(path), read_text(name, path, matched)
   elif kind == "jsonl":
-    for path in _matches(name, rest):
-      with open(path, encoding="utf-8", errors="replace") as lines:
-        for number, line in enumerate(lines, 1):
-          if not line.strip():
-            continue
-          try:
-            record = json.loads(line)
-          except ValueError as error:
-            raise ValueError(f"data.corpus={name!r}: {path} line {number} is not JSON ({error})") from None
-          if not isinstance(record, dict) or not isinstance(record.get(field), str):
-            raise ValueError(f"data.corpus={name!r}: {path} line {number} has no text field {field!r}")
-          yield f"{path}:{number}", record[field]
+    matched = _matches(name, rest)
+    for path in matched:
+      for number, line in enumerate(read_text(name, path, matched).split("\n"), 1):
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except ValueError as error:
+          raise ValueError(f"data.corpus={name!r}: {path} line {number} is not JSON ({error})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+          raise ValueError(f"data.corpus={name!r}: {path} line {number} has no text field {field!r}")
+        yield f"{path}:{number}", record[field]
   elif kind == "parquet":
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
     for path in _matches(name, rest):

@@ -96,7 +96,14 @@ def tail_split(stream: np.ndarray, eval_permille: int) -> tuple[np.ndarray, np.n
 
 
 def check_token_vocab(corpus: str, meta: dict, tok) -> None:
-  """Pre-tokenized ids must come from a vocabulary no larger than `data.tokenizer`'s."""
+  """Pre-tokenized ids must come from `data.tokenizer`: the tokenizer their metadata names by
+  SHA-256 (prepare_data.py records it), or, in metadata without one, a vocabulary no larger."""
+  recorded = meta.get("tokenizer_sha256")
+  if recorded and recorded != tokenizer_lib.sha256_of(tok):
+    raise ValueError(f"data.corpus={corpus!r} was tokenized by {meta.get('tokenizer', '?')!r} "
+                     f"(sha256 {recorded[:12]}), but data.tokenizer={getattr(tok, 'spec', tok)!r} is "
+                     f"another tokenizer (sha256 {tokenizer_lib.sha256_of(tok)[:12]}); set "
+                     "data.tokenizer to the one that prepared it, or prepare the corpus again")
   if int(meta["vocab_size"]) > tok.vocab_size:
     raise ValueError(f"data.tokenizer={getattr(tok, 'spec', tok)!r} has {tok.vocab_size} tokens but "
                      f"data.corpus={corpus!r} holds ids of a vocabulary of {meta['vocab_size']} (its "

@@ -10,21 +10,31 @@ Every tokenizer has `vocab_size`, `encode(text) -> ids`, `decode(ids) -> text`,
 separator), `files()` (its own files, to copy next to an exported model) and `stream_dtype` (the
 narrowest unsigned dtype holding every id: uint8 for bytes, uint16 up to 65,536 tokens). The model's
 vocabulary follows the tokenizer: `model_vocab_size` pads it to a multiple of 128 (bytes keeps 256).
+
+Bits per byte need the bytes each token stands for, counted on decoded text: `check_exact_bytes`
+refuses a tokenizer whose decoding does not give back the text it encoded (WordPiece lowercases and
+splits off punctuation). `sha256_of` names a tokenizer by the SHA-256 of its file, as a run and
+the metadata of a pre-tokenized corpus record it.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
 from typing import Iterable, Protocol
 
 import numpy as np
 
+from lowcomm_jax.data import files as files_lib
+
 DOC_SEPARATOR = 0  # NUL never occurs in the text corpora, so it marks document boundaries.
 # End-of-text tokens looked for, in this order, in a tokenizer that does not say which is its own.
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 VOCAB_MULTIPLE = 128
+# Encoded and decoded by `check_exact_bytes`: what a tokenizer that bits per byte can trust gives back.
+ROUND_TRIP_TEXT = "Hello, World! It's 3.5 kB.\n  Naïve café: x = [1, 2];\tdone."
 
 
 class Tokenizer(Protocol):
@@ -185,6 +195,28 @@ def _load(path: str, size: int, mtime_ns: int) -> Tokenizer:
                    "tokenizer.json (or a folder holding one) or a SentencePiece .model")
 
 
+def sha256_of(tok) -> str:
+  """"bytes" for the byte tokenizer, else the SHA-256 of the tokenizer's file (tokenizer.json or
+  .model): what names it in a run's config.json and in a pre-tokenized corpus's metadata."""
+  return "bytes" if not tok.files() else files_lib.sha256_file(tok.files()[0])
+
+
+def check_exact_bytes(tok) -> None:
+  """Raises one ValueError naming data.tokenizer unless decoding gives back the text encoded (the
+  bytes per token that bits per byte divide by are counted on decoded text)."""
+  if not tok.files():
+    return
+  back = tok.decode(tok.encode(ROUND_TRIP_TEXT))
+  if back != ROUND_TRIP_TEXT:
+    kind = ""
+    if isinstance(tok, HFTokenizer):
+      kind = f" (a {json.loads(tok.path.read_text()).get('model', {}).get('type', '?')} tokenizer)"
+    raise ValueError(f"data.tokenizer={tok.spec!r}{kind} does not give back the text it encodes "
+                     f"({ROUND_TRIP_TEXT[:13]!r} decodes as {back[:16]!r}), so the bytes per token "
+                     "of bits per byte cannot be counted; use a byte-level BPE "
+                     "(experiments/train_tokenizer.py) or a SentencePiece model")
+
+
 def model_vocab_size(vocab_size: int) -> int:
   """The model's embedding rows for a tokenizer of `vocab_size`: padded to a multiple of 128 (the
   byte tokenizer's 256 already is one)."""
@@ -199,9 +231,17 @@ def identity(spec: str) -> str:
   return ",".join(f"{p.name}:{os.path.getsize(p)}" for p in load_tokenizer(spec).files())
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_dir) -> pathlib.Path:
+def output_file(out_dir, kind: str) -> pathlib.Path:
+  """The file `train_bpe` ("bpe") or `train_sentencepiece` writes into `out_dir`."""
+  return pathlib.Path(out_dir) / ("tokenizer.json" if kind == "bpe" else "tokenizer.model")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir, overwrite: bool = False) -> pathlib.Path:
   """Trains a byte-level BPE tokenizer (Hugging Face `tokenizers`, offline) with `<|endoftext|>` as
-  its document separator; writes and returns `out_dir/tokenizer.json`."""
+  its document separator; writes and returns `out_dir/tokenizer.json`. An existing one is refused
+  (a run may be reading it) unless `overwrite`: then the new file is renamed onto it."""
+  out = output_file(out_dir, "bpe")
+  files_lib.refuse_existing(out, overwrite)
   import tokenizers  # pylint: disable=g-import-not-at-top
   from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
   tok = tokenizers.Tokenizer(models.BPE())
@@ -211,26 +251,37 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir) -> pathlib.Path:
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
   tok.train_from_iterator(texts, trainer=trainer)
-  out = pathlib.Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  tok.save(str(out / "tokenizer.json"))
-  return out / "tokenizer.json"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  with files_lib.new_file(out) as tmp:
+    tok.save(str(tmp))
+  return out
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_dir) -> pathlib.Path:
-  """Trains a SentencePiece BPE model with an eos piece; writes and returns `out_dir/tokenizer.model`.
+def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_dir,
+                        overwrite: bool = False) -> pathlib.Path:
+  """Trains a SentencePiece BPE model with an eos piece; writes and returns `out_dir/tokenizer.model`
+  (an existing one is refused unless `overwrite`, as `train_bpe`).
 
   Text is kept as it is (no normalization, whitespace kept, no dummy prefix) and unseen characters
   (newlines too: it trains on lines) fall back to bytes, so decode(encode(text)) == text.
   """
   import sentencepiece  # pylint: disable=g-import-not-at-top
-  out = pathlib.Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
+  out = output_file(out_dir, "sentencepiece")
+  files_lib.refuse_existing(out, overwrite)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  prefix = out.with_name(f".tokenizer.{os.getpid()}")  # writes <prefix>.model and <prefix>.vocab
+  with files_lib.new_file(out) as tmp, files_lib.new_file(out.with_suffix(".vocab")) as vocab:
+    _train_sentencepiece(sentencepiece, texts, vocab_size, prefix)
+    os.replace(f"{prefix}.model", tmp)
+    os.replace(f"{prefix}.vocab", vocab)
+  return out
+
+
+def _train_sentencepiece(sentencepiece, texts, vocab_size: int, prefix: pathlib.Path) -> None:
   sentencepiece.SentencePieceTrainer.Train(
       sentence_iterator=iter(line for text in texts for line in text.splitlines() if line.strip()),
-      model_prefix=str(out / "tokenizer"), vocab_size=vocab_size, model_type="bpe",
+      model_prefix=str(prefix), vocab_size=vocab_size, model_type="bpe",
       byte_fallback=True, character_coverage=1.0, eos_id=2, bos_id=1, unk_id=0, pad_id=-1,
       normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
       split_by_whitespace=True, allow_whitespace_only_pieces=True,
       num_threads=1, minloglevel=2)
-  return out / "tokenizer.model"

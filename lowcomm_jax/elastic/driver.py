@@ -35,7 +35,7 @@ from lowcomm_jax import config as config_lib
 from lowcomm_jax.data import corpora
 from lowcomm_jax.elastic import faults as faults_lib
 from lowcomm_jax.elastic import options
-from lowcomm_jax.train import workdir as workdir_lib
+from lowcomm_jax.train import run_inputs, workdir as workdir_lib
 
 
 def start_ray(address: str, num_cpus: float, temp_dir: str | None = None):
@@ -70,15 +70,17 @@ def start(config: ml_collections.ConfigDict, workdir) -> "ElasticRun":
   options.check(config)
   work = workdir_lib.check_path(workdir)
   identity = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
+  inputs = run_inputs.describe(config)
   state = workdir_lib.check_workdir(work, config_lib.fingerprint(config),
-                                    config_lib.fingerprint(config_lib.default_config()), identity)
+                                    config_lib.fingerprint(config_lib.default_config()), identity,
+                                    inputs, kind="elastic")
   if state == workdir_lib.COMPLETE:
     return ElasticRun(config, work, None, complete=True)
   lock = workdir_lib.lock_run(work)
   try:
     if state == workdir_lib.NEW:
       workdir_lib.write_config(work, json.loads(config.to_json_best_effort()),
-                               config_lib.fingerprint(config), identity)
+                               config_lib.fingerprint(config), identity, inputs, kind="elastic")
     return ElasticRun(config, work, lock)
   except BaseException:
     if lock is not None:

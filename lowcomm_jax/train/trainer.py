@@ -36,7 +36,7 @@ from lowcomm_jax.models import llama
 from lowcomm_jax.models import loss as loss_lib
 from lowcomm_jax.optim.inner import TrainState
 from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources, startup
-from lowcomm_jax.train import validation, workdir as workdir_lib
+from lowcomm_jax.train import run_inputs, validation, workdir as workdir_lib
 from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib
 
 
@@ -87,6 +87,7 @@ class Trainer:
     self.rules = sharding.rules_for(config.sharding.layout)
     # reliability: another config, another corpus, run files without config.json, a finished run
     self.corpus_identity = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
+    self.inputs = run_inputs.describe(config)  # reliability: the tokenizer and tokens file it reads
     self._check_workdir()
     abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
@@ -118,7 +119,7 @@ class Trainer:
   def _check_workdir(self) -> None:
     self.run_state = workdir_lib.check_workdir(
         self.workdir, config_lib.fingerprint(self.config),
-        config_lib.fingerprint(config_lib.default_config()), self.corpus_identity)
+        config_lib.fingerprint(config_lib.default_config()), self.corpus_identity, self.inputs)
     self.resuming = self.run_state != workdir_lib.NEW
 
   # -- building blocks, also used by tests and benchmarks ----------------------------------------
@@ -147,14 +148,9 @@ class Trainer:
     return jax.device_put(params, self.param_shardings)  # resharded device to device
 
   def restore_latest(self) -> TrainState:
-    """The train state of this workdir's latest checkpoint."""
-    template = self.abstract_state()
-    ckpt = checkpoint.Checkpointer(self.workdir, self.config.checkpoint.keep)
-    restored = ckpt.restore_latest(template)
-    ckpt.close()
-    if restored is None:
-      raise ValueError(f"{self.workdir} has no checkpoint to restore")
-    return restored[1]
+    """The train state of this workdir's latest checkpoint that restores, read only
+    (`checkpoint.read_latest`)."""
+    return checkpoint.read_latest(self.workdir, self.abstract_state(), "--workdir")[1]
 
   def _init_fn(self, params):
     params_r, opt_state = self.source.init(params)
@@ -296,6 +292,7 @@ class Trainer:
     if self.run_state == workdir_lib.COMPLETE:  # reliability: a finished run is left as it is
       return workdir_lib.report_complete(self.workdir)
     self._lock, self._ckpt = None, None
+    workdir_lib.check_not_locked(self.workdir)  # a second start: refused before its first line
     try:
       return self._run()
     except BaseException:
@@ -326,9 +323,11 @@ class Trainer:
     distributed.barrier("workdir checked")  # by every process, before process 0 writes to it
     if self.run_state == workdir_lib.COMPLETE:
       return workdir_lib.report_complete(self.workdir)
-    if not self.resuming and distributed.is_primary():
+    if not self.resuming and distributed.is_primary():  # config.json, then the tokenizer's copy
       workdir_lib.write_config(self.workdir, json.loads(c.to_json_best_effort()),
-                               config_lib.fingerprint(c), self.corpus_identity)
+                               config_lib.fingerprint(c), self.corpus_identity, self.inputs)
+    elif distributed.is_primary() and run_inputs.saved_inputs(self.workdir):
+      run_inputs.copy_tokenizer(self.workdir, self.inputs)  # a first start cut short before it
     distributed.barrier("config.json written")
     preemption = distributed.Preemption()  # reliability: SIGTERM saves at a step boundary
     state = self.init_state()

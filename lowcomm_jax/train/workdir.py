@@ -4,16 +4,18 @@ A workdir is one of three things, and a start behaves accordingly:
 
 - new (absent or empty): the run starts at step 0 and writes config.json first (`/` and the home
   directory are never a workdir, nor a symbolic link to nothing);
-- a run of the same config (its config.json's fingerprint and corpus identity match): it resumes
-  from the latest checkpoint, or, when summary.json is there, says the run is complete and changes
-  nothing;
-- anything else (a file, an unwritable place, another config, a different corpus, run files without
-  config.json, other files without config.json, an unreadable config.json): one ValueError naming
-  what is wrong and what to do, and the directory is left byte for byte as it was.
+- a run of the same kind and config (its config.json's kind, fingerprint, corpus identity and inputs
+  match): it resumes from the latest checkpoint, or, when summary.json is there, says the run is
+  complete and changes nothing;
+- anything else (a file, an unwritable place, another config, a run of the other binary, a
+  different corpus, tokenizer or tokens file, run files without config.json, other files without
+  config.json, an unreadable config.json): one ValueError naming what is wrong and what to do, and
+  the directory is left byte for byte as it was (the writability probe included: it writes only
+  into a folder the run will write into).
 
 One run at a time: `RunLock` holds an exclusive `fcntl.flock` on LOCK_FILE for the whole run (the
 kernel releases it when the process ends, however it ends); a second start is refused naming the
-holder's pid and host.
+holder's pid and host, before it prints anything (`check_not_locked`).
 
 config.json and summary.json are replaced whole (a temporary file renamed), so a crash leaves the old
 file or the new one, never a torn one; a summary.json that cannot be read is no finished run.
@@ -31,9 +33,14 @@ import socket
 import tempfile
 import time
 
+from lowcomm_jax.train import run_inputs
+
 # Files and folders a run writes; any of them without config.json is a damaged or foreign run.
-RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "summary.json", "tensorboard")
+RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "summary.json", "tensorboard",
+             "syncer", "learners", run_inputs.TOKENIZER_DIR)
 NEW, RESUME, COMPLETE = "new", "resume", "complete"
+# The kinds of run (config.json's "kind"), the binary that trains each and the folder it writes.
+KINDS = {"train": ("experiments/train.py", "checkpoints"), "elastic": ("experiments/elastic.py", "syncer")}
 # Held locked by the running start (its pid and host inside). Alone in a folder, or with the
 # temporary file of a config.json write cut short, it leaves the folder new.
 LOCK_FILE = "run.lock"
@@ -60,6 +67,10 @@ def check_path(workdir) -> pathlib.Path:
     existing = existing.parent
   if not existing.is_dir():
     raise ValueError(f"--workdir={workdir} cannot be created: {existing} is a file")
+  if path.is_dir():  # what is there first: a refused folder is never written into, even a probe
+    read_run(path)
+    if read_summary(path) is not None:
+      return path  # a finished run: nothing will be written
   try:  # os.access says yes to root everywhere; a real (removed at once) file says the truth
     with tempfile.TemporaryFile(dir=existing):
       pass
@@ -96,9 +107,22 @@ def read_run(workdir: pathlib.Path) -> dict | None:
   return run
 
 
+def kind_of(workdir: pathlib.Path, run: dict) -> str | None:
+  """The kind of run (a key of KINDS) config.json saved, or for a run saved before kinds were, the
+  one whose folder is there; None when neither says."""
+  if run.get("kind") in KINDS:
+    return run["kind"]
+  found = [kind for kind, (_, folder) in KINDS.items() if (pathlib.Path(workdir) / folder).exists()]
+  return found[0] if len(found) == 1 else None
+
+
 def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | None = None,
-                  corpus_identity: str | None = None) -> str:
+                  corpus_identity: str | None = None, inputs: dict | None = None,
+                  kind: str = "train") -> str:
   """NEW, RESUME or COMPLETE for a start of the run `fingerprint` in `workdir`; raises otherwise.
+
+  A run of another `kind` (KINDS: train.py's or elastic.py's) is refused naming it. `inputs` (the
+  run's tokenizer and tokens file now, `run_inputs.describe`) must match those the run saved.
 
   A key the saved run does not know (added to the config since) counts as its default value; a key
   it saved that is fingerprinted no more (e.g. diloco.nonfinite, now the run-time key nonfinite) is not compared. A saved
@@ -109,6 +133,11 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | Non
   run = read_run(pathlib.Path(workdir))
   if run is None:
     return NEW
+  found = kind_of(workdir, run)
+  if found is not None and found != kind:
+    raise ValueError(f"workdir {workdir} holds a run of {KINDS[found][0]} (a {found} run: its "
+                     f"{KINDS[found][1]}/ is there), which {KINDS[kind][0]} cannot resume or "
+                     f"overwrite; use a new --workdir, or {KINDS[found][0]} to resume it")
   current = json.loads(json.dumps(fingerprint, default=str))
   defaults = json.loads(json.dumps(defaults or {}, default=str))
   # A saved key fingerprinted no more (now a run-time key, or gone from the config) is not compared.
@@ -120,6 +149,9 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | Non
     details = ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in differing[:8])
     raise ValueError(f"workdir {workdir} holds a run of another config ({details}); "
                      "use a new --workdir or the same config to resume")
+  changed = run_inputs.difference(workdir, run.get("inputs"), inputs) if inputs else None
+  if changed:
+    raise ValueError(changed)
   saved_identity = run.get("corpus_identity")
   if saved_identity and corpus_identity and saved_identity != corpus_identity:
     raise ValueError(
@@ -164,6 +196,11 @@ def _holder(path: pathlib.Path) -> str:
   return "a process that has not written its pid yet"
 
 
+def _in_use(workdir, path: pathlib.Path) -> str:
+  return (f"workdir {workdir} is in use by another run ({_holder(path)}, which holds {path}); wait "
+          "for it to end or stop it, or use another --workdir")
+
+
 class RunLock:
   """An exclusive `fcntl.flock` on workdir/LOCK_FILE, holding "pid <pid> on host <host>".
 
@@ -180,9 +217,7 @@ class RunLock:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       os.close(fd)
-      raise WorkdirInUse(f"workdir {workdir} is in use by another run ({_holder(self.path)}, which "
-                         f"holds {self.path}); wait for it to end or stop it, or use another "
-                         "--workdir") from None
+      raise WorkdirInUse(_in_use(workdir, self.path)) from None
     self.holder = f"pid {os.getpid()} on host {socket.gethostname()}"
     os.ftruncate(fd, 0)
     os.write(fd, (self.holder + "\n").encode())
@@ -192,6 +227,25 @@ class RunLock:
     if self._fd is not None:
       os.close(self._fd)
       self._fd = None
+
+
+def check_not_locked(workdir: pathlib.Path) -> None:
+  """Raises WorkdirInUse on every process when another start holds the workdir's lock: process 0
+  tries the lock and lets it go at once, writing nothing. Collective: all processes call it."""
+  from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
+  refusal, path = None, pathlib.Path(workdir) / LOCK_FILE
+  if distributed.is_primary() and path.is_file():
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+      refusal = _in_use(workdir, path)
+    finally:
+      os.close(fd)
+  refusal = distributed.gather_lists([refusal] if distributed.is_primary() else [])[0]
+  if refusal:
+    raise WorkdirInUse(refusal)
 
 
 def lock_run(workdir: pathlib.Path) -> RunLock | None:
@@ -222,12 +276,16 @@ def lock_run(workdir: pathlib.Path) -> RunLock | None:
 
 
 def write_config(workdir: pathlib.Path, config_json: dict, fingerprint: dict,
-                 corpus_identity: str | None) -> None:
-  """Creates the workdir and its config.json (the first file of a run)."""
+                 corpus_identity: str | None, inputs: dict | None = None,
+                 kind: str = "train") -> None:
+  """Creates the workdir and its config.json (the first file of a run), then copies the run's
+  tokenizer into it (`run_inputs.copy_tokenizer`)."""
   workdir.mkdir(parents=True, exist_ok=True)
   write_atomic(workdir / "config.json", json.dumps(
-      {"config": config_json, "fingerprint": fingerprint, "corpus_identity": corpus_identity},
-      indent=1, default=str))
+      {"config": config_json, "fingerprint": fingerprint, "corpus_identity": corpus_identity,
+       "kind": kind, "inputs": inputs}, indent=1, default=str))
+  if inputs:
+    run_inputs.copy_tokenizer(workdir, inputs)
 
 
 def strict_json(value, path: str = "", reasons: dict | None = None):
