@@ -176,6 +176,21 @@ def tree_hash(directory) -> dict[str, str]:
           for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def tree_state(directory) -> dict[str, tuple]:
+  """(mode, size, mtime in ns, SHA-256 of a file's bytes) of `directory` itself ("."; through a
+  symbolic link) and of everything under it, by relative path: what a tool that only reads leaves
+  as it was."""
+  root = pathlib.Path(directory)
+  if not root.exists():
+    return {}
+  state = {}
+  for path in [root, *sorted(root.rglob("*"))]:
+    info = path.stat() if path == root else path.lstat()
+    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    state[str(path.relative_to(root))] = (info.st_mode, info.st_size, info.st_mtime_ns, digest)
+  return state
+
+
 def make_config(config_file: str, changes: dict):
   spec = importlib.util.spec_from_file_location("experiment_config", CONFIGS / config_file)
   module = importlib.util.module_from_spec(spec)

@@ -215,7 +215,9 @@ def test_prepared_ids_are_the_tokenizers_stream_and_train_and_evaluate(tmp_path,
   with open(out, "ab") as f:
     expected[:5].tofile(f)
   (tmp_path / "ids" / "docs.json").write_text(json.dumps({**meta, "num_tokens": len(expected) + 5}))
-  with pytest.raises(ValueError, match="was trained on another copy of data.corpus="):
+  with pytest.raises(ValueError, match=re.escape(
+      f"data.corpus='tokens:{out}' is not the file the run in {tmp_path / 'run'} trained on: the "
+      f"run's was {out} of {len(expected) * 2} bytes")):
     Trainer(tiny_config(**changes), tmp_path / "run")
   other = evaluation.run_config(tmp_path / "run", {"data.corpus": corpus, "data.seq_len": "16"})
   assert other.data.corpus == corpus and other.data.seq_len == 16

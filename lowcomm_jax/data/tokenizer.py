@@ -212,8 +212,8 @@ def check_exact_bytes(tok) -> None:
     if isinstance(tok, HFTokenizer):
       kind = f" (a {json.loads(tok.path.read_text()).get('model', {}).get('type', '?')} tokenizer)"
     raise ValueError(f"data.tokenizer={tok.spec!r}{kind} does not give back the text it encodes "
-                     f"({ROUND_TRIP_TEXT[:13]!r} decodes as {back[:16]!r}), so the bytes per token "
-                     "of bits per byte cannot be counted; use a byte-level BPE "
+                     f"({ROUND_TRIP_TEXT[:13]!r} decodes as {back[:16]!r}), so bits per byte, which "
+                     "count the decoded text's bytes, would be wrong; use a byte-level BPE "
                      "(experiments/train_tokenizer.py) or a SentencePiece model")
 
 

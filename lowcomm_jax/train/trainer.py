@@ -308,14 +308,14 @@ class Trainer:
 
   def _run(self) -> dict:
     c = self.config
-    if distributed.is_primary():
-      for line in self.startup_report():
-        print(line, flush=True)
-    splits = pipeline.splits_of(c)
+    splits = pipeline.splits_of(c)  # the data's refusals (binary text, too few tokens) come first
     data_iters = self.data_iterators(splits.train)
     eval_batches = [distributed.replicated_array(b, self.eval_sharding())
                     for b in pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
                                                    c.eval.num_batches)]
+    if distributed.is_primary():
+      for line in self.startup_report():
+        print(line, flush=True)
     # reliability: config.json only once the data checks above passed (a refusal writes nothing),
     # and only by the start holding the workdir (a second start is refused, naming the first)
     self._lock = workdir_lib.lock_run(self.workdir)
