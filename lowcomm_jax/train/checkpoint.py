@@ -19,15 +19,16 @@ import orbax.checkpoint as ocp
 
 from lowcomm_jax import distributed
 from lowcomm_jax.data import files
+from lowcomm_jax.train import workdir as workdir_lib
 
 _HANDLER_REGISTERED = False
 # Written last into a step directory: the SHA-256 of every other file of the step.
 CHECKSUM_FILE = "lowcomm_sha256.json"
 # How long a failed save's remaining writes are given to end before the run stops.
 _IN_FLIGHT_WRITES_S = 1.0
-# How many times a reader lists a live run's steps: each step it tried was removed by the run's
-# rotation (keep) while read, so the newer steps sealed meanwhile are tried next.
-_LISTINGS = 8
+# How long a reader of a live run (its lock held) waits for the next sealed step when none it
+# listed restores (the rotation, keep, removes the step being read once the next is written).
+_ROTATION_WAIT_S = 30.0
 
 
 def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
@@ -367,21 +368,20 @@ def _vocabulary(tokenizer: str) -> str:
 def read_latest(workdir, abstract_state, option: str = "--workdir", tokenizer: str = "") -> tuple:
   """(step, state, data) of the newest sealed checkpoint of a run that restores, read only: no
   orbax manager, no temporary folder cleaned, no step set aside, so that a training running in the
-  workdir (or its finished files) is left as it is. A step removed while read (a live run's keep
-  rotation) is followed by the newer ones sealed since. Raises one ValueError naming `option` and
+  workdir (or its finished files) is left as it is. In a live run (its lock held), a step removed
+  while read (the rotation, keep) is followed by the next one sealed. Raises one ValueError naming `option` and
   the cause (e.g. a vocabulary other than the run's, `tokenizer` being data.tokenizer) when none
   restores. Collective with several processes: process 0's listing is read by all."""
   _fast_array_handler()
   directory = pathlib.Path(workdir).absolute() / "checkpoints"
   reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
   failed: dict[int, str] = {}
+  deadline = time.monotonic() + _ROTATION_WAIT_S
   try:
-    for _ in range(_LISTINGS):
+    while True:
       listed = distributed.gather_lists([sealed_steps(directory)] if distributed.is_primary()
                                         else [])[0]
       untried = [step for step in listed if step not in failed]
-      if not untried:
-        break
       for step in untried:
         restored, reason = None, None
         try:
@@ -397,6 +397,13 @@ def read_latest(workdir, abstract_state, option: str = "--workdir", tokenizer: s
         if distributed.all_agree(restored is not None):
           return step, restored["state"], restored["data"]
         failed[step] = reason or "unreadable on another process"
+      # A live run's rotation removes the step being read once the next is written: wait for it.
+      live = workdir_lib.lock_holder(directory.parent) is not None
+      if not distributed.all_agree(not untried and live and time.monotonic() < deadline):
+        if untried:
+          continue
+        break
+      time.sleep(0.05)
   finally:
     reader.close()
   where = f"{option}={str(workdir)!r}"

@@ -229,20 +229,31 @@ class RunLock:
       self._fd = None
 
 
-def check_not_locked(workdir: pathlib.Path) -> None:
-  """Raises WorkdirInUse on every process when another start holds the workdir's lock: process 0
-  tries the lock and lets it go at once, writing nothing. Collective: all processes call it."""
-  from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
-  refusal, path = None, pathlib.Path(workdir) / LOCK_FILE
-  if distributed.is_primary() and path.is_file():
+def lock_holder(workdir: pathlib.Path) -> str | None:
+  """Who holds the workdir's lock (a run going on), None when nobody does: the lock is tried and let
+  go at once, through a read-only descriptor, writing nothing."""
+  path = pathlib.Path(workdir) / LOCK_FILE
+  try:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      fcntl.flock(fd, fcntl.LOCK_UN)
-    except BlockingIOError:
-      refusal = _in_use(workdir, path)
-    finally:
-      os.close(fd)
+  except FileNotFoundError:
+    return None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return None
+  except BlockingIOError:
+    return _holder(path)
+  finally:
+    os.close(fd)
+
+
+def check_not_locked(workdir: pathlib.Path) -> None:
+  """Raises WorkdirInUse on every process when another start holds the workdir's lock (process 0
+  looks, `lock_holder`). Collective: all processes call it."""
+  from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
+  refusal = None
+  if distributed.is_primary() and lock_holder(workdir) is not None:
+    refusal = _in_use(workdir, pathlib.Path(workdir) / LOCK_FILE)
   refusal = distributed.gather_lists([refusal] if distributed.is_primary() else [])[0]
   if refusal:
     raise WorkdirInUse(refusal)
