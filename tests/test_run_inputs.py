@@ -21,7 +21,7 @@ import pytest
 
 from lowcomm_jax.data import corpora, files, prepare, tokenizer as tokenizer_lib
 from lowcomm_jax.testing import make_config, tiny_config, tree_state
-from lowcomm_jax.train import Trainer, checkpoint, workdir as workdir_lib
+from lowcomm_jax.train import Trainer, checkpoint, evaluation, workdir as workdir_lib
 from lowcomm_jax import elastic
 
 SAMPLE = "Permission is hereby granted, free of charge, to any person obtaining a copy"
@@ -103,6 +103,21 @@ def test_a_run_copies_its_tokenizer_and_readers_use_the_copy_from_anywhere(runs,
   assert f"the run's copy {run / 'tokenizer' / 'tokenizer.json'} is used" in note[0]
   assert params["embed"].shape[0] == 512
   assert tree_state(run) == before
+
+
+def test_an_evaluation_says_in_one_line_when_the_runs_data_changed(runs, capfd):
+  root = runs["root"]
+  saved = json.loads((root / "run_text" / "config.json").read_text())["corpus_identity"]
+  text = root / "texts" / "00.txt"
+  with _cwd(root), _replaced(text, text.read_bytes() + b"One more line.\n"):
+    capfd.readouterr()
+    result = evaluation.evaluate(root / "run_text")
+    now = corpora.corpus_identity("text:texts/*.txt", "tok/tokenizer.json")
+  note = [l for l in capfd.readouterr().err.splitlines() if l.startswith("note: ")]
+  assert note == [f"note: data.corpus='text:texts/*.txt' is not the text the run in "
+                  f"{root / 'run_text'} trained on (corpus identity {saved} then, {now} now: its "
+                  "files or their sizes changed); scored on it as it is now"]
+  assert saved != now and np.isfinite(result["eval_loss"])
 
 
 def test_gzip_text_is_read_decompressed(tmp_path):

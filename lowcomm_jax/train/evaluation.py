@@ -10,6 +10,7 @@ them. The workdir is only read.
 from __future__ import annotations
 
 import pathlib
+import sys
 from typing import Sequence
 
 import jax
@@ -66,6 +67,10 @@ def evaluate_corpora(workdir, corpora: Sequence[str], changes: dict | None = Non
   any compute."""
   configs = [run_config(workdir, {**(changes or {}), **({"data.corpus": corpus} if corpus else {})})
              for corpus in (list(corpora) or [""])]
+  for c in configs:  # the run's own data changed since: said in one line, scored as it is
+    note = run_inputs.data_note(workdir, c)
+    if note:
+      print(note, file=sys.stderr, flush=True)
   model_cfg, params = checkpoint.read_eval_params(workdir)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0))), nnx.Param)
   loss_fn = jax.jit(lambda p, b: loss_lib.lm_loss(graphdef, p, b))

@@ -24,7 +24,7 @@ import pathlib
 import sys
 
 from lowcomm_jax import config as config_lib
-from lowcomm_jax.data import files, tokenizer as tokenizer_lib
+from lowcomm_jax.data import corpora, files, tokenizer as tokenizer_lib
 
 # The workdir's folder holding the copy of the run's tokenizer files.
 TOKENIZER_DIR = "tokenizer"
@@ -80,7 +80,7 @@ def difference(workdir: pathlib.Path, saved: dict | None, current: dict) -> str 
   if not saved:
     return None
   then, now = saved.get("tokenizer", {}), current["tokenizer"]
-  if then.get("sha256", {}) != now.get("sha256", {}):
+  if now and then.get("sha256", {}) != now.get("sha256", {}):
     run_files = ", ".join(f"{n} {_short(h)}" for n, h in then.get("sha256", {}).items()) or "bytes"
     given = ", ".join(f"{n} {_short(h)}" for n, h in now.get("sha256", {}).items()) or "bytes"
     return (f"data.tokenizer={now['given']!r} is not the tokenizer the run in {workdir} trained "
@@ -95,6 +95,21 @@ def difference(workdir: pathlib.Path, saved: dict | None, current: dict) -> str 
             f"file now has {now['size']} bytes, {_short(now['sha256'])} (rewritten since); resume "
             "with the run's tokens file, or use a new --workdir")
   return None
+
+
+def data_note(workdir, config) -> str | None:
+  """For a reader of a run on its own `data.corpus`: one line naming the run's and the current
+  identity of that data when they differ (its files or their sizes, or the tokens file's hash)."""
+  saved = json.loads((pathlib.Path(workdir) / "config.json").read_text())
+  if saved.get("config", {}).get("data", {}).get("corpus") != config.data.corpus:
+    return None
+  changed = difference(workdir, saved.get("inputs"), {**describe(config), "tokenizer": {}})
+  now = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
+  if changed is None and saved.get("corpus_identity") not in (None, now):
+    changed = (f"data.corpus={config.data.corpus!r} is not the text the run in {workdir} trained "
+               f"on (corpus identity {saved['corpus_identity']} then, {now} now: its files or their "
+               "sizes changed)")
+  return None if changed is None else f"note: {changed.split('; resume')[0]}; scored on it as it is now"
 
 
 def saved_inputs(workdir) -> dict | None:
