@@ -32,14 +32,22 @@ def _read(command) -> subprocess.CompletedProcess:
   return subprocess.run(command, capture_output=True, text=True, timeout=240)
 
 
+def _one_line(result: subprocess.CompletedProcess, starts: str) -> None:
+  """A refusal: exit status 1, nothing on stdout, one line on stderr."""
+  assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr[-2000:]
+  assert result.stderr.startswith(starts) and result.stderr.count("\n") == 1, result.stderr[-2000:]
+
+
 def test_readers_leave_a_live_and_a_finished_run_as_they_are(tmp_path):
   workdir = tmp_path / "live"
-  train = subprocess.Popen(
-      [sys.executable, str(ROOT / "experiments" / "train.py"), f"--config={CONFIGS / 'dp.py'}:tiny",
-       f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in CHANGES.items())],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  command = [sys.executable, str(ROOT / "experiments" / "train.py"),
+             f"--config={CONFIGS / 'dp.py'}:tiny", f"--workdir={workdir}",
+             *(f"--config.{k}={v}" for k, v in CHANGES.items())]
+  train = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   while train.poll() is None and not list(workdir.glob("checkpoints/*/lowcomm_sha256.json")):
     time.sleep(0.1)
+  # A second start, refused before its start-up line, with no orbax line after it.
+  _one_line(_read(command), f"ValueError: workdir {workdir} is in use by another run (pid {train.pid}")
   live = []  # (reader, its result) of the readers started while the training ran
   while train.poll() is None:
     for i, command in enumerate(_readers(workdir, tmp_path / f"export{len(live)}")):
@@ -70,3 +78,11 @@ def test_readers_leave_a_live_and_a_finished_run_as_they_are(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert not any(noise in result.stderr for noise in ORBAX_NOISE), result.stderr[-2000:]
     assert tree_state(workdir) == before, command[1]
+
+  # A reader's refusal is one line, nothing after it, nothing set aside: the only step's seal edited.
+  seal = next(workdir.glob("checkpoints/*/lowcomm_sha256.json"))
+  seal.write_text(seal.read_text().replace('"step": ', '"step": 1'))
+  before = tree_state(workdir)
+  _one_line(_read(_readers(workdir, tmp_path / "refused")[0]),
+            f"ValueError: --workdir='{workdir}': no checkpoint restores (1 sealed")
+  assert tree_state(workdir) == before

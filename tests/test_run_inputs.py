@@ -28,16 +28,6 @@ SAMPLE = "Permission is hereby granted, free of charge, to any person obtaining 
 
 
 @contextlib.contextmanager
-def _cwd(path):
-  before = os.getcwd()
-  os.chdir(path)
-  try:
-    yield
-  finally:
-    os.chdir(before)
-
-
-@contextlib.contextmanager
 def _replaced(path: pathlib.Path, data: bytes):
   """`path` holds `data` for the block (written in place, as an editor or a retrain would), then
   its old bytes again."""
@@ -69,7 +59,7 @@ def runs(tmp_path_factory):
   tokenizer_lib.train_bpe(texts, 400, root / "tok")
   other = {"B": tokenizer_lib.train_bpe(texts[30:], 400, root / "tokB").read_bytes(),
            "C": tokenizer_lib.train_bpe(texts, 700, root / "tokC").read_bytes()}
-  with _cwd(root):
+  with contextlib.chdir(root):
     prepare.prepare("text:texts/*.txt", "tok/tokenizer.json", "ids/docs.bin", workers=1,
                     progress=False)
     text_config = _config("text:texts/*.txt", "tok/tokenizer.json")
@@ -95,7 +85,7 @@ def test_a_run_copies_its_tokenizer_and_readers_use_the_copy_from_anywhere(runs,
   assert not np.array_equal(expected, retrained)  # the same size of vocabulary, other ids
   before = tree_state(run)
   # Retrained in place since, and read from another directory (the run gave a relative path).
-  with _replaced(root / "tok" / "tokenizer.json", runs["other"]["B"]), _cwd(tmp_path):
+  with _replaced(root / "tok" / "tokenizer.json", runs["other"]["B"]), contextlib.chdir(tmp_path):
     _, params, tok = checkpoint.read_model(run)
   np.testing.assert_array_equal(tok.encode(SAMPLE), expected)
   note = [l for l in capfd.readouterr().err.splitlines() if l.startswith("note: ")]
@@ -109,7 +99,7 @@ def test_an_evaluation_says_in_one_line_when_the_runs_data_changed(runs, capfd):
   root = runs["root"]
   saved = json.loads((root / "run_text" / "config.json").read_text())["corpus_identity"]
   text = root / "texts" / "00.txt"
-  with _cwd(root), _replaced(text, text.read_bytes() + b"One more line.\n"):
+  with contextlib.chdir(root), _replaced(text, text.read_bytes() + b"One more line.\n"):
     capfd.readouterr()
     result = evaluation.evaluate(root / "run_text")
     now = corpora.corpus_identity("text:texts/*.txt", "tok/tokenizer.json")
@@ -129,7 +119,7 @@ def test_gzip_text_is_read_decompressed(tmp_path):
 def test_overwrite_renames_into_place_and_a_reader_keeps_the_old_file(runs, tmp_path):
   root = runs["root"]
   out = tmp_path / "docs.bin"
-  with _cwd(root):
+  with contextlib.chdir(root):
     prepare.prepare("text:texts/0*.txt", "tok/tokenizer.json", out, workers=1, progress=False)
     mapped = np.memmap(out, dtype=np.uint16, mode="r")  # as a run reads it
     old = np.array(mapped)
@@ -183,7 +173,7 @@ def test_the_table_of_changed_inputs_is_refused_in_one_line_with_nothing_changed
       changed = tree_state(watched) != before
     rows.append((name, message, expected, changed, printed))
 
-  with _cwd(root):
+  with contextlib.chdir(root):
     # item 2: the tokenizer retrained in place with the same vocabulary size
     case("resume: tokenizer retrained in place", root / "run_text",
          lambda: Trainer(runs["text"], root / "run_text").run(),

@@ -49,14 +49,19 @@ def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
 def _quiet_closed_loop_reports(previous):
   """sys.unraisablehook, but for the reports of tensorstore writes that end after a failed save
   closed orbax's event loop: each printed a traceback ("Event loop is closed"), dozens for one
-  full disk, burying the one line SaveFailed gives."""
+  full disk, burying the one line SaveFailed gives. Likewise the reads of a restore that failed (a
+  step a live run's rotation removed while read): the restore's own error is reported, once."""
 
   def hook(unraisable):
     last = unraisable.exc_traceback
     while last is not None and last.tb_next is not None:
       last = last.tb_next
-    if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
-            and last is not None and last.tb_frame.f_code.co_name == "_check_closed"):
+    closed_loop = (unraisable.exc_type is RuntimeError
+                   and str(unraisable.exc_value) == "Event loop is closed"
+                   and last is not None and last.tb_frame.f_code.co_name == "_check_closed")
+    code = getattr(unraisable.object, "cr_code", None)
+    orbax_read = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+    if not (closed_loop or orbax_read):
       previous(unraisable)
 
   return hook
