@@ -54,6 +54,7 @@ FILE_SECONDS = {
     "test_multiprocess_faults.py": 90, "test_diloco.py": 80, "test_noloco_trainer.py": 55,
     "test_hdee_experts.py": 50, "test_fragment_state.py": 50, "test_multiprocess_equivalence.py": 45,
     "test_train.py": 40, "test_sparseloco.py": 40, "test_elastic.py": 220,
+    "test_live_readers.py": 100,
 }
 
 
