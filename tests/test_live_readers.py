@@ -47,7 +47,8 @@ def test_readers_leave_a_live_and_a_finished_run_as_they_are(tmp_path):
   while train.poll() is None and not list(workdir.glob("checkpoints/*/lowcomm_sha256.json")):
     time.sleep(0.1)
   # A second start, refused before its start-up line, with no orbax line after it.
-  _one_line(_read(command), f"ValueError: workdir {workdir} is in use by another run (pid {train.pid}")
+  _one_line(_read(command),
+            f"ValueError: workdir {workdir} is in use by another run (pid {train.pid}")
   live = []  # (reader, its result) of the readers started while the training ran
   while train.poll() is None:
     for i, command in enumerate(_readers(workdir, tmp_path / f"export{len(live)}")):
@@ -79,7 +80,8 @@ def test_readers_leave_a_live_and_a_finished_run_as_they_are(tmp_path):
     assert not any(noise in result.stderr for noise in ORBAX_NOISE), result.stderr[-2000:]
     assert tree_state(workdir) == before, command[1]
 
-  # A reader's refusal is one line, nothing after it, nothing set aside: the only step's seal edited.
+  # A reader's refusal is one line, nothing after it, nothing set aside (the only step's seal
+  # edited).
   seal = next(workdir.glob("checkpoints/*/lowcomm_sha256.json"))
   seal.write_text(seal.read_text().replace('"step": ', '"step": 1'))
   before = tree_state(workdir)

@@ -10,6 +10,7 @@ The test prints the figure: faults tried / refused cleanly / run directories cha
 
 import contextlib
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -133,26 +134,29 @@ def test_overwrite_renames_into_place_and_a_reader_keeps_the_old_file(runs, tmp_
 
 
 def _wordpiece(path: pathlib.Path) -> str:
-  from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers  # pylint: disable=g-import-not-at-top
-  vocab = {t: i for i, t in enumerate(
-      ["[UNK]", "[SEP]", *"abcdefghijklmnopqrstuvwxyz,.!'", *(f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz")])}
-  tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
-  tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-  tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-  tok.decoder = decoders.WordPiece()
+  import tokenizers  # pylint: disable=g-import-not-at-top  # as a user builds a BERT-style one
+  letters = "abcdefghijklmnopqrstuvwxyz"
+  pieces = ["[UNK]", "[SEP]", *letters, *",.!'", *(f"##{c}" for c in letters)]
+  tok = tokenizers.Tokenizer(tokenizers.models.WordPiece(
+      {t: i for i, t in enumerate(pieces)}, unk_token="[UNK]"))
+  tok.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=True)
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+  tok.decoder = tokenizers.decoders.WordPiece()
   path.mkdir()
   tok.save(str(path / "tokenizer.json"))
   return str(path / "tokenizer.json")
 
 
 def _attempt(action) -> tuple[str | None, str]:
-  """(the ValueError's message or None, what was printed) of one try."""
+  """(the ValueError's message or None, what was printed, and any other error) of one try."""
   printed = io.StringIO()
   try:
     with contextlib.redirect_stdout(printed):
       action()
   except ValueError as error:
     return str(error), printed.getvalue()
+  except Exception as error:  # pylint: disable=broad-except  # a crash is a row that failed
+    return None, f"{printed.getvalue()}{type(error).__name__}: {error}"
   return None, printed.getvalue()
 
 
@@ -163,7 +167,7 @@ def _copy_run(runs, name: str, into: pathlib.Path) -> pathlib.Path:
 def test_the_table_of_changed_inputs_is_refused_in_one_line_with_nothing_changed(runs, tmp_path):
   root, other = runs["root"], runs["other"]
   tok_a = root / "tok" / "tokenizer.json"
-  sha = lambda data: __import__("hashlib").sha256(data).hexdigest()[:12]
+  sha = lambda data: hashlib.sha256(data).hexdigest()[:12]
   rows = []
 
   def case(name, watched, action, expected, setup=contextlib.nullcontext):
@@ -240,9 +244,11 @@ def test_the_table_of_changed_inputs_is_refused_in_one_line_with_nothing_changed
     (tmp_path / "mixed" / "d.txt").write_bytes(bytes(range(128, 256)) * 20)
     case("NUL bytes in a text glob", tmp_path,
          lambda: Trainer(_config(f"text:{tmp_path}/mixed/*.txt", "bytes"), tmp_path / "new").run(),
-         [f"{tmp_path / 'mixed' / 'b.txt'} holds NUL bytes", "3 of the 4 files matched are no text"])
+         [f"{tmp_path / 'mixed' / 'b.txt'} holds NUL bytes",
+          "3 of the 4 files matched are no text"])
     case("undecodable bytes in a text glob", tmp_path,
-         lambda: Trainer(_config(f"text:{tmp_path}/mixed/[ad].txt", "bytes"), tmp_path / "new").run(),
+         lambda: Trainer(_config(f"text:{tmp_path}/mixed/[ad].txt", "bytes"),
+                         tmp_path / "new").run(),
          [f"{tmp_path / 'mixed' / 'd.txt'} is not UTF-8 text (", "undecodable bytes",
           "1 of the 2 files matched"])
     wordpiece = _wordpiece(tmp_path / "wordpiece")

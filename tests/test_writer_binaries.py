@@ -22,16 +22,17 @@ def test_an_existing_out_is_refused_in_one_line_and_overwrite_renames_into_place
   tokenizer, ids = tmp_path / "tok", tmp_path / "ids.bin"
   writers = [("train_tokenizer.py", [corpus, "--vocab_size=300", f"--out={tokenizer}"],
               tokenizer / "tokenizer.json"),
-             ("prepare_data.py", [corpus, f"--tokenizer={tokenizer}", f"--out={ids}", "--workers=1"],
-              ids)]
+             ("prepare_data.py",
+              [corpus, f"--tokenizer={tokenizer}", f"--out={ids}", "--workers=1"], ids)]
   for script, flags, out in writers:
     assert _run(script, *flags).returncode == 0
     before, inode = tree_state(tmp_path), out.stat().st_ino
     refused = _run(script, *flags)
     assert refused.returncode == 1 and refused.stdout == ""
-    assert refused.stderr == (f"ValueError: --out={out} exists, and a run may be reading it; give a "
-                              "new path, or --overwrite to replace it (written beside it, then "
-                              "renamed into place: a reader keeps the old file)\n")
+    assert refused.stderr == (
+        f"ValueError: --out={out} exists, and a run may be reading it; give a new path, or "
+        "--overwrite to replace it (written beside it, then renamed into place: a reader keeps "
+        "the old file)\n")
     assert tree_state(tmp_path) == before
     assert _run(script, *flags, "--overwrite").returncode == 0
     assert out.stat().st_ino != inode  # a new file: a reader of the old one keeps reading it

@@ -281,9 +281,11 @@ def iter_documents(name: str) -> Iterator[tuple[str, str]]:
         try:
           record = json.loads(line)
         except ValueError as error:
-          raise ValueError(f"data.corpus={name!r}: {path} line {number} is not JSON ({error})") from None
+          raise ValueError(f"data.corpus={name!r}: {path} line {number} is not JSON "
+                           f"({error})") from None
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
-          raise ValueError(f"data.corpus={name!r}: {path} line {number} has no text field {field!r}")
+          raise ValueError(f"data.corpus={name!r}: {path} line {number} has no text field "
+                           f"{field!r}")
         yield f"{path}:{number}", record[field]
   elif kind == "parquet":
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top

@@ -100,9 +100,10 @@ def check_token_vocab(corpus: str, meta: dict, tok) -> None:
   SHA-256 (prepare_data.py records it), or, in metadata without one, a vocabulary no larger."""
   recorded = meta.get("tokenizer_sha256")
   if recorded and recorded != tokenizer_lib.sha256_of(tok):
+    spec = getattr(tok, "spec", tok)
     raise ValueError(f"data.corpus={corpus!r} was tokenized by {meta.get('tokenizer', '?')!r} "
-                     f"(sha256 {recorded[:12]}), but data.tokenizer={getattr(tok, 'spec', tok)!r} is "
-                     f"another tokenizer (sha256 {tokenizer_lib.sha256_of(tok)[:12]}); set "
+                     f"(sha256 {recorded[:12]}), but data.tokenizer={spec!r} is another "
+                     f"tokenizer (sha256 {tokenizer_lib.sha256_of(tok)[:12]}); set "
                      "data.tokenizer to the one that prepared it, or prepare the corpus again")
   if int(meta["vocab_size"]) > tok.vocab_size:
     raise ValueError(f"data.tokenizer={getattr(tok, 'spec', tok)!r} has {tok.vocab_size} tokens but "

@@ -61,7 +61,8 @@ def prepare(corpus: str, tokenizer: str, out, workers: int = 0, chunk_documents:
   corpus larger than memory streams through."""
   out = pathlib.Path(out)
   if out.suffix != ".bin":
-    raise ValueError(f"--out={out} must end in .bin (its metadata goes to {out.with_suffix('.json')})")
+    raise ValueError(f"--out={out} must end in .bin (its metadata goes to "
+                     f"{out.with_suffix('.json')})")
   for path in (out, out.with_suffix(".json")):
     files.refuse_existing(path, overwrite)
   corpora.check_available(corpus)

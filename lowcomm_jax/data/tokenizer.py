@@ -33,7 +33,7 @@ DOC_SEPARATOR = 0  # NUL never occurs in the text corpora, so it marks document 
 # End-of-text tokens looked for, in this order, in a tokenizer that does not say which is its own.
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 VOCAB_MULTIPLE = 128
-# Encoded and decoded by `check_exact_bytes`: what a tokenizer that bits per byte can trust gives back.
+# Encoded and decoded by `check_exact_bytes`: a tokenizer bits per byte can trust gives it back.
 ROUND_TRIP_TEXT = "Hello, World! It's 3.5 kB.\n  Naïve café: x = [1, 2];\tdone."
 
 
@@ -212,8 +212,8 @@ def check_exact_bytes(tok) -> None:
     if isinstance(tok, HFTokenizer):
       kind = f" (a {json.loads(tok.path.read_text()).get('model', {}).get('type', '?')} tokenizer)"
     raise ValueError(f"data.tokenizer={tok.spec!r}{kind} does not give back the text it encodes "
-                     f"({ROUND_TRIP_TEXT[:13]!r} decodes as {back[:16]!r}), so bits per byte, which "
-                     "count the decoded text's bytes, would be wrong; use a byte-level BPE "
+                     f"({ROUND_TRIP_TEXT[:13]!r} decodes as {back[:16]!r}), so bits per byte, "
+                     "which count the decoded text's bytes, would be wrong; use a byte-level BPE "
                      "(experiments/train_tokenizer.py) or a SentencePiece model")
 
 
@@ -236,7 +236,8 @@ def output_file(out_dir, kind: str) -> pathlib.Path:
   return pathlib.Path(out_dir) / ("tokenizer.json" if kind == "bpe" else "tokenizer.model")
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_dir, overwrite: bool = False) -> pathlib.Path:
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir,
+              overwrite: bool = False) -> pathlib.Path:
   """Trains a byte-level BPE tokenizer (Hugging Face `tokenizers`, offline) with `<|endoftext|>` as
   its document separator; writes and returns `out_dir/tokenizer.json`. An existing one is refused
   (a run may be reading it) unless `overwrite`: then the new file is renamed onto it."""
@@ -259,8 +260,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir, overwrite: bool = 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_dir,
                         overwrite: bool = False) -> pathlib.Path:
-  """Trains a SentencePiece BPE model with an eos piece; writes and returns `out_dir/tokenizer.model`
-  (an existing one is refused unless `overwrite`, as `train_bpe`).
+  """Trains a SentencePiece BPE model with an eos piece; writes and returns
+  `out_dir/tokenizer.model` (an existing one is refused unless `overwrite`, as `train_bpe`).
 
   Text is kept as it is (no normalization, whitespace kept, no dummy prefix) and unseen characters
   (newlines too: it trains on lines) fall back to bytes, so decode(encode(text)) == text.

@@ -327,8 +327,8 @@ def sealed_steps(directory: pathlib.Path) -> list[int]:
     names = [p.name for p in pathlib.Path(directory).iterdir()]
   except FileNotFoundError:
     return []
-  return sorted((int(n) for n in names if n.isdigit() and (directory / n / CHECKSUM_FILE).is_file()),
-                reverse=True)
+  sealed = [int(n) for n in names if n.isdigit() and (directory / n / CHECKSUM_FILE).is_file()]
+  return sorted(sealed, reverse=True)
 
 
 def _leaf_shapes(tree) -> dict[str, tuple]:
@@ -374,9 +374,9 @@ def read_latest(workdir, abstract_state, option: str = "--workdir", tokenizer: s
   """(step, state, data) of the newest sealed checkpoint of a run that restores, read only: no
   orbax manager, no temporary folder cleaned, no step set aside, so that a training running in the
   workdir (or its finished files) is left as it is. In a live run (its lock held), a step removed
-  while read (the rotation, keep) is followed by the next one sealed. Raises one ValueError naming `option` and
-  the cause (e.g. a vocabulary other than the run's, `tokenizer` being data.tokenizer) when none
-  restores. Collective with several processes: process 0's listing is read by all."""
+  while read (the rotation, keep) is followed by the next one sealed. Raises one ValueError naming
+  `option` and the cause (e.g. a vocabulary other than the run's, `tokenizer` being
+  data.tokenizer) when none restores. Collective with several processes: process 0's listing is read by all."""
   _fast_array_handler()
   directory = pathlib.Path(workdir).absolute() / "checkpoints"
   reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
@@ -439,7 +439,8 @@ def restore_eval_params(workdir, replica: int | None = None, option: str = "init
   from lowcomm_jax import config as config_lib, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.optim.inner import TrainState  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.train import algorithms, run_inputs, sources  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import algorithms, sources  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import run_inputs  # pylint: disable=g-import-not-at-top
   workdir = pathlib.Path(workdir)
   if not (workdir / "config.json").is_file() or not (workdir / "checkpoints").is_dir():
     raise ValueError(f"{option}={str(workdir)!r} holds no config.json and checkpoints/ of a run")
@@ -505,8 +506,8 @@ def provide_cpu_devices(workdir) -> None:
 def read_model(workdir, replica: int | None = None) -> tuple:
   """(model config, parameters, tokenizer) of a run, for the tools that take its model out
   (`experiments/generate.py`, `export.py`, given the run as --workdir): `read_eval_params` and the
-  run's tokenizer (its copy in the workdir, `run_inputs.run_config`). Called before anything else uses a device, it first provides the CPU
-  devices the run's mesh needs (`provide_cpu_devices`)."""
+  run's tokenizer (its copy in the workdir, `run_inputs.run_config`). Called before anything else
+  uses a device, it first provides the CPU devices the run's mesh needs (`provide_cpu_devices`)."""
   provide_cpu_devices(workdir)
   from lowcomm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train import run_inputs  # pylint: disable=g-import-not-at-top

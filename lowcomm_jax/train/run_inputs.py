@@ -10,8 +10,8 @@ and saves their description in config.json under "inputs" (`describe`):
                                                                          (for a tokens: corpus)
 
 A resume compares what it is given with the saved inputs (`difference`) and is refused, naming
-both, when the tokenizer's files or the tokens file are not the run's any more. The tools that read a
-run take its config from `run_config`: data.tokenizer is the workdir's copy (checked against its
+both, when the tokenizer's files or the tokens file are not the run's any more. The tools that read
+a run take its config from `run_config`: data.tokenizer is the workdir's copy (checked against its
 SHA-256), so a tokenizer retrained, moved or relative to another current directory cannot change
 what they decode; they say so in one line when data.tokenizer has changed since.
 """
@@ -87,7 +87,8 @@ def difference(workdir: pathlib.Path, saved: dict | None, current: dict) -> str 
             f"with: the run's is {run_files} ({then.get('vocab_size')} tokens, copied to "
             f"{pathlib.Path(workdir) / TOKENIZER_DIR}), the given one is {given} "
             f"({now.get('vocab_size')} tokens); resume with the run's tokenizer (e.g. "
-            f"data.tokenizer={str(pathlib.Path(workdir) / TOKENIZER_DIR)!r}), or use a new --workdir")
+            f"data.tokenizer={str(pathlib.Path(workdir) / TOKENIZER_DIR)!r}), or use a new "
+            "--workdir")
   then, now = saved.get("tokens"), current.get("tokens")
   if then and now and (then["size"], then["sha256"]) != (now["size"], now["sha256"]):
     return (f"data.corpus='tokens:{now['path']}' is not the file the run in {workdir} trained on: "
@@ -107,9 +108,11 @@ def data_note(workdir, config) -> str | None:
   now = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
   if changed is None and saved.get("corpus_identity") not in (None, now):
     changed = (f"data.corpus={config.data.corpus!r} is not the text the run in {workdir} trained "
-               f"on (corpus identity {saved['corpus_identity']} then, {now} now: its files or their "
-               "sizes changed)")
-  return None if changed is None else f"note: {changed.split('; resume')[0]}; scored on it as it is now"
+               f"on (corpus identity {saved['corpus_identity']} then, {now} now: its files or "
+               "their sizes changed)")
+  if changed is None:
+    return None
+  return f"note: {changed.split('; resume')[0]}; scored on it as it is now"
 
 
 def saved_inputs(workdir) -> dict | None:

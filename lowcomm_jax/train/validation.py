@@ -124,7 +124,8 @@ def _check_elastic_values(c) -> None:
 
 def _check_tokenizer(c) -> None:
   """data.tokenizer loads, gives back the text it encodes (bits per byte count decoded bytes), fits
-  the corpus (domains are bytes; pre-tokenized ids were made by it); data.doc_chars and data.doc_separator have their types."""
+  the corpus (domains are bytes; pre-tokenized ids were made by it);
+  data.doc_chars and data.doc_separator have their types."""
   checks.require(isinstance(c.data.doc_chars, int) and c.data.doc_chars >= 0, "data.doc_chars",
                  "an integer >= 0 (0: documents are not cut by length)", c.data.doc_chars)
   checks.require(isinstance(c.data.doc_separator, str), "data.doc_separator", "a string",

@@ -36,11 +36,12 @@ import time
 from lowcomm_jax.train import run_inputs
 
 # Files and folders a run writes; any of them without config.json is a damaged or foreign run.
-RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "summary.json", "tensorboard",
-             "syncer", "learners", run_inputs.TOKENIZER_DIR)
+RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "summary.json",
+             "tensorboard", "syncer", "learners", run_inputs.TOKENIZER_DIR)
 NEW, RESUME, COMPLETE = "new", "resume", "complete"
 # The kinds of run (config.json's "kind"), the binary that trains each and the folder it writes.
-KINDS = {"train": ("experiments/train.py", "checkpoints"), "elastic": ("experiments/elastic.py", "syncer")}
+KINDS = {"train": ("experiments/train.py", "checkpoints"),
+         "elastic": ("experiments/elastic.py", "syncer")}
 # Held locked by the running start (its pid and host inside). Alone in a folder, or with the
 # temporary file of a config.json write cut short, it leaves the folder new.
 LOCK_FILE = "run.lock"
