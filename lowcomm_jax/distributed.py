@@ -84,7 +84,8 @@ def tpu_hosts(on_tpu_vm: bool | None = None, metadata=_tpu_hosts_from_metadata) 
       pass
   raise ValueError("--distributed=auto cannot tell whether this TPU VM is one host or part of a "
                    "multi-host pod slice (no TPU_WORKER_HOSTNAMES and no answer from the metadata "
-                   "server): set --distributed=on for a pod slice or --distributed=off for one host")
+                   "server): set --distributed=on for a pod slice or --distributed=off for one "
+                   "host")
 
 
 def detected_cluster() -> str | None:
@@ -147,7 +148,8 @@ def parse_host_port(value: str, flag: str) -> tuple[str, int]:
     try:
       ipaddress.IPv6Address(host)
     except ValueError:
-      raise ValueError(f"{allowed}; {host!r} in brackets is not an IPv6 address, got {value!r}") from None
+      raise ValueError(f"{allowed}; {host!r} in brackets is not an IPv6 address, "
+                       f"got {value!r}") from None
     port = rest[1:]
   else:
     host, colon, port = value.rpartition(":")
@@ -225,7 +227,8 @@ def initialize_arguments(mode: str = "auto", coordinator_address: str | None = N
                      cluster_detection_method="deactivate")
   # A detected cluster's coordinator (a node name) leaves the bind address to JAX (every interface):
   # the name may resolve to a loopback address on its own node.
-  arguments["coordinator_bind_address"] = bind_address(coordinator_address, coordinator_bind_address)
+  arguments["coordinator_bind_address"] = bind_address(coordinator_address,
+                                                       coordinator_bind_address)
   return arguments
 
 
@@ -372,7 +375,8 @@ class Preemption:
 
   def _on_sigterm(self) -> None:
     self.signalled = True
-    print("SIGTERM received: saving a checkpoint at the end of this step, then stopping", flush=True)
+    print("SIGTERM received: saving a checkpoint at the end of this step, then stopping",
+          flush=True)
 
   def reached(self, step: int) -> bool:
     if self.joined:
