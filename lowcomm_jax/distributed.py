@@ -40,6 +40,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from lowcomm_jax import compat
+
 # Environments where JAX finds the coordinator, the process count and the process id by itself.
 _DETECTED_ENVIRONMENTS = {"SLURM_NTASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI"}
 # Where a multi-host TPU slice names its hosts (GKE, queued resources) and its slices (multislice).
@@ -48,8 +50,7 @@ _METADATA_SECONDS = 2.0  # bound on asking a TPU VM's metadata server for its sl
 
 
 def _on_tpu_vm() -> bool:
-  from jax._src import cloud_tpu_init  # pylint: disable=g-import-not-at-top
-  return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
+  return compat.on_cloud_tpu_vm()
 
 
 def _tpu_hosts_from_metadata() -> int:
@@ -123,9 +124,7 @@ def one_process_per_node() -> bool:
 def _slurm_or_mpi_arguments() -> tuple[str, int, int] | None:
   """(coordinator address, process count, process id) as JAX's own detection reads them from
   SLURM or Open MPI, or None when neither is complete."""
-  from jax._src import clusters  # pylint: disable=g-import-not-at-top
-  env = next((e for e in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
-              if e.name in ("slurm", "ompi") and e.is_env_present()), None)
+  env = compat.slurm_or_mpi_cluster()
   if env is None:
     return None
   address = env.get_coordinator_address(timeout_secs=None,
@@ -364,8 +363,7 @@ class Preemption:
   """
 
   def __init__(self):
-    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-    self.joined = jax_distributed.global_state.client is not None
+    self.joined = jax.distributed.is_initialized()
     self.signalled, self._previous = False, None
     if not self.joined:
       try:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lowcomm_jax import distributed
+from lowcomm_jax import compat, distributed
 from lowcomm_jax.testing import CONFIGS, ROOT, tiny_config
 from lowcomm_jax.train import Trainer
 
@@ -85,12 +85,9 @@ def _environment(monkeypatch, **variables):
                                    {"SLURM_TASKS_PER_NODE": "1(x4)"},
                                    {"SLURM_NTASKS_PER_NODE": "1"}])
 def test_slurm_one_task_per_node_uses_every_local_device(monkeypatch, tasks):
-  from jax._src import clusters
   _environment(monkeypatch, **_SLURM, **tasks)
   # What JAX's own detection does: this task sees only device SLURM_LOCALID=0 of its node.
-  detected = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None,
-                                                                      None)
-  assert detected == (f"gpu017:{_SLURM_PORT}", 4, 2, [0])
+  assert compat.jax_detected_distributed_params() == (f"gpu017:{_SLURM_PORT}", 4, 2, [0])
   # Ours: the same coordinator and ids, and JAX's detection off, so every local device is used.
   assert distributed.initialize_arguments(
     "auto", timeout_seconds=30, init_timeout_seconds=90

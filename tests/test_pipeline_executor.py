@@ -10,9 +10,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 import lowcomm_jax
-from lowcomm_jax import hlo, testing
+from lowcomm_jax import compat, hlo, testing
 from lowcomm_jax.models import get_model_config, llama
 from lowcomm_jax.parallel import bubble, routing, stages, ticks
 from lowcomm_jax.parallel.executor import PipelineExecutor, transfer_patterns
@@ -241,7 +242,6 @@ def test_the_pipeline_bypasses_the_persistent_compilation_cache_only_on_cpu(
 ):
   """The CPU workaround (a cached pipeline program segfaults when loaded back on XLA:CPU) must not
   cost accelerators their compilation cache: there the program is written to it."""
-  from jax._src import compilation_cache
   before = {name: getattr(jax.config, name) for name in (
       "jax_compilation_cache_dir", "jax_enable_compilation_cache",
       "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")}
@@ -259,7 +259,7 @@ def test_the_pipeline_bypasses_the_persistent_compilation_cache_only_on_cpu(
     before_compile = entries()
     compiled = sources.PipelineGradients.compile(source, lowered)
     assert bool(entries() - before_compile) == cached
-    assert compilation_cache.is_persistent_cache_enabled()  # left as it was
+    assert compat.persistent_cache_enabled()  # left as it was
     np.testing.assert_array_equal(compiled(np.ones(7, np.float32)), np.full(7, 3.0 + len(platform)))
   finally:
     for name, value in before.items():

@@ -28,9 +28,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lowcomm_jax import checks, mesh as mesh_lib, sharding
+from lowcomm_jax import checks, compat, mesh as mesh_lib, sharding
 from lowcomm_jax.models import loss as loss_lib
 from lowcomm_jax.optim.inner import TrainState
 
@@ -210,9 +211,8 @@ class PipelineGradients:
     program (pipeline permutes and NoLoCo's permutes in one shard_map'd program), loaded back from
     the cache, segfaults on its first run; compiled fresh it runs and matches the former pipeline
     loop. Other backends keep the cache (their compiles are the slow ones)."""
-    from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
     on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-    if not on_cpu or not compilation_cache.is_persistent_cache_enabled():
+    if not on_cpu or not compat.persistent_cache_enabled():
       return lowered.compile()
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
