@@ -212,8 +212,9 @@ def _pin_to_a_free_core(root: pathlib.Path) -> None:
   The runs are small (a 1.3M-parameter model) and two copies share this 2-core machine: XLA's CPU
   thread pool takes as many threads as the process may use cores (an XLA flag such as
   --xla_cpu_multi_thread_eigen=false does not change that), so two unpinned copies contend for
-  both cores; one thread each costs ~7% fewer CPU-seconds per step (docs/performance.md, fifth
-  pass). Must run before JAX creates its CPU client (the first jax.devices()).
+  both cores; one thread each costs ~7% fewer CPU-seconds per step
+  (benchmarks/results/README.md, 2026-11-24, pass 5). Must run before JAX creates its CPU client
+  (the first jax.devices()).
   """
   mine = sorted(os.sched_getaffinity(0))
   if len(mine) < 2:

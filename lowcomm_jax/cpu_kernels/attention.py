@@ -3,8 +3,8 @@
 XLA:CPU runs `llama.causal_attention` as batched dots with the softmax between them, and writes the
 whole [B, H, T, S] probability tensor (and its gradient) to memory between them, with transposed
 copies of k and v for the dots; on the `small` model that is a large share of a training step's CPU
-time, more than torch's fused CPU attention costs (docs/performance.md, "Fifth pass"). This
-module runs the same function as two custom calls (XLA FFI, `attention.cc`), forward and
+time, more than torch's fused CPU attention costs (benchmarks/results/README.md, 2026-11-24, pass
+5). This module runs the same function as two custom calls (XLA FFI, `attention.cc`), forward and
 backward, each working one (batch, head) slice at a time in cache:
 
   forward   S = q·kᵀ/√K (causal), O = softmax(S)·v, and the log-sum-exp L of each row of S

@@ -106,7 +106,8 @@ def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, 
   Computed when the step is traced, so they enter the compiled program as constants: traced, XLA
   fused the cos and sin into every rotary fusion and evaluated them once per element of q and k
   (B·H times per table entry, in the forward and again in the backward), a visible share of the
-  `small` model's step (docs/performance.md). Same XLA ops, so the same values.
+  `small` model's step (benchmarks/results/README.md, 2026-11-23, pass 2). Same XLA ops, so the same
+  values.
   """
   with jax.ensure_compile_time_eval():
     inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
@@ -299,7 +300,8 @@ class SwiGLU(nnx.Module):
   gate and up are one matmul against the two weights stacked on a new axis ([D, 2, F]: the same
   sharding along F as each weight): one [B·T, 2F] product and, in the backward, one input-gradient
   matmul and one weight-gradient matmul for both, instead of two each and a sum: fewer, larger
-  matmuls, cheaper on CPU (docs/performance.md); the same arithmetic per output element.
+  matmuls, cheaper on CPU (benchmarks/results/README.md, 2026-11-23, pass 2); the same arithmetic
+  per output element.
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
