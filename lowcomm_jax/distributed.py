@@ -34,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.request
 import weakref
 
 import jax
@@ -55,7 +56,6 @@ def _on_tpu_vm() -> bool:
 
 def _tpu_hosts_from_metadata() -> int:
   """The hosts of this Cloud TPU VM's slice, from the VM's metadata server (bounded in time)."""
-  import urllib.request  # pylint: disable=g-import-not-at-top
   address = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
   request = urllib.request.Request(
       f"http://{address}/computeMetadata/v1/instance/attributes/worker-network-endpoints",

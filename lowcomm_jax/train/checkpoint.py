@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -390,8 +391,6 @@ def provide_cpu_devices(workdir) -> None:
   """Before JAX starts its backends: as many CPU devices as the run's mesh fixes, so that a run
   trained on a mesh of N devices can be read back by a one-process tool on a CPU host (on GPU/TPU
   hosts the setting changes nothing). An explicit XLA_FLAGS device count is left as it is."""
-  import math  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
   try:
     mesh = json.loads((pathlib.Path(workdir) / "config.json").read_text())["config"]["mesh"]
     needed = math.prod(max(int(n), 1) for n in mesh.values())
