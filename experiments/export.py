@@ -16,7 +16,8 @@ import sys
 from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with checkpoints.", required=True)
-_OUT = flags.DEFINE_string("out", None, "New (or empty) directory for the model folder.", required=True)
+_OUT = flags.DEFINE_string("out", None, "New (or empty) directory for the model folder.",
+                           required=True)
 _REPLICA = flags.DEFINE_integer("replica", None, "Export this replica's own weights instead "
                                 "of the evaluated model (NoLoCo: the replicas' mean).")
 

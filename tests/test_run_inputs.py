@@ -20,10 +20,10 @@ import shutil
 import numpy as np
 import pytest
 
+from lowcomm_jax import elastic
 from lowcomm_jax.data import corpora, files, prepare, tokenizer as tokenizer_lib
 from lowcomm_jax.testing import make_config, tiny_config, tree_state
 from lowcomm_jax.train import Trainer, checkpoint, evaluation, workdir as workdir_lib
-from lowcomm_jax import elastic
 
 SAMPLE = "Permission is hereby granted, free of charge, to any person obtaining a copy"
 

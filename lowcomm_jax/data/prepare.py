@@ -69,7 +69,9 @@ def prepare(corpus: str, tokenizer: str, out, workers: int = 0, chunk_documents:
   if corpus.startswith("tokens:"):
     raise ValueError(f"--corpus={corpus!r} is already tokenized")
   tok = tokenizer_lib.load_tokenizer(tokenizer)
-  source = files.iter_documents(corpus) if files.is_file_corpus(corpus) else corpora.load_documents(corpus)
+  source = (
+    files.iter_documents(corpus) if files.is_file_corpus(corpus) else corpora.load_documents(corpus)
+  )
   chunks = _chunks(files.cut(source, doc_separator, doc_chars), chunk_documents)
   dtype = token_dtype(tok.vocab_size)
   workers = workers or os.cpu_count() or 1

@@ -126,7 +126,8 @@ class HFTokenizer(_Base):
     return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
   def decode(self, ids) -> str:
-    return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+    return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)],
+                            skip_special_tokens=False)
 
   def files(self) -> list[pathlib.Path]:
     folder = self.path.parent
@@ -191,8 +192,8 @@ def _load(path: str, size: int, mtime_ns: int) -> Tokenizer:
     return SentencePieceTokenizer(p)
   if p.suffix == ".json":
     return HFTokenizer(p)
-  raise ValueError(f"data.tokenizer={path!r}: unknown kind of file; allowed: 'bytes', a Hugging Face "
-                   "tokenizer.json (or a folder holding one) or a SentencePiece .model")
+  raise ValueError(f"data.tokenizer={path!r}: unknown kind of file; allowed: 'bytes', a Hugging "
+                   f"Face tokenizer.json (or a folder holding one) or a SentencePiece .model")
 
 
 def sha256_of(tok) -> str:

@@ -1,4 +1,5 @@
-"""Run outputs: metrics.jsonl (one object per logged step), TensorBoard events, progress on a terminal."""
+"""Run outputs: metrics.jsonl (one object per logged step), TensorBoard events, progress on a
+terminal."""
 
 from __future__ import annotations
 
@@ -156,7 +157,8 @@ class MetricWriter:
     self.path = pathlib.Path(workdir) / "metrics.jsonl"
     self._truncate_after(start_step)
     self._file = self.path.open("a")
-    self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"), purge_step=start_step or None)
+    self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"),
+                             purge_step=start_step or None)
     self._bar = None
     if progress_bar and sys.stderr.isatty():
       from tqdm import tqdm  # pylint: disable=g-import-not-at-top
