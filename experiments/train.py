@@ -4,7 +4,8 @@
   python experiments/train.py --config=experiments/configs/dp.py:tiny --workdir=runs/tiny \
       --config.num_steps=50
 
-Outputs go to the workdir (metrics.jsonl, tensorboard/, checkpoints/, summary.json);
+Outputs go to the workdir (config.json, tokenizer/, metrics.jsonl, tensorboard/, checkpoints/,
+summary.json);
 rerunning the same command resumes from the last checkpoint.
 
 Several processes (one per host, or experiments/launch_local.py on one machine) run the same

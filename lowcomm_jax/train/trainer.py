@@ -1,7 +1,7 @@
 """The Trainer: validated config in, a run directory out. The one training loop of the package.
 
-Outputs in the workdir: config.json, run.lock (locked while a start runs), metrics.jsonl,
-tensorboard/, checkpoints/
+Outputs in the workdir: config.json, tokenizer/ (a copy of the run's, `train.run_inputs`),
+run.lock (locked while a start runs), metrics.jsonl, tensorboard/, checkpoints/
 (orbax; train state + data iterator state, sealed by checksums) and summary.json
 (strict JSON). Restarting with the same workdir and config resumes from the
 latest intact checkpoint and ends bit-identical to an uninterrupted run; a
