@@ -64,7 +64,10 @@ def default_config() -> ml_collections.ConfigDict:
       # sdl_*) | none | full | dots (ModelConfig.remat, docs/accelerators.md)
       remat="",
   ))
-  c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
+  # the parameters this run starts from (fresh optimizer): "" (initialised from `seed`) | the workdir
+  # of a finished run (its evaluated parameters) | hf:<folder> (a Hugging Face Llama folder of this
+  # run's model shape, e.g. written by experiments/export.py; refused naming what differs)
+  c.init_from = ""
   c.data = ml_collections.ConfigDict(dict(
       # stdlib | licenses | docstrings | debian:<source> | domain:<d> | domain_mix:<d>+<d>, or the
       # user's files (lowcomm_jax.data.files, docs/data.md): text:<glob> | jsonl:<glob>:<field> |

@@ -32,7 +32,7 @@ from lowcomm_jax import sharding
 from lowcomm_jax.data import corpora, pipeline
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.cpu_kernels import attention as cpu_attention
-from lowcomm_jax.models import llama
+from lowcomm_jax.models import hf_llama, llama
 from lowcomm_jax.models import loss as loss_lib
 from lowcomm_jax.optim.inner import TrainState
 from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources, startup
@@ -79,9 +79,11 @@ class Trainer:
         cpu_attention.load()
       except RuntimeError as error:
         raise ValueError(str(error)) from None
-    if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
+    if config.init_from.startswith(hf_llama.PREFIX):
+      hf_llama.check_folder(config.init_from[len(hf_llama.PREFIX):], self.model_cfg)
+    elif config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
-    if config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
+    elif config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
       raise ValueError(f"init_from={config.init_from!r} holds checkpoints/ but no config.json, so the "
                        "model they hold is unknown; give the workdir of a run (both are in it)")
     self.rules = sharding.rules_for(config.sharding.layout)
@@ -126,8 +128,12 @@ class Trainer:
   def init_params(self):
     """The initial (unreplicated) parameters, sharded by the layout's rules.
 
-    With `init_from`, the evaluated parameters of that run's latest checkpoint (replica 0 or φ).
+    With `init_from`, the evaluated parameters of that run's latest checkpoint (replica 0 or φ),
+    or with `init_from=hf:<folder>` that Hugging Face Llama folder's weights.
     """
+    if self.config.init_from.startswith(hf_llama.PREFIX):
+      _, params = hf_llama.read_folder(self.config.init_from[len(hf_llama.PREFIX):])
+      return jax.device_put(params, self.param_shardings)
     if self.config.init_from:
       return self._params_from(pathlib.Path(self.config.init_from))
     cfg, seed = self.model_cfg, self.config.seed
