@@ -346,6 +346,7 @@ class Trainer:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     start = restored[0] if restored else 0
     sent_bytes, peak_sync_bytes = 0.0, 0.0  # the ledger's bytes per worker, over the whole run
+    timing = {}  # the wall time and timed windows of the starts before this one, up to `start`
     self._refused_seen = np.zeros_like(self.refused(state))
     if start:
       _, state, data_state = restored
@@ -353,6 +354,7 @@ class Trainer:
       for it, s in zip(data_iters, data_state["replicas"][mine.start:mine.stop]):
         it.set_state(s)
       sent_bytes, peak_sync_bytes = data_state["sent_bytes"], data_state["peak_sync_bytes"]
+      timing = data_state.get("timing", {})  # absent from checkpoints written before it was kept
       self._refused_seen = self.refused(state)  # refusals before the checkpoint were already reported
       print(f"resumed from {ckpt.directory}/{start}", flush=True)
 
@@ -364,7 +366,9 @@ class Trainer:
     peak = mfu_lib.run_peak(c.hardware.peak_flops_per_device, self.mesh.devices.size,
                             self.mesh.devices.flat)
     eval_loss, eval_losses = None, {}
-    throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start)
+    throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start,
+                                        timing.get("throughput"))
+    earlier_wall = float(timing.get("wall_time_s", 0.0))
     # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
     # the host wait for a step before dispatching the next; throughput windows end at the fetch.
     behind = metrics_lib.OneStepBehind(self._fetch)
@@ -439,7 +443,9 @@ class Trainer:
         state = overlap.settle(state)  # the checkpoint holds the in-flight means, as inline
         overlap.quiet()
         data_states = distributed.gather_lists([it.get_state() for it in data_iters])
-        ckpt.save(step, state, {"replicas": data_states,
+        saved_timing = {"wall_time_s": earlier_wall + time.perf_counter() - run_start,
+                        "throughput": throughput.totals()}
+        ckpt.save(step, state, {"replicas": data_states, "timing": saved_timing,
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
       if preempted and step < stop:  # reliability: saved; stop with a message
         overlap.close()
@@ -463,7 +469,12 @@ class Trainer:
     wall = time.perf_counter() - run_start
 
     tokens_per_s = throughput.tokens_per_s
-    summary = self._summary(stop, eval_loss, wall, tokens_per_s, sent_bytes, peak_sync_bytes, state)
+    summary = self._summary(stop, eval_loss, earlier_wall + wall, tokens_per_s, sent_bytes,
+                            peak_sync_bytes, state)
+    # wall_time_s and tokens_per_s are the whole run's (every start's work up to the checkpoint the
+    # next start resumed from); this start's own figures beside them
+    summary["this_start"] = {"first_step": start + 1, "wall_time_s": wall,
+                             "tokens_per_s": throughput.start_tokens_per_s}
     summary["final_eval_bits_per_byte"] = eval_losses.get("eval_bits_per_byte")
     summary["eval_bytes_per_token"] = splits.bytes_per_token
     summary.update(throughput.summary())
@@ -477,8 +488,10 @@ class Trainer:
       summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
     if stop == c.num_steps and distributed.is_primary():  # strict JSON, nulls explained
       untimed = "no timed step: every step of this start was in the window that compiles"
-      summary = workdir_lib.write_summary(self.workdir, summary, {} if throughput.seconds else {
+      why_null = {"this_start.tokens_per_s": untimed}
+      why_null.update({} if throughput.seconds else {
           k: untimed for k in ("tokens_per_s", "tokens_per_cpu_s", "mfu") if k in summary})
+      summary = workdir_lib.write_summary(self.workdir, summary, why_null)
     self.final_state = state
     self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
     return summary
