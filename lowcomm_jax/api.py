@@ -19,32 +19,44 @@ _SCHEDULE = ("sync_every", "overlap_steps", "merge_alpha", "overlap_anchor")
 
 def _naming_arguments(fn: Callable, section: str, arguments: tuple[str, ...],
                       renamed: dict | None = None) -> Callable:
-  """`fn`, whose ValueErrors name `arguments` (and `renamed`'s values) where they named the config
-  keys `section.argument` (and `renamed`'s keys)."""
+  """`fn`, and the `init`, `init_replicated` and `fragments` of the transformation it returns,
+  whose ValueErrors name `arguments` (and `renamed`'s values) where they named the config keys
+  `section.argument` (and `renamed`'s keys)."""
   keys = {f"{section}.{a}": a for a in arguments} | (renamed or {})
   pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(keys, key=len, reverse=True)))
                        + r")(?!\w)")
 
+  def naming(call: Callable) -> Callable:
+    @functools.wraps(call)
+    def wrapped(*args, **kwargs):
+      try:
+        return call(*args, **kwargs)
+      except ValueError as error:
+        message = pattern.sub(lambda m: keys[m.group(1)], str(error))
+        if message == str(error):
+          raise
+        raise ValueError(message) from None
+    return wrapped
+
   @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    try:
-      return fn(*args, **kwargs)
-    except ValueError as error:
-      message = pattern.sub(lambda m: keys[m.group(1)], str(error))
-      if message == str(error):
-        raise
-      raise ValueError(message) from None
-  return wrapped
+  def make(*args, **kwargs):
+    tx = naming(fn)(*args, **kwargs)
+    # a fragment rule is checked when `init` first sees the parameters
+    for method in ("init", "init_replicated", "fragments"):
+      if hasattr(tx, method):
+        setattr(tx, method, naming(getattr(tx, method)))
+    return tx
+  return make
 
 
 _DILOCO = _SCHEDULE + ("error_feedback", "codec_kernels", "codec")
-streaming_diloco = _naming_arguments(optim.streaming_diloco, "diloco", _DILOCO,
-                                     {"diloco.num_fragments": "fragments"})
+_FRAGMENTS = {"diloco.num_fragments": "fragments", "diloco.fragment_rules": "fragments"}
+streaming_diloco = _naming_arguments(optim.streaming_diloco, "diloco", _DILOCO, _FRAGMENTS)
 diloco = _naming_arguments(optim.diloco, "diloco", _DILOCO)
 sparseloco = _naming_arguments(
     optim.sparseloco, "sparseloco",
     _SCHEDULE + ("top_k", "chunk_size", "bits", "feedback_decay", "outer_learning_rate"),
-    {"sparseloco.num_fragments": "fragments", "diloco.num_fragments": "fragments"})
+    {"sparseloco.num_fragments": "fragments", **_FRAGMENTS})
 noloco = _naming_arguments(optim.noloco, "noloco",
                            ("sync_every", "group_size", "momentum", "learning_rate", "gamma",
                             "codec"))

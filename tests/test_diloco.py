@@ -196,6 +196,10 @@ API_REFUSALS = {  # a bad argument of the optax-style API → the start of its o
     "group_size": (lambda: lowcomm_jax.noloco(optax.sgd(1.0), 4, group_size=3), "group_size must"),
     "top_k": (lambda: lowcomm_jax.sparseloco(optax.sgd(1.0), top_k=0), "top_k must"),
     "bits": (lambda: lowcomm_jax.sparseloco(optax.sgd(1.0), bits=3), "bits must"),
+    # checked when init first sees the parameters
+    "fragment rules": (lambda: lowcomm_jax.streaming_diloco(
+        optax.sgd(1.0), fragments=[("nothing", 0)], sync_every=2).init({"w": jnp.zeros(2)}),
+        "fragments: the rules ['nothing'] match no parameter"),
 }
 
 

@@ -140,7 +140,7 @@ def test_a_callable_a_regex_table_and_an_explicit_schedule_give_the_same_run():
                                             lambda p: frag_lib.rule_fragments(p, rules)), params, xs, loss_fn)
   assert_trees_equal(a, b)
   assert_trees_equal(a, c)
-  with pytest.raises(ValueError, match=r"diloco.sync_every \(H=4\) must be divisible by the number of "
+  with pytest.raises(ValueError, match=r"^sync_every \(H=4\) must be divisible by the number of "
                      r"fragments \(P=3"):
     lowcomm_jax.streaming_diloco(inner, outer, sync_every=4, fragments=lambda p: frag_lib.rule_fragments(p, rules)).init(params)
 
