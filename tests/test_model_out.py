@@ -409,3 +409,56 @@ def test_init_from_hf_refuses_another_model_in_one_line(exported, tmp_path):
     assert message.startswith(f"init_from='hf:{folder}'") and words in message, (name, message)
     assert "\n" not in message and not (tmp_path / "run").exists(), name
     assert tree_hash(folder) == before, name
+
+
+# A Llama of a shape no preset has (head_dim 12, 3 layers), written by the test itself: the folder a
+# user downloads, as far as this decoder reads one.
+OPEN_SHAPE = dict(vocab_size=256, d_model=48, num_layers=3, num_heads=4, d_ff=80, max_seq_len=64,
+                  rope_base=500_000.0, norm_eps=1e-6)
+
+
+@pytest.fixture(scope="module")
+def open_model(tmp_path_factory):
+  cfg = model_config.ModelConfig(**OPEN_SHAPE)
+  params = jax.tree.map(np.asarray, llama.init_params(cfg, 11))
+  folder = tmp_path_factory.mktemp("open") / "llama"
+  hf_llama.write_folder(folder, cfg, params, tokenizer_lib.ByteTokenizer())
+  return folder, params
+
+
+def test_a_run_of_the_folders_shape_continues_training_it(open_model, tmp_path):
+  """model.size=hf:<folder> takes the shape from config.json, init_from=hf:<folder> the weights:
+  the run starts from the folder's parameters bit for bit, its logits those of the numpy Llama
+  written from Hugging Face's definition, and continues training them."""
+  folder, params = open_model
+  config = tiny_config(**{**HF_RUN, "model.size": f"hf:{folder}", "init_from": f"hf:{folder}"})
+  trainer = Trainer(config, tmp_path / "continued")
+  assert trainer.model_cfg == model_config.ModelConfig(**{**OPEN_SHAPE, "max_seq_len": 64})
+  started = jax.device_get(trainer.init_params())
+  jax.tree.map(np.testing.assert_array_equal, started, params)
+  ours = np.asarray(nnx.merge(decode.graphdef_of(trainer.model_cfg), started)(
+      jnp.asarray(TOKENS[None])))[0]
+  theirs = _hf_llama_logits(folder, TOKENS)
+  # float32 against float64, sums of D = 48 and d_ff = 80 products through 3 layers
+  np.testing.assert_allclose(ours, theirs, rtol=0, atol=128 * 2**-23 * np.abs(theirs).max())
+  summary = trainer.run()
+  assert np.isfinite(summary["final_eval_loss"])
+  # and the run exports back to the same kind of folder
+  _, trained = checkpoint.read_eval_params(tmp_path / "continued")
+  hf_llama.write_folder(tmp_path / "again", trainer.model_cfg, trained, tokenizer_lib.ByteTokenizer())
+  assert hf_llama.read_folder(tmp_path / "again")[0] == trainer.model_cfg
+
+
+def test_model_size_hf_refuses_a_folder_it_cannot_run_in_one_line(open_model, tmp_path):
+  folder, _ = open_model
+  gqa = _variant(folder, tmp_path, "gqa", _edit_config(num_key_value_heads=2))
+  cases = {
+      tmp_path / "missing": "no config.json in it",
+      gqa: "grouped-query attention",
+  }
+  for where, words in cases.items():
+    with pytest.raises(ValueError, match=None) as error:
+      Trainer(tiny_config(**HF_RUN, **{"model.size": f"hf:{where}"}), tmp_path / "run")
+    message = str(error.value)
+    assert message.startswith(f"model.size='hf:{where}'") and words in message, message
+    assert "\n" not in message and not (tmp_path / "run").exists()

@@ -81,6 +81,21 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
   return cfg
 
 
+def folder_model_config(folder, option: str = "model.size", **overrides) -> ModelConfig:
+  """Our ModelConfig of the Llama in `folder` (its config.json's shape), for `option`=hf:<folder>;
+  one ValueError naming `option` where the folder holds none this decoder runs."""
+  path = pathlib.Path(folder) / "config.json"
+  try:
+    return model_config_from_hf(json.loads(path.read_text()), **overrides)
+  except FileNotFoundError:
+    raise ValueError(f"{option}='{PREFIX}{folder}': no config.json in it; a Hugging Face Llama "
+                     "folder holds config.json and model.safetensors") from None
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+    detail = f"no field {error}" if isinstance(error, KeyError) else str(error)
+    raise ValueError(f"{option}='{PREFIX}{folder}': its config.json holds no model this decoder "
+                     f"runs ({detail})") from None
+
+
 def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
   """Our pure-dict parameters as Hugging Face Llama tensors (name → float32 [out, in] array)."""
   d, hk = cfg.d_model, cfg.num_heads * cfg.head_dim
