@@ -318,6 +318,29 @@ def check_folder(folder, cfg: ModelConfig, option: str = "init_from") -> pathlib
   return folder
 
 
+def check_tokenizer(folder, tokenizer, option: str = "init_from") -> None:
+  """Refuses, in one ValueError naming `option`, a folder whose tokenizer is not `tokenizer` (the
+  run's `data.tokenizer`): a tokenizer.json of another vocabulary, a tokenizer.model of other bytes,
+  or one kind where the run has the other. A folder without a tokenizer is not checked."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  folder = pathlib.Path(folder)
+  theirs_json, theirs_model = folder / "tokenizer.json", folder / "tokenizer.model"
+  files = [pathlib.Path(f) for f in tokenizer.files()]
+  ours_model = files[0] if files and files[0].suffix == ".model" else None
+  if theirs_json.is_file() and ours_model is None:
+    ours = (byte_tokenizer() if not files else tokenizers.Tokenizer.from_file(str(files[0])))
+    same = (tokenizers.Tokenizer.from_file(str(theirs_json)).get_vocab(with_added_tokens=True)
+            == ours.get_vocab(with_added_tokens=True))
+  elif theirs_model.is_file():
+    same = ours_model is not None and theirs_model.read_bytes() == ours_model.read_bytes()
+  else:
+    return
+  if not same:
+    raise ValueError(f"{option}='{PREFIX}{folder}' holds another tokenizer than data.tokenizer="
+                     f"{getattr(tokenizer, 'spec', '?')!r} (another vocabulary); give the folder as "
+                     "data.tokenizer")
+
+
 def _weight_files(folder: pathlib.Path) -> list[str]:
   index = folder / (WEIGHTS_FILE + ".index.json")
   if index.is_file():

@@ -29,7 +29,7 @@ from lowcomm_jax import config as config_lib
 from lowcomm_jax import distributed
 from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax import sharding
-from lowcomm_jax.data import corpora, pipeline
+from lowcomm_jax.data import corpora, pipeline, tokenizer as tokenizer_lib
 from lowcomm_jax.models import config as model_config
 from lowcomm_jax.cpu_kernels import attention as cpu_attention
 from lowcomm_jax.models import hf_llama, llama
@@ -81,6 +81,8 @@ class Trainer:
         raise ValueError(str(error)) from None
     if config.init_from.startswith(hf_llama.PREFIX):
       hf_llama.check_folder(config.init_from[len(hf_llama.PREFIX):], self.model_cfg)
+      hf_llama.check_tokenizer(config.init_from[len(hf_llama.PREFIX):],
+                               tokenizer_lib.load_tokenizer(config.data.tokenizer))
     elif config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     elif config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
