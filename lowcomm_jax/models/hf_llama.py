@@ -274,7 +274,7 @@ def read_folder(folder, **overrides) -> tuple[ModelConfig, dict]:
   return cfg, from_hf(tensors, cfg)
 
 
-# config.json's fields that decide the function, against ours (None: the value this decoder has)
+# config.json's fields that decide the function, each with the one value this decoder computes
 _ARCHITECTURE = {"model_type": "llama", "hidden_act": "silu", "attention_bias": False,
                  "mlp_bias": False, "tie_word_embeddings": False, "rope_scaling": None}
 _SHAPE = (("vocab_size", "vocab_size"), ("hidden_size", "d_model"),
@@ -288,7 +288,7 @@ def check_folder(folder, cfg: ModelConfig, option: str = "init_from") -> pathlib
   shapes (config.json's fields and every weight's shape); one ValueError naming `option` and each
   difference otherwise."""
   folder = pathlib.Path(folder)
-  where = f"{option}='hf:{folder}'"
+  where = f"{option}='{PREFIX}{folder}'"
   try:
     hf = json.loads((folder / "config.json").read_text())
     files = _weight_files(folder)
