@@ -24,7 +24,8 @@ def main(argv):
   from lowcomm_jax.data import corpora, tokenizer  # pylint: disable=g-import-not-at-top
   try:
     if _VOCAB.value < 300:
-      raise ValueError(f"--vocab_size must be >= 300 (the 256 bytes and merges), got {_VOCAB.value}")
+      raise ValueError(f"--vocab_size must be >= 300 (the 256 bytes and merges), "
+                       f"got {_VOCAB.value}")
     corpora.check_available(_CORPUS.value)
     texts = [text for _, text in corpora.load_documents(_CORPUS.value)]
   except ValueError as error:

@@ -1,4 +1,5 @@
-"""lowcomm_jax: training language models across loosely connected workers with little communication."""
+"""lowcomm_jax: training language models across loosely connected workers with little
+communication."""
 
 from lowcomm_jax.api import diloco, noloco, outer_nesterov, sparseloco, streaming_diloco
 

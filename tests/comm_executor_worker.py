@@ -19,8 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lowcomm_jax import codecs, comm, distributed, mesh as mesh_lib
 
@@ -56,7 +55,8 @@ def main(coordinator, num_processes, process_id, out_path):
     return distributed.global_array(value, rows, (num_processes,) + shape)
 
   delta = {"w": replicated_rows(40, 33), "b": replicated_rows(7)}
-  residual = jax.tree.map(lambda x: 0.01 * x, {"w": replicated_rows(40, 33), "b": replicated_rows(7)})
+  residual = jax.tree.map(lambda x: 0.01 * x,
+                          {"w": replicated_rows(40, 33), "b": replicated_rows(7)})
   key = jax.random.key(7)
   e3m0 = codecs.get_codec("e3m0", block_size=64)
   stochastic = codecs.get_codec("int4", block_size=32, rounding="stochastic")

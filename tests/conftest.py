@@ -21,9 +21,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # XLA's CPU backend without LLVM's expensive passes (the launched processes run so too,
-# lowcomm_jax.testing.launch_script): the HLO passes are the same, so every compiled program's HLO is
-# unchanged, and a tiny model's program compiles in about half the time while its run is no slower
-# that matters. Set before jax starts, inherited by the xdist workers, subprocesses and notebooks.
+# lowcomm_jax.testing.launch_script): the HLO passes are the same, so every compiled program's HLO
+# is unchanged, and a tiny model's program compiles in about half the time while its run is no
+# slower that matters. Set before jax starts, inherited by the xdist workers, subprocesses and
+# notebooks.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import pytest  # pylint: disable=wrong-import-position
@@ -34,7 +35,8 @@ DEBIAN_TEST_SOURCES = ("austen", "bible_kjv", "jargon", "fortunes", "r_manuals")
 
 @pytest.fixture(scope="session")
 def cache_dir():
-  """The corpora cache with the small Debian sources fetched once per session (skip if impossible)."""
+  """The corpora cache with the small Debian sources fetched once per session (skip if
+  impossible)."""
   from lowcomm_jax.data import debian  # pylint: disable=g-import-not-at-top
   try:
     return debian.ensure_fetched(DEBIAN_TEST_SOURCES)
@@ -52,7 +54,8 @@ FILE_SECONDS = {
     "test_engine.py": 360, "test_notebooks.py": 330, "test_overlap_loop.py": 220,
     "test_streaming.py": 150, "test_lowering.py": 145, "test_lowering_outer.py": 135,
     "test_multiprocess_faults.py": 90, "test_diloco.py": 80, "test_noloco_trainer.py": 55,
-    "test_hdee_experts.py": 50, "test_fragment_state.py": 50, "test_multiprocess_equivalence.py": 45,
+    "test_hdee_experts.py": 50, "test_fragment_state.py": 50,
+    "test_multiprocess_equivalence.py": 45,
     "test_train.py": 40, "test_sparseloco.py": 40, "test_elastic.py": 220,
 }
 

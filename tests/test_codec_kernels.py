@@ -122,7 +122,8 @@ def test_training_with_pallas_kernels_on_the_wire_is_bit_identical_to_the_refere
 
 def test_bad_codec_kernels_is_refused_naming_the_option():
   from lowcomm_jax.train import validation  # pylint: disable=g-import-not-at-top
-  with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of .*auto.*pallas.*reference"):
+  with pytest.raises(ValueError,
+                     match=r"diloco.codec_kernels must be one of .*auto.*pallas.*reference"):
     validation.validate(_streaming_e3m0_config("triton"))
   with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of"):
     codecs.kernel_options("cuda")
@@ -141,7 +142,8 @@ def test_pallas_is_refused_where_no_compiled_kernel_exists():
     with pytest.raises(ValueError, match=r"diloco.codec_kernels=pallas: codec 'e3m0' with block "
                                          r"size 65536"):
       codecs.kernel_options("pallas", codecs.get_codec("e3m0", block_size=1 << 16), platform)
-  with pytest.raises(ValueError, match=r"diloco.codec_kernels=pallas has no compiled kernel on rocm"):
+  with pytest.raises(ValueError,
+                     match=r"diloco.codec_kernels=pallas has no compiled kernel on rocm"):
     codecs.kernel_options("pallas", e3m0, "rocm")
   # auto never refuses: the reference runs where no compiled kernel exists.
   assert codecs.kernel_options("auto", codecs.get_codec("bf16"), "rocm")["use_pallas"]
@@ -155,8 +157,11 @@ def test_kernel_tiles_are_powers_of_two(name):
   x = jax.ShapeDtypeStruct((2250,), jnp.float32)
   jaxpr = jax.make_jaxpr(lambda x: codec.encode(x, use_pallas=True, interpret=True,
                                                 rows_per_step=3))(x)
-  shapes = [tuple(getattr(d, "block_size", d) for d in bm.block_shape)
-            for eqn in _pallas_eqns(jaxpr.jaxpr) for bm in eqn.params["grid_mapping"].block_mappings]
+  shapes = [
+    tuple(getattr(d, "block_size", d) for d in bm.block_shape)
+    for eqn in _pallas_eqns(jaxpr.jaxpr)
+    for bm in eqn.params["grid_mapping"].block_mappings
+  ]
   assert shapes and all(d & (d - 1) == 0 for shape in shapes for d in shape
                         if isinstance(d, int)), shapes
   assert (4, 1024) in shapes

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import config as config_lib
-from lowcomm_jax.elastic import faults as faults_lib
-from lowcomm_jax.elastic import options
+from lowcomm_jax.elastic import faults as faults_lib, options
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "experiments" / "configs"
 
@@ -101,8 +100,10 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
   cases = {
       "elastic.min_quorum": (3, "elastic.min_quorum must be an integer in [0, 3)"),
       "elastic.grace_s": (-1.0, "elastic.grace_s must be"),
-      "elastic.faults": ("explode:learner=0:step=3", "elastic.faults: unknown fault kind 'explode'"),
-      "algorithm": ("noloco", "algorithm must be one of diloco, streaming_diloco for an elastic run"),
+      "elastic.faults": ("explode:learner=0:step=3",
+                         "elastic.faults: unknown fault kind 'explode'"),
+      "algorithm": ("noloco",
+                    "algorithm must be one of diloco, streaming_diloco for an elastic run"),
   }
   for key, (value, message) in cases.items():
     workdir = tmp_path / key
@@ -115,9 +116,11 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
 
 
 def test_the_binary_refuses_in_one_line_before_ray_starts(tmp_path):
-  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  import subprocess  # pylint: disable=g-import-not-at-top,multiple-imports
+  import sys
   proc = subprocess.run(
-      [sys.executable, str(CONFIGS.parent / "elastic.py"), f"--config={CONFIGS / 'elastic.py'}:tiny",
+      [sys.executable, str(CONFIGS.parent / "elastic.py"),
+       f"--config={CONFIGS / 'elastic.py'}:tiny",
        f"--workdir={tmp_path / 'run'}", "--config.elastic.faults=kill:learner=7:step=3"],
       cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1, proc.stderr[-2000:]
@@ -327,11 +330,13 @@ def test_the_syncer_stops_waiting_for_an_overdue_learner_with_the_adaptive_windo
   adaptive window closes round 2 once learner 2 is overdue (its interval, plus a quarter, after its
   last Δ); the fixed one waits the whole 3 s."""
   import asyncio  # pylint: disable=g-import-not-at-top
+
   from lowcomm_jax.comm import remote  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.elastic import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.optim import fragments as frag_lib  # pylint: disable=g-import-not-at-top
   cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
-           "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")}
+           "jax_persistent_cache_min_compile_time_secs",
+                                               "jax_persistent_cache_min_entry_size_bytes")}
   waited = {}
   try:
     for adaptive in (True, False):

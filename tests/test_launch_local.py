@@ -60,7 +60,9 @@ def test_processes_die_when_the_launcher_is_killed(tmp_path):
     launcher.kill()
     launcher.wait(timeout=30)
     waited = _wait_gone(pids, 20)
-    assert all(map(_gone, pids)), f"workers {pids} still alive {waited:.1f} s after the launcher's SIGKILL"
+    assert all(map(_gone, pids)), (
+      f"workers {pids} still alive {waited:.1f} s after the launcher's SIGKILL"
+    )
   finally:
     _kill_all(pids)
     launcher.kill()
@@ -85,7 +87,8 @@ time.sleep(600)
 
 @pytest.mark.parametrize("guard", ["watchdog", "signal"])
 def test_each_guard_alone_stops_the_orphans(guard):
-  parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(ROOT / "experiments"), _WORKER, guard],
+  parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(ROOT / "experiments"), _WORKER,
+                             guard],
                             stdout=subprocess.PIPE, text=True)
   pid = None
   try:

@@ -75,7 +75,8 @@ def test_greedy_with_the_cache_equals_greedy_with_the_full_forward(params):
 
 def test_top_k_one_is_greedy_and_a_seed_reproduces(params):
   greedy = decode.generate(CFG, params, PROMPT, NEW, decode.GREEDY)
-  top1 = decode.generate(CFG, params, PROMPT, NEW, decode.Sampling(temperature=1.0, top_k=1), seed=5)
+  top1 = decode.generate(CFG, params, PROMPT, NEW, decode.Sampling(temperature=1.0, top_k=1),
+                         seed=5)
   np.testing.assert_array_equal(top1, greedy)
   hot = decode.Sampling(temperature=2.0, top_k=50, top_p=0.95)
   a = decode.generate(CFG, params, PROMPT, NEW, hot, seed=1)
@@ -111,7 +112,8 @@ def test_lengths_are_refused_naming_the_flag(prompt_len, new, message):
 
 # Steps 1 and 3 inner steps, step 2 an outer step in the one grouping of 2 replicas: the replicas'
 # own weights then differ from their mean.
-NOLOCO = {"algorithm": "noloco", "num_replicas": 2, "noloco.sync_every": 2, "noloco.num_groupings": 1,
+NOLOCO = {"algorithm": "noloco", "num_replicas": 2, "noloco.sync_every": 2,
+          "noloco.num_groupings": 1,
           "mesh.replica": 2, "mesh.data": 1, "num_steps": 3, "data.seq_len": 32,
           "eval.num_batches": 1}
 
@@ -190,7 +192,10 @@ def _hf_llama_logits(folder, tokens_T):
     scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    x = x + np.einsum("hts,shd->thd", probs, v).reshape(t, h * k) @ w[pre + "self_attn.o_proj.weight"].T
+    x = (
+      x
+      + np.einsum("hts,shd->thd", probs, v).reshape(t, h * k) @ w[pre + "self_attn.o_proj.weight"].T
+    )
     y = _rms_norm(x, w[pre + "post_attention_layernorm.weight"], eps)
     gate, up = y @ w[pre + "mlp.gate_proj.weight"].T, y @ w[pre + "mlp.up_proj.weight"].T
     x = x + (gate / (1 + np.exp(-gate)) * up) @ w[pre + "mlp.down_proj.weight"].T
@@ -252,7 +257,8 @@ def test_a_workdir_without_a_checkpoint_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="holds no config.json and checkpoints/ of a run"):
       checkpoint.read_model(where)
   proc = _binary("export.py", f"--workdir={workdir}", f"--out={tmp_path / 'out'}", cwd=tmp_path)
-  assert proc.returncode == 1 and proc.stderr.startswith(f"ValueError: --workdir='{workdir}' holds no")
+  assert proc.returncode == 1 and proc.stderr.startswith(f"ValueError: --workdir='{workdir}' "
+                                                         f"holds no")
   assert "Traceback" not in proc.stderr
   assert tree_hash(tmp_path) == before
 

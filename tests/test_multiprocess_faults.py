@@ -14,11 +14,20 @@ import time
 
 import pytest
 
-from lowcomm_jax.testing import (CONFIGS, ROOT, STREAMING, TOLERANCE, launch, listening_addresses, max_abs_diff,
-                                 multiprocess_changes, restored, run_streaming_two_processes,
-                                 single_process)
-from lowcomm_jax.train import checkpoint
-from lowcomm_jax.train import workdir as workdir_lib
+from lowcomm_jax.testing import (
+  CONFIGS,
+  ROOT,
+  STREAMING,
+  TOLERANCE,
+  launch,
+  listening_addresses,
+  max_abs_diff,
+  multiprocess_changes,
+  restored,
+  run_streaming_two_processes,
+  single_process,
+)
+from lowcomm_jax.train import checkpoint, workdir as workdir_lib
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +112,8 @@ def test_sigterm_to_one_process_saves_one_agreed_step_and_the_rerun_resumes_bit_
   assert sent, "the run ended before process 1 got its SIGTERM"
   assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
   assert "launch_local: SIGTERM: all 2 processes saved a checkpoint and stopped" in stopped.stderr
-  saved = re.findall(r"\[(\d)\] SIGTERM received: stopped after saving the checkpoint of step (\d+)",
+  saved = re.findall(r"\[(\d)\] SIGTERM received: stopped after saving the checkpoint of step "
+                     r"(\d+)",
                      stopped.stdout)
   assert sorted(index for index, _ in saved) == ["0", "1"]
   assert len({step for _, step in saved}) == 1, saved  # both processes saved the same step
@@ -165,7 +175,8 @@ def test_launcher_reports_a_failed_process_with_its_status_and_last_lines(tmp_pa
 
 def test_a_second_start_on_a_workdir_in_use_is_refused_naming_the_first(tmp_path):
   workdir, lock = tmp_path / "run", tmp_path / "run" / workdir_lib.LOCK_FILE
-  command = [sys.executable, str(ROOT / "experiments" / "train.py"), f"--config={CONFIGS / 'dp.py'}:tiny",
+  command = [sys.executable, str(ROOT / "experiments" / "train.py"),
+             f"--config={CONFIGS / 'dp.py'}:tiny",
              f"--workdir={workdir}", "--config.num_steps=4", "--config.log_every=1",
              "--config.eval.every=4", "--config.progress_bar=False"]
   first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

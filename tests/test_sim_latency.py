@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-from lowcomm_jax.sim import latency
-from lowcomm_jax.sim import network as net_lib
+from lowcomm_jax.sim import latency, network as net_lib
 
 
 def test_param_counts_from_the_shapes():

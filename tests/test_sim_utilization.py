@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-from lowcomm_jax.sim import network as net_lib
-from lowcomm_jax.sim import utilization as util
+from lowcomm_jax.sim import network as net_lib, utilization as util
 
 WORKLOAD_1B = util.PAPER_WORKLOADS["1B"]
 

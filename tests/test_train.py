@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax import config as config_lib, testing
+from lowcomm_jax import testing
 from lowcomm_jax.data import pipeline, stats
 from lowcomm_jax.testing import read_metrics, tiny_config, tree_hash  # pylint: disable=unused-import
 from lowcomm_jax.train import Trainer
@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_tiny_run_learns_real_text_below_the_unigram_entropy(tmp_path):
-  c = tiny_config(num_steps=300, log_every=50, **{"eval.num_batches": 16, "optimizer.learning_rate": 1e-2,
+  c = tiny_config(num_steps=300, log_every=50,
+                  **{"eval.num_batches": 16, "optimizer.learning_rate": 1e-2,
                                                    "data.batch_size": 16})
   summary = Trainer(c, tmp_path).run()
   splits = pipeline.load_splits("stdlib", c.data.eval_permille)
@@ -54,7 +55,8 @@ def test_eight_devices_match_one_device_and_shardings_follow_the_rules(tmp_path,
   # 8 devices sum in other orders than one: each step's loss within the chain-of-sums bound.
   chain = testing.tiny_chain_of_sums(64, 8 * 64)
   for m, o in zip(read_metrics(tmp_path / "many"), one_device_metrics, strict=True):
-    testing.assert_within(m["loss"], o["loss"], testing.trajectory_error_bound(o["loss"], o["step"], chain),
+    testing.assert_within(m["loss"], o["loss"],
+                          testing.trajectory_error_bound(o["loss"], o["step"], chain),
                           f"loss at step {o['step']}")
   # The compiled step's parameter shardings are the ones the rules ask for.
   compiled, _ = many.program(None, many.init_state())
@@ -79,7 +81,8 @@ def test_mesh_larger_than_devices_is_refused_before_anything_is_written(tmp_path
 
 def test_batch_not_divisible_over_data_axis(tmp_path):
   c = tiny_config(**{"mesh.data": 8, "data.batch_size": 12})
-  with pytest.raises(ValueError, match=r"data.batch_size=12 is not divisible by the mesh's data axis \(8\)"):
+  with pytest.raises(ValueError,
+                     match=r"data.batch_size=12 is not divisible by the mesh's data axis \(8\)"):
     Trainer(c, tmp_path / "run")
   assert not (tmp_path / "run").exists()
 
@@ -141,7 +144,8 @@ def test_a_throughput_window_after_an_evaluation_holds_only_the_steps_it_timed()
 def test_metrics_one_step_behind_fetch_after_the_next_dispatch():
   from lowcomm_jax.train import metrics  # pylint: disable=g-import-not-at-top
   fetched, ticks = [], iter([10.0, 20.0])
-  behind = metrics.OneStepBehind(lambda tree: fetched.append(dict(tree)) or tree, clock=lambda: next(ticks))
+  behind = metrics.OneStepBehind(lambda tree: fetched.append(dict(tree)) or tree,
+                                 clock=lambda: next(ticks))
   assert behind.ready() is None  # nothing held: no fetch at all
   behind.hold(5, {"loss": np.asarray([1.0, 3.0])}, {"tokens_per_s": 7.0})
   assert not fetched  # holding does not touch the device values

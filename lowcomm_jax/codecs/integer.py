@@ -5,8 +5,8 @@ left out so the range is symmetric); it is a :class:`~fourbit.GridCodec` with
 the grid 0, 1, ..., 7 and ``scale = absmax / 7``. ``int8`` stores
 ``round(x / scale)`` in [-127, 127] as two's-complement int8 with
 ``scale = absmax / 127`` (-128 unused, for the same symmetry). Ties round to
-even, as ``jnp.round`` does (computed from ``floor``); stochastic rounding rounds up with probability
-equal to the fractional part.
+even, as ``jnp.round`` does (computed from ``floor``); stochastic rounding rounds up with
+probability equal to the fractional part.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from lowcomm_jax.codecs import base
-from lowcomm_jax.codecs import fourbit
+from lowcomm_jax.codecs import base, fourbit
 
 __all__ = ["INT4", "INT8", "INT4_GRID", "INT8_MAX"]
 

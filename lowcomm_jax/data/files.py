@@ -20,6 +20,7 @@ corpus identity hashes (paths and sizes).
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import pathlib
 from typing import Iterable, Iterator
@@ -44,7 +45,8 @@ def _parse(name: str) -> tuple[str, str, str]:
     rest, _, field = rest.rpartition(":")
     if not rest or not field:
       raise ValueError(f"data.corpus={name!r}: {kind} needs a path and a field, "
-                       f"'{kind}:<{'folder' if kind == 'hf' else 'glob'}>:<{'field' if kind == 'jsonl' else 'column'}>'")
+                       f"'{kind}:<{'folder' if kind == 'hf' else 'glob'}>:"
+                       f"<{'field' if kind == 'jsonl' else 'column'}>'")
   if not rest:
     raise ValueError(f"data.corpus={name!r}: no path given; allowed forms: {FORMS}")
   return kind, rest, field
@@ -99,14 +101,16 @@ def token_metadata(name: str) -> tuple[pathlib.Path, dict]:
     dtype, vocab, count = str(meta["dtype"]), int(meta["vocab_size"]), int(meta["num_tokens"])
   except FileNotFoundError:
     raise ValueError(f"data.corpus={name!r}: no metadata {meta_path} beside it (JSON with dtype, "
-                     "vocab_size, tokenizer, num_tokens, as experiments/prepare_data.py writes)") from None
+                     "vocab_size, tokenizer, num_tokens, as experiments/prepare_data.py "
+                     "writes)") from None
   except (ValueError, KeyError, TypeError) as error:
-    raise ValueError(f"data.corpus={name!r}: metadata {meta_path} is not JSON with dtype, vocab_size, "
-                     f"num_tokens ({type(error).__name__}: {error})") from None
+    raise ValueError(f"data.corpus={name!r}: metadata {meta_path} is not JSON with dtype, "
+                     f"vocab_size, num_tokens ({type(error).__name__}: {error})") from None
   if dtype not in TOKEN_DTYPES:
     raise ValueError(f"data.corpus={name!r}: metadata dtype {dtype!r}; allowed: {TOKEN_DTYPES}")
   if vocab > np.iinfo(dtype).max + 1:
-    raise ValueError(f"data.corpus={name!r}: metadata vocab_size {vocab} does not fit its dtype {dtype}")
+    raise ValueError(f"data.corpus={name!r}: metadata vocab_size {vocab} does not fit its "
+                     f"dtype {dtype}")
   if path.suffix == ".npy":
     array = np.load(path, mmap_mode="r")
     if array.ndim != 1 or str(array.dtype) != dtype or array.size != count:
@@ -133,11 +137,9 @@ def check(name: str) -> None:
   else:
     _matches(name, rest)
   if kind in ("parquet", "hf"):
-    try:
-      import pyarrow  # pylint: disable=g-import-not-at-top,unused-import
-    except ImportError:
+    if importlib.util.find_spec("pyarrow") is None:
       raise ValueError(f"data.corpus={name!r} needs pyarrow (a dependency of lowcomm-jax): "
-                       "pip install pyarrow") from None
+                       "pip install pyarrow")
 
 
 def identity_files(name: str) -> list[tuple[str, int]]:
@@ -156,8 +158,8 @@ def identity_files(name: str) -> list[tuple[str, int]]:
 def _strings(name: str, where: str, values, field: str) -> list[str]:
   bad = [i for i, v in enumerate(values) if not isinstance(v, str)]
   if bad:
-    raise ValueError(f"data.corpus={name!r}: {where} row {bad[0]} has {type(values[bad[0]]).__name__} "
-                     f"in {field!r}, not text")
+    raise ValueError(f"data.corpus={name!r}: {where} row {bad[0]} "
+                     f"has {type(values[bad[0]]).__name__} in {field!r}, not text")
   return values
 
 
@@ -202,16 +204,19 @@ def iter_documents(name: str) -> Iterator[tuple[str, str]]:
           try:
             record = json.loads(line)
           except ValueError as error:
-            raise ValueError(f"data.corpus={name!r}: {path} line {number} is not JSON ({error})") from None
+            raise ValueError(f"data.corpus={name!r}: {path} line {number} is not JSON "
+                             f"({error})") from None
           if not isinstance(record, dict) or not isinstance(record.get(field), str):
-            raise ValueError(f"data.corpus={name!r}: {path} line {number} has no text field {field!r}")
+            raise ValueError(f"data.corpus={name!r}: {path} line {number} has no text "
+                             f"field {field!r}")
           yield f"{path}:{number}", record[field]
   elif kind == "parquet":
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
     for path in _matches(name, rest):
       schema = pq.read_schema(path)
       if field not in schema.names:
-        raise ValueError(f"data.corpus={name!r}: {path} has no column {field!r}; it has {schema.names}")
+        raise ValueError(f"data.corpus={name!r}: {path} has no column {field!r}; it "
+                         f"has {schema.names}")
       texts = _arrow_column(name, pq.read_table(path, columns=[field]), path, field)
       yield from ((f"{path}:{i}", t) for i, t in enumerate(texts))
   elif kind == "hf":

@@ -59,8 +59,11 @@ def prepare(corpus: str, tokenizer: str, out, workers: int = 0, chunk_documents:
   tok = tokenizer_lib.load_tokenizer(tokenizer)
   out = pathlib.Path(out)
   if out.suffix != ".bin":
-    raise ValueError(f"--out={out} must end in .bin (its metadata goes to {out.with_suffix('.json')})")
-  source = files.iter_documents(corpus) if files.is_file_corpus(corpus) else corpora.load_documents(corpus)
+    raise ValueError(f"--out={out} must end in .bin (its metadata goes "
+                     f"to {out.with_suffix('.json')})")
+  source = (
+    files.iter_documents(corpus) if files.is_file_corpus(corpus) else corpora.load_documents(corpus)
+  )
   chunks = _chunks(files.cut(source, doc_separator, doc_chars), chunk_documents)
   dtype = token_dtype(tok.vocab_size)
   workers = workers or os.cpu_count() or 1

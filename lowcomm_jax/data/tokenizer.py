@@ -122,7 +122,8 @@ class HFTokenizer(_Base):
     return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
   def decode(self, ids) -> str:
-    return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+    return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)],
+                            skip_special_tokens=False)
 
   def files(self) -> list[pathlib.Path]:
     folder = self.path.parent
@@ -200,8 +201,8 @@ def _load(path: str, size: int, mtime_ns: int) -> Tokenizer:
     return SentencePieceTokenizer(p)
   if p.suffix == ".json":
     return HFTokenizer(p)
-  raise ValueError(f"data.tokenizer={path!r}: unknown kind of file; allowed: 'bytes', a Hugging Face "
-                   "tokenizer.json (or a folder holding one) or a SentencePiece .model")
+  raise ValueError(f"data.tokenizer={path!r}: unknown kind of file; allowed: 'bytes', a Hugging "
+                   f"Face tokenizer.json (or a folder holding one) or a SentencePiece .model")
 
 
 def model_vocab_size(vocab_size: int) -> int:
@@ -237,7 +238,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir) -> pathlib.Path:
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_dir) -> pathlib.Path:
-  """Trains a SentencePiece BPE model with an eos piece; writes and returns `out_dir/tokenizer.model`.
+  """Trains a SentencePiece BPE model with an eos piece; writes and returns
+  `out_dir/tokenizer.model`.
 
   Text is kept as it is (no normalization, whitespace kept, no dummy prefix) and unseen characters
   (newlines too: it trains on lines) fall back to bytes, so decode(encode(text)) == text.

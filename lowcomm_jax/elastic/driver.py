@@ -30,11 +30,9 @@ import warnings
 
 import ml_collections
 
-from lowcomm_jax import checks
-from lowcomm_jax import config as config_lib
+from lowcomm_jax import checks, config as config_lib
 from lowcomm_jax.data import corpora
-from lowcomm_jax.elastic import faults as faults_lib
-from lowcomm_jax.elastic import options
+from lowcomm_jax.elastic import faults as faults_lib, options
 from lowcomm_jax.train import workdir as workdir_lib
 
 
@@ -115,9 +113,18 @@ class ElasticRun:
       self._namespace = options.namespace(work)
       self._config_json = config.to_json_best_effort()
       self.began = time.time()
-      self.syncer = self._ray.remote(Syncer).options(
-          name="syncer", namespace=self._namespace, max_restarts=e.max_restarts,
-          max_task_retries=-1, num_cpus=0, max_concurrency=1000).remote(self._config_json, str(work))
+      self.syncer = (
+        self._ray.remote(Syncer)
+        .options(
+          name="syncer",
+          namespace=self._namespace,
+          max_restarts=e.max_restarts,
+          max_task_retries=-1,
+          num_cpus=0,
+          max_concurrency=1000,
+        )
+        .remote(self._config_json, str(work))
+      )
       self._ray.get(self.syncer.begin.remote())
       for i in self._ray.get(self.syncer.status.remote())["members"]:  # resumed: as saved
         self._start_learner(i)
@@ -255,7 +262,8 @@ class ElasticRun:
       while kills and time.time() - self.began >= kills[0][0]:
         _, victim = kills.pop(0)
         if victim in runs and victim not in removed:
-          faults_lib.fire_once(work, faults_lib.Fault("kill", learner=victim, step=-len(deaths) - 1))
+          faults_lib.fire_once(work,
+                               faults_lib.Fault("kill", learner=victim, step=-len(deaths) - 1))
           ray.kill(self.learners[victim], no_restart=False)
     status = ray.get(self.syncer.status.remote())
     if not status["done"]:  # stop_at_step: the learners ended before the last round

@@ -1,4 +1,5 @@
-"""One learner of an elastic run: an independent training program that syncs fragments with a syncer.
+"""One learner of an elastic run: an independent training program that syncs fragments with a
+syncer.
 
 A Ray actor (`ray.remote(Learner)`) owning its devices. Inside it the Trainer's machinery builds one
 replica (`options.learner_config`: the inner optimizer alone, compiled for its own mesh) and learner
@@ -36,10 +37,8 @@ import numpy as np
 
 from lowcomm_jax import comm
 from lowcomm_jax.comm import remote
-from lowcomm_jax.elastic import faults as faults_lib
-from lowcomm_jax.elastic import options
-from lowcomm_jax.optim import fragments as frag_lib
-from lowcomm_jax.optim import schedule as schedule_lib
+from lowcomm_jax.elastic import faults as faults_lib, options
+from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
 
 
 class Learner:
@@ -47,6 +46,7 @@ class Learner:
 
   def __init__(self, config_json: str, run_dir: str, learner: int):
     import ray  # pylint: disable=g-import-not-at-top
+
     from lowcomm_jax.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
     self.started = time.time()
     self.config = c = ml_collections.ConfigDict(json.loads(config_json))
@@ -106,6 +106,7 @@ class Learner:
   def run(self) -> dict:
     """Trains until the last step or the last round; returns this start's counts."""
     import ray  # pylint: disable=g-import-not-at-top
+
     from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
     from lowcomm_jax.train import metrics  # pylint: disable=g-import-not-at-top
     c, tr = self.config, self.trainer
@@ -169,10 +170,12 @@ class Learner:
         delta = jax.device_get(delta_fns[p](phi, state.params))
         ledger = comm.Ledger()
         with ledger.recording():
-          payload, residuals[p] = remote.encode(self.plans[p], self.tx.plan_name(p), delta, residuals[p])
+          payload, residuals[p] = remote.encode(self.plans[p], self.tx.plan_name(p), delta,
+                                                residuals[p])
         self.progress["bytes_sent"] += ledger.sent_bytes
         pending[p] = self.syncer.exchange.remote(self.index, p, base_round[p], payload,
-                                                 tokens_since[p], step, float(np.mean(losses_since[p])))
+                                                 tokens_since[p], step,
+                                                 float(np.mean(losses_since[p])))
         tokens_since[p], losses_since[p] = 0, []
       for p in phase.receive:
         if p not in pending:  # sent before this learner (re)joined

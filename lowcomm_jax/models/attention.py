@@ -20,8 +20,8 @@ def dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK):
   operands (bfloat16 or float16; head_dim a multiple of 8, at most 128); lowered for tpu, jax's
   Pallas TPU flash attention (`tpu_flash_attention`) where the sequence is a multiple of 128: no
   [B, H, T, S] tensor is kept for the backward. Elsewhere, jax's XLA implementation (scores and
-  softmax in float32, probabilities in the inputs' dtype). `implementation=None` is not used: in jax 0.10 to
-  0.12 it always means XLA.
+  softmax in float32, probabilities in the inputs' dtype). `implementation=None` is not used: in jax
+  0.10 to 0.12 it always means XLA.
   """
   xla = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
   cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
@@ -133,7 +133,8 @@ def _cudnn_accepts(*operands) -> bool:
 def _cudnn_traces(shapes) -> bool:
   try:
     jax.eval_shape(jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32)), argnums=(0, 1, 2)), *shapes)
+        q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32)), argnums=(0, 1, 2)),
+                   *shapes)
   except (RuntimeError, ValueError, NotImplementedError):
     return False
   return True

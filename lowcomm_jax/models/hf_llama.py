@@ -69,7 +69,8 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     raise ValueError("grouped-query attention (num_key_value_heads < num_attention_heads) is not "
                      "supported by this decoder")
   if hf.get("tie_word_embeddings", False):
-    raise ValueError("tied embeddings (tie_word_embeddings: true) are not supported by this decoder")
+    raise ValueError("tied embeddings (tie_word_embeddings: true) are not supported by this "
+                     "decoder")
   shape = dict(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
                num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
                d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
@@ -134,7 +135,8 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
           "attn_norm": {"scale": stack(lambda pre: get(pre + "input_layernorm.weight"))},
           "mlp_norm": {"scale": stack(lambda pre: get(pre + "post_attention_layernorm.weight"))},
           "attn": {
-              **{ours: stack(lambda pre, t=theirs: get(pre + f"self_attn.{t}.weight").T.reshape(d, h, k))
+              **{ours: stack(lambda pre,
+                             t=theirs: get(pre + f"self_attn.{t}.weight").T.reshape(d, h, k))
                  for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"))},
               "wo": stack(lambda pre: get(pre + "self_attn.o_proj.weight").T.reshape(h, k, d)),
           },

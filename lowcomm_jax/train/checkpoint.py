@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -28,7 +29,8 @@ _IN_FLIGHT_WRITES_S = 1.0
 
 def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
   """Logs orbax's errors (and asyncio's about orbax's tasks) as their first line: a failed save is
-  reported by SaveFailed, once; each of orbax's threads logging its traceback would bury that line."""
+  reported by SaveFailed, once; each of orbax's threads logging its traceback would bury that
+  line."""
   orbax = f"{os.sep}orbax{os.sep}"
   frames, tb = [], record.exc_info[2] if record.exc_info else None
   while tb is not None:
@@ -50,8 +52,12 @@ def _quiet_closed_loop_reports(previous):
     last = unraisable.exc_traceback
     while last is not None and last.tb_next is not None:
       last = last.tb_next
-    if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
-            and last is not None and last.tb_frame.f_code.co_name == "_check_closed"):
+    if not (
+      unraisable.exc_type is RuntimeError
+      and str(unraisable.exc_value) == "Event loop is closed"
+      and last is not None
+      and last.tb_frame.f_code.co_name == "_check_closed"
+    ):
       previous(unraisable)
 
   return hook
@@ -74,7 +80,8 @@ class DamagedCheckpoint(ValueError):
 
 
 class SaveFailed(RuntimeError):
-  """A checkpoint could not be written (disk full, a read-only or vanished folder): the run stops."""
+  """A checkpoint could not be written (disk full, a read-only or vanished folder): the run
+  stops."""
 
 
 def os_error_of(error: BaseException) -> str:
@@ -143,8 +150,9 @@ def verify(step_dir: pathlib.Path) -> None:
                             "or copied step directory)")
   if sealed_run != run_identity(step_dir.parent.parent):
     raise DamagedCheckpoint(f"it was saved by another run (run {str(sealed_run)[:12]}, this "
-                            f"workdir's config.json is run {str(run_identity(step_dir.parent.parent))[:12]}): "
-                            "a step copied from another run or config")
+                            f"workdir's config.json is "
+                            f"run {str(run_identity(step_dir.parent.parent))[:12]}): a step "
+                            f"copied from another run or config")
   actual = file_digests(step_dir)
   for name in sorted(set(expected) | set(actual)):
     if name not in actual:
@@ -212,8 +220,9 @@ class Checkpointer:
     step, error = self._failure
     sealed = [int(p.name) for p in self.directory.iterdir()
               if p.name.isdigit() and int(p.name) < step and (p / CHECKSUM_FILE).is_file()]
-    intact = (f"checkpoint step {max(sealed)} ({self.directory / str(max(sealed))}) is intact: rerun "
-              "the same command to resume from it" if sealed else "no earlier checkpoint: a rerun "
+    intact = (f"checkpoint step {max(sealed)} ({self.directory / str(max(sealed))}) is intact: "
+              f"rerun the same command to resume from "
+              f"it" if sealed else "no earlier checkpoint: a rerun "
               "starts at step 0")
     return (f"checkpoint step {step} could not be saved in {self.directory}: {os_error_of(error)}; "
             f"the run stopped; {intact} once the folder is writable and has room")
@@ -269,13 +278,17 @@ class Checkpointer:
     return restored["state"], restored["data"]
 
   def restore_latest(self, abstract_state):
-    """(step, state, data) of the newest checkpoint every process can read; None if there is none."""
+    """(step, state, data) of the newest checkpoint every process can read; None if there is
+    none."""
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         restored, reason = self.restore(step, abstract_state), ""
       except Exception as error:  # pylint: disable=broad-except
         # orbax and tensorstore raise many kinds of error for missing or truncated files
-        restored, reason = None, f"{type(error).__name__}: {(str(error) or '?').splitlines()[0][:200]}"
+        restored, reason = (
+          None,
+          f"{type(error).__name__}: {(str(error) or '?').splitlines()[0][:200]}",
+        )
       if distributed.all_agree(restored is not None):
         return (step, *restored)
       print(f"checkpoint step {step} in {self.directory} cannot be restored "
@@ -320,6 +333,7 @@ def restore_eval_params(workdir, replica: int | None = None, option: str = "init
   names the flag or key that gave `workdir` in the errors.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from lowcomm_jax import config as config_lib, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.optim.inner import TrainState  # pylint: disable=g-import-not-at-top
@@ -330,7 +344,8 @@ def restore_eval_params(workdir, replica: int | None = None, option: str = "init
   try:
     c = config_lib.load_run_config(workdir)
   except (ValueError, KeyError, TypeError) as error:
-    raise ValueError(f"{option}={str(workdir)!r} has a config.json that cannot be read ({error})") from None
+    raise ValueError(f"{option}={str(workdir)!r} has a config.json that cannot be read "
+                     f"({error})") from None
   if replica is not None and not 0 <= replica < c.num_replicas:
     raise ValueError(f"--replica must be in [0, {c.num_replicas}) for this run of {c.num_replicas} "
                      f"replicas, got {replica}")
@@ -376,8 +391,6 @@ def provide_cpu_devices(workdir) -> None:
   """Before JAX starts its backends: as many CPU devices as the run's mesh fixes, so that a run
   trained on a mesh of N devices can be read back by a one-process tool on a CPU host (on GPU/TPU
   hosts the setting changes nothing). An explicit XLA_FLAGS device count is left as it is."""
-  import math  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
   try:
     mesh = json.loads((pathlib.Path(workdir) / "config.json").read_text())["config"]["mesh"]
     needed = math.prod(max(int(n), 1) for n in mesh.values())
@@ -386,7 +399,8 @@ def provide_cpu_devices(workdir) -> None:
   if needed > 1 and "device_count" not in os.environ.get("XLA_FLAGS", ""):
     try:
       jax.config.update("jax_num_cpu_devices", needed)
-    except RuntimeError:  # JAX already started: its devices stay; a mesh too large is refused, named
+    except RuntimeError:
+      # JAX already started: its devices stay; a mesh too large is refused, named
       pass
 
 

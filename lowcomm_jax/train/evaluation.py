@@ -17,8 +17,7 @@ from flax import nnx
 
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.data import pipeline
-from lowcomm_jax.models import llama
-from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.models import llama, loss as loss_lib
 from lowcomm_jax.train import checkpoint, validation
 
 CHANGEABLE = ("data.corpus", "data.eval_permille", "data.seq_len", "data.doc_separator",

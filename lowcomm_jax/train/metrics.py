@@ -1,4 +1,5 @@
-"""Run outputs: metrics.jsonl (one object per logged step), TensorBoard events, progress on a terminal."""
+"""Run outputs: metrics.jsonl (one object per logged step), TensorBoard events, progress on a
+terminal."""
 
 from __future__ import annotations
 

@@ -24,20 +24,22 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lowcomm_jax import comm
-from lowcomm_jax import config as config_lib
-from lowcomm_jax import distributed
-from lowcomm_jax import mesh as mesh_lib
-from lowcomm_jax import sharding
-from lowcomm_jax.data import corpora, pipeline, tokenizer as tokenizer_lib
-from lowcomm_jax.models import config as model_config
+from lowcomm_jax import comm, config as config_lib, distributed, mesh as mesh_lib, sharding
 from lowcomm_jax.cpu_kernels import attention as cpu_attention
-from lowcomm_jax.models import hf_llama, llama
-from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.data import corpora, pipeline, tokenizer as tokenizer_lib
+from lowcomm_jax.models import config as model_config, hf_llama, llama, loss as loss_lib
 from lowcomm_jax.optim.inner import TrainState
-from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources, startup
-from lowcomm_jax.train import validation, workdir as workdir_lib
-from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib
+from lowcomm_jax.train import (
+  algorithms,
+  checkpoint,
+  metrics as metrics_lib,
+  mfu as mfu_lib,
+  overlap as overlap_lib,
+  sources,
+  startup,
+  validation,
+  workdir as workdir_lib,
+)
 
 
 class Trainer:
@@ -54,12 +56,15 @@ class Trainer:
     try:
       self.mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
     except ValueError as error:
-      raise ValueError(f"{error}{startup.fake_devices_hint(config.mesh.to_dict(), devices)}") from None
+      raise ValueError(
+        f"{error}{startup.fake_devices_hint(config.mesh.to_dict(), devices)}"
+      ) from None
     distributed.check_mesh(self.mesh, config.num_replicas)
     data_ways = self.mesh.shape[mesh_lib.DATA]
     if config.data.batch_size % data_ways:
       raise ValueError(f"data.batch_size={config.data.batch_size} is not divisible by the mesh's "
-                       f"data axis ({data_ways}); choose a multiple of {data_ways} or change mesh.data")
+                       f"data axis ({data_ways}); choose a multiple of {data_ways} or change "
+                       f"mesh.data")
     micro = config.data.batch_size // config.optimizer.accumulation_steps
     if micro % data_ways:
       raise ValueError(f"optimizer.accumulation_steps={config.optimizer.accumulation_steps} leaves "
@@ -73,9 +78,10 @@ class Trainer:
     if self.model_cfg.attention == "cpu_kernel":
       platforms = sorted({d.platform for d in self.mesh.devices.flat})
       if platforms != ["cpu"]:
-        raise ValueError(f"model.attention='cpu_kernel' runs on CPU devices only, the mesh has {platforms} "
-                         "(use model.attention='xla')")
-      try:  # compiled (or found in the cache) now: a missing compiler or an untrusted cache fails here
+        raise ValueError(f"model.attention='cpu_kernel' runs on CPU devices only, the mesh "
+                         f"has {platforms} (use model.attention='xla')")
+      try:
+        # compiled (or found in the cache) now: a missing compiler or an untrusted cache fails here
         cpu_attention.load()
       except RuntimeError as error:
         raise ValueError(str(error)) from None
@@ -86,8 +92,9 @@ class Trainer:
     elif config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
     elif config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
-      raise ValueError(f"init_from={config.init_from!r} holds checkpoints/ but no config.json, so the "
-                       "model they hold is unknown; give the workdir of a run (both are in it)")
+      raise ValueError(f"init_from={config.init_from!r} holds checkpoints/ but no config.json, so "
+                       f"the model they hold is unknown; give the workdir of a run (both are in "
+                       f"it)")
     self.rules = sharding.rules_for(config.sharding.layout)
     # reliability: another config, another corpus, run files without config.json, a finished run
     self.corpus_identity = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
@@ -97,7 +104,8 @@ class Trainer:
     abstract_params = abstract_params.to_pure_dict()
     self.algorithm = algorithms.make_algorithm(config, config.num_replicas, abstract_params)
     self.fragment_names = getattr(self.algorithm, "fragment_names", [])
-    self.source = sources.make_source(config, self.graphdef, self.model_cfg, self.algorithm, self.mesh)
+    self.source = sources.make_source(config, self.graphdef, self.model_cfg, self.algorithm,
+                                      self.mesh)
     # thread | inline: where an overlapped fragment's mean is issued (train.overlap)
     self.overlap_executor = overlap_lib.choose(config.diloco.overlap_executor, self.algorithm,
                                                self.source, self.mesh)
@@ -116,7 +124,8 @@ class Trainer:
   def startup_report(self) -> list[str]:
     """The start-up line (model, parameters, mesh and devices, tokens per step, algorithm,
     workdir) and the warnings about the layout, as the run prints them."""
-    return ([startup.startup_line(self.config, self.model_cfg, self.num_params, self.mesh, self.workdir)]
+    return ([startup.startup_line(self.config, self.model_cfg, self.num_params, self.mesh,
+                                  self.workdir)]
             + startup.startup_warnings(self.config, self.mesh, self.param_specs))
 
   def _check_workdir(self) -> None:
@@ -143,7 +152,8 @@ class Trainer:
     return jax.jit(init, out_shardings=self.param_shardings)()
 
   def init_state(self) -> TrainState:
-    """Replicated parameters [M, ...] (grid [R, S, ...] for the pipeline) and the algorithm's state."""
+    """Replicated parameters [M, ...] (grid [R, S, ...] for the pipeline) and the algorithm's
+    state."""
     params = self.init_params()
     abstract = jax.eval_shape(self._init_fn, params)
     return jax.jit(self._init_fn, out_shardings=self.state_shardings(abstract))(params)
@@ -151,7 +161,8 @@ class Trainer:
   def _params_from(self, workdir: pathlib.Path):
     model_cfg, params = checkpoint.restore_eval_params(workdir)  # sharded as that run had them
     if model_cfg != self.model_cfg:
-      raise ValueError(f"init_from={str(workdir)!r} has model {model_cfg}, this run {self.model_cfg}")
+      raise ValueError(f"init_from={str(workdir)!r} has model {model_cfg}, this "
+                       f"run {self.model_cfg}")
     return jax.device_put(params, self.param_shardings)  # resharded device to device
 
   def restore_latest(self) -> TrainState:
@@ -180,7 +191,8 @@ class Trainer:
     return self.source.batch_sharding()
 
   def step_fn(self, phase, route=None):
-    """(state, batch [M, B, T+1]) -> (state, metrics) for one static phase (and pipeline routing)."""
+    """(state, batch [M, B, T+1]) -> (state, metrics) for one static phase (and pipeline
+    routing)."""
     return self.source.train_step(phase, route)
 
   def _jit_step(self, key, state):
@@ -199,7 +211,9 @@ class Trainer:
     if key not in self._programs:
       ledger = comm.Ledger()
       with ledger.recording(), mesh_lib.tracing(self.mesh):
-        compiled = self.source.compile(self._jit_step(key, state).lower(state, self._abstract_batch()))
+        compiled = self.source.compile(
+          self._jit_step(key, state).lower(state, self._abstract_batch())
+        )
       self._programs[key] = (compiled, ledger.entries)
     return self._programs[key]
 
@@ -259,7 +273,9 @@ class Trainer:
       if algorithm.eval_replicas:
         per_replica = jax.vmap(lambda p: loss_lib.lm_loss(graphdef, p, batch))(
             source.replica_params(state.params))
-        losses.update({f"eval_loss_replica_{i}": per_replica[i] for i in range(algorithm.num_replicas)})
+        losses.update(
+          {f"eval_loss_replica_{i}": per_replica[i] for i in range(algorithm.num_replicas)}
+        )
       return losses
 
     return jax.jit(eval_loss, in_shardings=(None, self.eval_sharding()))
@@ -285,7 +301,8 @@ class Trainer:
             for r in distributed.local_replicas(self.mesh, c.num_replicas)]
 
   def refused(self, state) -> np.ndarray:
-    """Outer steps refused so far because the global model would hold NaN or inf (flat int array)."""
+    """Outer steps refused so far because the global model would hold NaN or inf (flat int
+    array)."""
     return np.asarray(self._fetch(self._refused_array(state))).reshape(-1)
 
   def _fetch(self, tree):
@@ -357,7 +374,8 @@ class Trainer:
         it.set_state(s)
       sent_bytes, peak_sync_bytes = data_state["sent_bytes"], data_state["peak_sync_bytes"]
       timing = data_state.get("timing", {})  # absent from checkpoints written before it was kept
-      self._refused_seen = self.refused(state)  # refusals before the checkpoint were already reported
+      # refusals before the checkpoint were already reported
+      self._refused_seen = self.refused(state)
       print(f"resumed from {ckpt.directory}/{start}", flush=True)
 
     stop = c.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, c.num_steps)

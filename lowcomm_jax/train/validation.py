@@ -46,10 +46,12 @@ def _check(c: ml_collections.ConfigDict) -> None:
   given = set(config_lib.flatten(c))
   unknown = sorted(given - known)
   if unknown:
-    raise ValueError(f"unknown config keys {unknown}; see lowcomm_jax/config.py for the allowed keys")
+    raise ValueError(f"unknown config keys {unknown}; see lowcomm_jax/config.py for the allowed "
+                     f"keys")
   missing = sorted(known - given)
   if missing:
-    raise ValueError(f"config is missing keys {missing}; start from lowcomm_jax.config.default_config()")
+    raise ValueError(f"config is missing keys {missing}; start from "
+                     f"lowcomm_jax.config.default_config()")
   names = tuple(algorithms.ALGORITHMS)
   checks.require(c.algorithm in names, "algorithm", f"one of {names}", c.algorithm)
   checks.integer(c, "num_steps", 1)
@@ -67,13 +69,15 @@ def _check(c: ml_collections.ConfigDict) -> None:
                  f"one of {', '.join(inner.OPTIMIZERS)}", c.optimizer.name)
   checks.number(c, "optimizer.learning_rate", 0)
   checks.number(c, "optimizer.min_lr_ratio", 0, 1, high_open=False)
-  checks.require(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", ">= 0", c.optimizer.warmup_steps)
+  checks.require(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", ">= 0",
+                 c.optimizer.warmup_steps)
   checks.number(c, "optimizer.weight_decay", 0)
   for key in ("optimizer.b1", "optimizer.b2", "optimizer.momentum"):
     checks.number(c, key, 0, 1)
   checks.number(c, "optimizer.grad_clip", 0)
   checks.integer(c, "optimizer.accumulation_steps", 1)
-  checks.require(c.data.batch_size % c.optimizer.accumulation_steps == 0, "optimizer.accumulation_steps",
+  checks.require(c.data.batch_size % c.optimizer.accumulation_steps == 0,
+                 "optimizer.accumulation_steps",
                  f"a divisor of data.batch_size={c.data.batch_size} (micro-batches of equal size)",
                  c.optimizer.accumulation_steps)
   sharding.rules_for(c.sharding.layout)
@@ -87,7 +91,8 @@ def _check(c: ml_collections.ConfigDict) -> None:
   checks.number(c, "hardware.step_seconds", 0)
   checks.number(c, "hardware.peak_flops_per_device", 0)
   for key in ("timeout_seconds", "init_timeout_seconds"):
-    checks.require(c.distributed[key] >= 1, f"distributed.{key}", ">= 1 (seconds)", c.distributed[key])
+    checks.require(c.distributed[key] >= 1, f"distributed.{key}", ">= 1 (seconds)",
+                   c.distributed[key])
   # Axis names and sizes only: the device count (checked by the Trainer) is not known here, so ask
   # for exactly as many devices as the fixed axes use.
   fixed = math.prod(max(int(n), 1) for n in c.mesh.to_dict().values() if isinstance(n, int))
@@ -124,8 +129,8 @@ def _check_elastic_values(c) -> None:
 
 
 def _check_tokenizer(c) -> None:
-  """data.tokenizer loads, fits the corpus (domains are bytes; pre-tokenized ids fit its vocabulary);
-  data.doc_chars and data.doc_separator have their types."""
+  """data.tokenizer loads, fits the corpus (domains are bytes; pre-tokenized ids fit its
+  vocabulary); data.doc_chars and data.doc_separator have their types."""
   checks.require(isinstance(c.data.doc_chars, int) and c.data.doc_chars >= 0, "data.doc_chars",
                  "an integer >= 0 (0: documents are not cut by length)", c.data.doc_chars)
   checks.require(isinstance(c.data.doc_separator, str), "data.doc_separator", "a string",

@@ -15,8 +15,8 @@ One run at a time: `RunLock` holds an exclusive `fcntl.flock` on LOCK_FILE for t
 kernel releases it when the process ends, however it ends); a second start is refused naming the
 holder's pid and host.
 
-config.json and summary.json are replaced whole (a temporary file renamed), so a crash leaves the old
-file or the new one, never a torn one; a summary.json that cannot be read is no finished run.
+config.json and summary.json are replaced whole (a temporary file renamed), so a crash leaves the
+old file or the new one, never a torn one; a summary.json that cannot be read is no finished run.
 summary.json is strict JSON: a value that is NaN or inf becomes null, and `null_reasons` says why.
 """
 
@@ -32,7 +32,8 @@ import tempfile
 import time
 
 # Files and folders a run writes; any of them without config.json is a damaged or foreign run.
-RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "summary.json", "tensorboard")
+RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "summary.json",
+             "tensorboard")
 NEW, RESUME, COMPLETE = "new", "resume", "complete"
 # Held locked by the running start (its pid and host inside). Alone in a folder, or with the
 # temporary file of a config.json write cut short, it leaves the folder new.
@@ -42,17 +43,18 @@ LOCK_FILE = "run.lock"
 def check_path(workdir) -> pathlib.Path:
   """The workdir as a path; raises unless it is (or can become) a writable directory."""
   if workdir is None or not str(workdir).strip():
-    raise ValueError("--workdir must name a directory (a new one, or a run to resume), got an empty "
-                     "path; a run is never written into the current directory by default")
+    raise ValueError("--workdir must name a directory (a new one, or a run to resume), got an "
+                     "empty path; a run is never written into the current directory by default")
   path = pathlib.Path(workdir)
   if path.is_symlink() and not path.exists():
-    raise ValueError(f"--workdir={workdir} is a symbolic link to {os.readlink(path)}, which does not "
-                     "exist; give a directory (new, or a run to resume), or create the link's target")
+    raise ValueError(f"--workdir={workdir} is a symbolic link to {os.readlink(path)}, which does "
+                     f"not exist; give a directory (new, or a run to resume), or create the link's "
+                     "target")
   resolved = path.expanduser().resolve()
   if resolved in (pathlib.Path("/"), pathlib.Path.home().resolve()):
     what = "the root directory" if resolved.parent == resolved else "the home directory"
-    raise ValueError(f"--workdir={workdir} is {what}; a run writes its files into its workdir: give "
-                     f"a folder of its own, e.g. {resolved / 'runs' / 'my_run'}")
+    raise ValueError(f"--workdir={workdir} is {what}; a run writes its files into its workdir: "
+                     f"give a folder of its own, e.g. {resolved / 'runs' / 'my_run'}")
   if path.exists() and not path.is_dir():
     raise ValueError(f"--workdir={workdir} is a file; give a directory (new, or a run to resume)")
   existing = path
@@ -65,7 +67,8 @@ def check_path(workdir) -> pathlib.Path:
       pass
   except OSError as error:
     raise ValueError(f"--workdir={workdir} cannot be written: {existing} refuses new files "
-                     f"({type(error).__name__}: {error.strerror}); give a writable directory") from None
+                     f"({type(error).__name__}: {error.strerror}); give a writable "
+                     f"directory") from None
   return path
 
 
@@ -76,23 +79,29 @@ def read_run(workdir: pathlib.Path) -> dict | None:
   if not saved.exists():
     found = sorted(name for name in RUN_FILES if (workdir / name).exists())
     if found:
-      raise ValueError(f"workdir {workdir} holds {', '.join(found)} but no config.json, so which run "
-                       "they belong to is unknown; refusing to resume or overwrite them: use a new "
-                       "--workdir (or restore that run's config.json)")
-    ours = lambda name: name == LOCK_FILE or (name.startswith(".config.json.") and name.endswith(".tmp"))
-    others = sorted(p.name for p in workdir.iterdir() if not ours(p.name)) if workdir.is_dir() else []
+      raise ValueError(f"workdir {workdir} holds {', '.join(found)} but no config.json, so which "
+                       f"run they belong to is unknown; refusing to resume or overwrite them: use "
+                       f"a new --workdir (or restore that run's config.json)")
+    ours = lambda name: (
+      name == LOCK_FILE or (name.startswith(".config.json.") and name.endswith(".tmp"))
+    )
+    others = (
+      sorted(p.name for p in workdir.iterdir() if not ours(p.name)) if workdir.is_dir() else []
+    )
     if others:
       shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
       raise ValueError(f"workdir {workdir} holds files that are not a run ({shown}) and no "
-                       "config.json; a new run needs an absent or empty folder: use a new --workdir")
+                       "config.json; a new run needs an absent or empty folder: use a new "
+                       "--workdir")
     return None
   try:
     run = json.loads(saved.read_text())
     if not isinstance(run, dict) or not isinstance(run.get("fingerprint"), dict):
       raise ValueError("no 'fingerprint' object")
   except (ValueError, UnicodeDecodeError) as error:
-    raise ValueError(f"workdir {workdir} has a config.json that cannot be read ({error}); it is not "
-                     "the file a run writes: use a new --workdir, or restore that file") from None
+    raise ValueError(f"workdir {workdir} has a config.json that cannot be read ({error}); it is "
+                     f"not the file a run writes: use a new --workdir, or restore that "
+                     f"file") from None
   return run
 
 
@@ -101,10 +110,10 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | Non
   """NEW, RESUME or COMPLETE for a start of the run `fingerprint` in `workdir`; raises otherwise.
 
   A key the saved run does not know (added to the config since) counts as its default value; a key
-  it saved that is fingerprinted no more (e.g. diloco.nonfinite, now the run-time key nonfinite) is not compared. A saved
-  corpus identity (`lowcomm_jax.data.corpora.corpus_identity`) must equal `corpus_identity`, so a
-  resume never trains on other text (another Python's stdlib, another Debian release) unnoticed.
-  Reads only: an existing run directory is never changed by a refused start.
+  it saved that is fingerprinted no more (e.g. diloco.nonfinite, now the run-time key nonfinite) is
+  not compared. A saved corpus identity (`lowcomm_jax.data.corpora.corpus_identity`) must equal
+  `corpus_identity`, so a resume never trains on other text (another Python's stdlib, another Debian
+  release) unnoticed. Reads only: an existing run directory is never changed by a refused start.
   """
   run = read_run(pathlib.Path(workdir))
   if run is None:
@@ -123,10 +132,11 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | Non
   saved_identity = run.get("corpus_identity")
   if saved_identity and corpus_identity and saved_identity != corpus_identity:
     raise ValueError(
-        f"workdir {workdir} was trained on another copy of data.corpus={run['config']['data']['corpus']!r} "
-        f"(corpus identity {saved_identity}, here {corpus_identity}: its files or their sizes differ, "
-        "e.g. another Python version or Debian release); resuming would train on other text: "
-        "resume where the run started, or use a new --workdir")
+        f"workdir {workdir} was trained on another copy of "
+        f"data.corpus={run['config']['data']['corpus']!r} (corpus identity {saved_identity}, "
+        f"here {corpus_identity}: its files or their sizes differ, e.g. another Python version or "
+        f"Debian release); resuming would train on other text: resume where the run started, or "
+        f"use a new --workdir")
   return COMPLETE if read_summary(pathlib.Path(workdir)) is not None else RESUME
 
 

@@ -1,0 +1,51 @@
+"""The private JAX (`jax._src`) that lowcomm_jax reads, in one place.
+
+Each function names what it reads, why the public API cannot do it yet, and what would replace
+it. ruff's TID251 rule (pyproject.toml) refuses `jax._src` in every other file, so a new private
+use comes here with its note. All of it exists unchanged from jax 0.10.2 to 0.12 (the versions
+pyproject.toml allows).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax._src import cloud_tpu_init, clusters
+
+
+def on_cloud_tpu_vm() -> bool:
+  """Whether JAX found a Cloud TPU VM's runtime when it started (`cloud_tpu_init`).
+
+  JAX records this when it initializes its TPU backend and uses it in its own cluster detection;
+  there is no public query. `jax.devices()[0].platform == "tpu"` is not the same: it starts the
+  backend, which `distributed.initialize` must not do before `jax.distributed.initialize`.
+  """
+  return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
+
+
+def slurm_or_mpi_cluster() -> type | None:
+  """JAX's SLURM or Open MPI cluster description whose environment is present, else None.
+
+  `jax.distributed.initialize()` detects these itself but then restricts each process to the one
+  local device its task id names (SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK), which is wrong with
+  one task per node holding several devices; no public API returns what it detected without
+  initializing. The registry `clusters.ClusterEnv._cluster_types` lists the detectors; the ones
+  returned answer `get_coordinator_address`, `get_process_count` and `get_process_id`.
+  """
+  registry = clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+  return next((e for e in registry if e.name in ("slurm", "ompi") and e.is_env_present()), None)
+
+
+def jax_detected_distributed_params() -> tuple:
+  """(coordinator address, process count, process id, local device ids) as JAX's own detection
+  reads them from the environment, with nothing given: what `jax.distributed.initialize()` would
+  use. Tests compare `distributed.initialize_arguments` with it; no public API returns it."""
+  unset = (None,) * 6  # address, count, id, local device ids, detection method, timeout
+  return clusters.ClusterEnv.auto_detect_unset_distributed_params(*unset)
+
+
+def persistent_cache_enabled() -> bool:
+  """Whether the persistent compilation cache is on: what JAX's private
+  `compilation_cache.is_persistent_cache_enabled` reads, from the public options (JAX exports
+  `reset_cache` in `jax.experimental.compilation_cache` but not this query)."""
+  return (jax.config.jax_compilation_cache_dir is not None
+          and bool(jax.config.jax_enable_compilation_cache))
