@@ -23,8 +23,8 @@ def _naming_arguments(fn: Callable, section: str, arguments: tuple[str, ...],
   whose ValueErrors name `arguments` (and `renamed`'s values) where they named the config keys
   `section.argument` (and `renamed`'s keys)."""
   keys = {f"{section}.{a}": a for a in arguments} | (renamed or {})
-  pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(keys, key=len, reverse=True)))
-                       + r")(?!\w)")
+  longest_first = sorted(keys, key=len, reverse=True)
+  pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, longest_first)) + r")(?!\w)")
 
   def naming(call: Callable) -> Callable:
     @functools.wraps(call)

@@ -17,8 +17,7 @@ import pathlib
 import ml_collections
 
 from lowcomm_jax.data import tokenizer as tokenizer_lib
-from lowcomm_jax.models import config as model_config
-from lowcomm_jax.models import hf_llama
+from lowcomm_jax.models import config as model_config, hf_llama
 
 # Keys that may change when a run is resumed: they do not change the trajectory (nonfinite
 # only decides what happens once a non-finite outer gradient appears: stop, or refuse it and go on).
@@ -69,9 +68,9 @@ def default_config() -> ml_collections.ConfigDict:
       # sdl_*) | none | full | dots (ModelConfig.remat, docs/accelerators.md)
       remat="",
   ))
-  # the parameters this run starts from (fresh optimizer): "" (initialised from `seed`) | the workdir
-  # of a finished run (its evaluated parameters) | hf:<folder> (a Hugging Face Llama folder of this
-  # run's model shape, e.g. written by experiments/export.py; refused naming what differs)
+  # the parameters this run starts from (fresh optimizer): "" (initialised from `seed`) | the
+  # workdir of a finished run (its evaluated parameters) | hf:<folder> (a Hugging Face Llama folder
+  # of this run's model shape, e.g. written by experiments/export.py; refused naming what differs)
   c.init_from = ""
   c.data = ml_collections.ConfigDict(dict(
       # stdlib | licenses | docstrings | debian:<source> | domain:<d> | domain_mix:<d>+<d>, or the

@@ -198,8 +198,10 @@ def test_bad_input_is_named_before_compute(tmp_path):
 
 
 API_REFUSALS = {  # a bad argument of the optax-style API → the start of its one-line refusal
-    "diloco sync_every": (lambda: lowcomm_jax.diloco(optax.sgd(1.0), sync_every=0), "sync_every (H)"),
-    "fragments": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), fragments=0), "fragments must"),
+    "diloco sync_every": (lambda: lowcomm_jax.diloco(optax.sgd(1.0), sync_every=0),
+                          "sync_every (H)"),
+    "fragments": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), fragments=0),
+                  "fragments must"),
     "overlap_steps": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), sync_every=4,
                                                           overlap_steps=4), "overlap_steps (τ=4)"),
     "merge_alpha": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), merge_alpha=2.0),
@@ -207,7 +209,8 @@ API_REFUSALS = {  # a bad argument of the optax-style API → the start of its o
     "error_feedback": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), error_feedback=True),
                        "error_feedback needs a lossy codec"),
     "codec_kernels": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), codec="int8",
-                                                          codec_kernels="gpu"), "codec_kernels must"),
+                                                          codec_kernels="gpu"),
+                      "codec_kernels must"),
     "overlap_anchor": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), overlap_anchor="late"),
                        "overlap_anchor must"),
     "group_size": (lambda: lowcomm_jax.noloco(optax.sgd(1.0), 4, group_size=3), "group_size must"),

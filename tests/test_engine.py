@@ -145,7 +145,8 @@ MESH_ROWS = [(case, {}) for case in CASES] + [
 
 
 @pytest.mark.parametrize("case, extra", MESH_ROWS,
-                         ids=[case + "".join(f",{k}={v}" for k, v in x.items()) for case, x in MESH_ROWS])
+                         ids=[case + "".join(f",{k}={v}" for k, v in x.items())
+                              for case, x in MESH_ROWS])
 def test_one_device_equals_the_mesh(case, extra, tmp_path):
   on_mesh, alone = MESHES[case]
   a = Trainer(engine_config(case, num_steps=4, **on_mesh, **extra), tmp_path / "mesh")

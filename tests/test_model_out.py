@@ -298,7 +298,8 @@ def test_export_of_a_bpe_tokenizer_names_its_separator_as_eos(tmp_path):
   assert settings["eos_token"] == "<|endoftext|>"
   copied = tokenizers.Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
   assert copied.token_to_id("<|endoftext|>") == tok.eos_id
-  assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == tok.eos_id
+  generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+  assert generation["eos_token_id"] == tok.eos_id
 
 
 def _links(tmp_path, run):
@@ -310,7 +311,8 @@ def _links(tmp_path, run):
   return {
       "dangling symlink": (tmp_path / "dangling", "is a symbolic link to"),
       "symlink to the run": (tmp_path / "to_run", "exists; give a new path"),
-      "under a symlink into the run": (tmp_path / "to_run" / "model", "is inside the run directory"),
+      "under a symlink into the run": (tmp_path / "to_run" / "model",
+                                       "is inside the run directory"),
       "inside the run": (run / "model", "is inside the run directory"),
       "an empty directory": (tmp_path / "empty", "exists; give a new path"),
       "a file": (tmp_path / "file", "exists; give a new path"),
@@ -356,7 +358,8 @@ def test_init_from_hf_starts_from_the_folders_weights(run, exported, tmp_path):
   started = jax.device_get(trainer.init_params())
   jax.tree.map(np.testing.assert_array_equal, started, jax.tree.map(np.asarray, params))
   model_cfg = trainer.model_cfg
-  logits = lambda p: np.asarray(nnx.merge(decode.graphdef_of(model_cfg), p)(jnp.asarray(TOKENS[None])))
+  forward = lambda p: nnx.merge(decode.graphdef_of(model_cfg), p)(jnp.asarray(TOKENS[None]))
+  logits = lambda p: np.asarray(forward(p))
   np.testing.assert_array_equal(logits(started), logits(params))
   summary = trainer.run()
   assert np.isfinite(summary["final_eval_loss"])
@@ -453,7 +456,8 @@ def test_a_run_of_the_folders_shape_continues_training_it(open_model, tmp_path):
   assert np.isfinite(summary["final_eval_loss"])
   # and the run exports back to the same kind of folder
   _, trained = checkpoint.read_eval_params(tmp_path / "continued")
-  hf_llama.write_folder(tmp_path / "again", trainer.model_cfg, trained, tokenizer_lib.ByteTokenizer())
+  hf_llama.write_folder(tmp_path / "again", trainer.model_cfg, trained,
+                        tokenizer_lib.ByteTokenizer())
   assert hf_llama.read_folder(tmp_path / "again")[0] == trainer.model_cfg
 
 

@@ -174,9 +174,9 @@ def _tensorboard_events(workdir) -> list[list]:
 
 def test_a_resumed_run_reports_the_whole_run_and_keeps_the_resume_steps_scalars(tmp_path):
   """Stopped after step 3 (its checkpoint), resumed to step 4: summary.json's wall_time_s and
-  tokens_per_s are the whole run's (the earlier start's figures as its checkpoint recorded them, plus
-  this start's), this start's own beside them (`this_start`); TensorBoard keeps step 3's scalars,
-  purging from step 4 on, which the resumed start logs."""
+  tokens_per_s are the whole run's (the earlier start's figures as its checkpoint recorded them,
+  plus this start's), this start's own beside them (`this_start`); TensorBoard keeps step 3's
+  scalars, purging from step 4 on, which the resumed start logs."""
   changes = {"num_steps": 4, "checkpoint.every": 2, "log_every": 1}
   Trainer(tiny_config(stop_at_step=3, **changes), tmp_path).run()
   timing = json.loads((tmp_path / "checkpoints" / "3" / "data" / "metadata").read_text())["timing"]
@@ -189,7 +189,8 @@ def test_a_resumed_run_reports_the_whole_run_and_keeps_the_resume_steps_scalars(
   assert earlier["steps"] == 2 and this["tokens_per_s"] is None
   assert summary["tokens_per_s"] == earlier["steps"] * tokens_per_step / earlier["seconds"]
   on_disk = json.loads((tmp_path / "summary.json").read_text())
-  assert on_disk["tokens_per_s"] == summary["tokens_per_s"] and on_disk["this_start"]["first_step"] == 4
+  assert on_disk["tokens_per_s"] == summary["tokens_per_s"]
+  assert on_disk["this_start"]["first_step"] == 4
   assert on_disk["null_reasons"] == {"this_start.tokens_per_s": "no timed step: every step of this "
                                      "start was in the window that compiles"}
   first, resumed = _tensorboard_events(tmp_path)

@@ -133,8 +133,8 @@ class HFTokenizer(_Base):
 
 
 def _configured_eos(path: pathlib.Path) -> str | None:
-  """The eos token that a `tokenizer_config.json` beside a tokenizer.json names (a Hugging Face model
-  folder's, e.g. one exported by experiments/export.py), if any."""
+  """The eos token that a `tokenizer_config.json` beside a tokenizer.json names (a Hugging Face
+  model folder's, e.g. one exported by experiments/export.py), if any."""
   try:
     eos = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
   except (OSError, ValueError, AttributeError):

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lowcomm_jax import mesh as mesh_lib
+from lowcomm_jax import compat, mesh as mesh_lib
 
 
 def dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK):
@@ -83,15 +83,10 @@ def tpu_flash_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK):
     return jax.shard_map(fn, mesh=mesh, in_specs=(rows,) * num_in, out_specs=(rows,) * num_out,
                          axis_names=set(free), check_vma=False)
 
-  def kernel_forward(q, k, v):  # (output, its row sums l, its row maxima m)
-    o, (*_, l, m) = tpu_flash._flash_attention_fwd(  # pylint: disable=protected-access
-        q, k, v, None, None, False, True, scale, blocks, False)
-    return o, l, m
-
-  def kernel_backward(q, k, v, o, l, m, d_out):
-    dq, dk, dv, _, _ = tpu_flash._flash_attention_bwd(  # pylint: disable=protected-access
-        False, True, scale, blocks, False, (q, k, v, None, None, o, l, m), d_out)
-    return dq, dk, dv
+  kernel_forward = functools.partial(compat.tpu_flash_attention_forward, sm_scale=scale,
+                                     block_sizes=blocks)  # (output, row sums l, row maxima m)
+  kernel_backward = functools.partial(compat.tpu_flash_attention_backward, sm_scale=scale,
+                                      block_sizes=blocks)
 
   @jax.custom_vjp
   def attend(q, k, v):

@@ -151,9 +151,9 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple]:
   """The shape of each Hugging Face Llama tensor of this config ([out, in] for projections)."""
   v, d, hk, f = cfg.vocab_size, cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.d_ff
   per_layer = {"input_layernorm": (d,), "post_attention_layernorm": (d,),
-               "self_attn.q_proj": (hk, d), "self_attn.k_proj": (hk, d), "self_attn.v_proj": (hk, d),
-               "self_attn.o_proj": (d, hk), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d),
-               "mlp.down_proj": (d, f)}
+               "self_attn.q_proj": (hk, d), "self_attn.k_proj": (hk, d),
+               "self_attn.v_proj": (hk, d), "self_attn.o_proj": (d, hk), "mlp.gate_proj": (f, d),
+               "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
   return {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d),
           **{f"model.layers.{i}.{n}.weight": shape for i in range(cfg.num_layers)
              for n, shape in per_layer.items()}}
@@ -196,7 +196,8 @@ def write_folder(out, cfg: ModelConfig, params: dict, tokenizer) -> list[str]:
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   out = check_out_dir(out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+  staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial",
+                                          dir=out.parent))
   try:
     eos = tokenizer.eos_id
     (staging / "config.json").write_text(_json({**hf_config(cfg), "eos_token_id": eos}))
@@ -338,9 +339,9 @@ def check_tokenizer(folder, tokenizer, option: str = "init_from") -> None:
   else:
     return
   if not same:
+    spec = getattr(tokenizer, "spec", "?")
     raise ValueError(f"{option}='{PREFIX}{folder}' holds another tokenizer than data.tokenizer="
-                     f"{getattr(tokenizer, 'spec', '?')!r} (another vocabulary); give the folder as "
-                     "data.tokenizer")
+                     f"{spec!r} (another vocabulary); give the folder as data.tokenizer")
 
 
 def _weight_files(folder: pathlib.Path) -> list[str]:
