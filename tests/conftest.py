@@ -110,7 +110,7 @@ TIERS = {
     "test_streaming.py": "trainer",
     "test_train.py": "trainer",
     "test_validation.py": "unit",
-    "test_virtual_clock.py": "unit",
+    "test_virtual_clock.py": "trainer",
 }
 # `--dist loadfile` hands the files out heaviest tier first (a file of a heavier tier takes longer
 # than any file of a lighter one, roughly), so that the long files start early and the two workers
