@@ -61,10 +61,6 @@ class ReplicaGradients:
     """The source's own transfers for the virtual clock: none (the algorithm reports its own)."""
     return []
 
-  @staticmethod
-  def compile(lowered):
-    return lowered.compile()
-
   def init(self, params):
     return self.algorithm.init_replicated(params, self.algorithm.num_replicas)
 
@@ -195,23 +191,6 @@ class PipelineGradients:
     return [clock.CommEvent(step - 1, step, e.payload_bytes, "send", 2)
             for step in range(1, num_steps + 1) for e in entries_at(step)
             if e.plan is None for _ in range(e.repeats)]
-
-  def compile(self, lowered):
-    """Compiles without the persistent compilation cache on CPU: there (jax 0.10.2) this step's
-    program (pipeline permutes and NoLoCo's permutes in one shard_map'd program), loaded back from
-    the cache, segfaults on its first run; compiled fresh it runs and matches the former pipeline
-    loop. Other backends keep the cache (their compiles are the slow ones)."""
-    from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
-    on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-    if not on_cpu or not compilation_cache.is_persistent_cache_enabled():
-      return lowered.compile()
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-      return lowered.compile()
-    finally:
-      jax.config.update("jax_enable_compilation_cache", True)
-      compilation_cache.reset_cache()
 
   def per_device(self, fn, num_in):
     grid = P(mesh_lib.REPLICA, mesh_lib.STAGE)
