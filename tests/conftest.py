@@ -8,7 +8,10 @@ test runs at once never share it.
 """
 
 import atexit
+import functools
 import os
+import pathlib
+import re
 import shutil
 import tempfile
 
@@ -113,8 +116,9 @@ TIERS = {
     "test_virtual_clock.py": "trainer",
 }
 # `--dist loadfile` hands the files out heaviest tier first (a file of a heavier tier takes longer
-# than any file of a lighter one, roughly), so that the long files start early and the two workers
-# end within about the last small file of each other.
+# than any file of a lighter one, roughly; a file counts with the heaviest tier among its tests), so
+# that the long files start early and the two workers end within about the last small file of each
+# other. Among the files of one tier, more tests first.
 TIER_ORDER = ("slow", "notebooks", "lowering", "processes", "trainer", "unit")
 
 
@@ -146,9 +150,20 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.timeout(TIER_TIMEOUT_S[tier]))
 
 
+@functools.lru_cache(maxsize=None)
+def _heaviest_tier(scope: str) -> int:
+  """The rank in TIER_ORDER (0: heaviest) of the heaviest tier of the tests in file `scope`: its
+  own, or one that a test of it is marked with (the xdist controller sees file names, not marks)."""
+  ranks = [TIER_ORDER.index(TIERS.get(os.path.basename(scope), "unit"))]
+  path = pathlib.Path(scope)
+  if path.is_file():
+    ranks += [TIER_ORDER.index(t) for t in re.findall(r"@pytest\.mark\.(\w+)", path.read_text())
+              if t in TIER_ORDER]
+  return min(ranks)
+
+
 def _file_weight(scope: str, tests: dict) -> tuple[int, int]:
-  tier = TIERS.get(scope.rsplit("/", 1)[-1], "unit")
-  return (len(TIER_ORDER) - TIER_ORDER.index(tier), len(tests))
+  return (len(TIER_ORDER) - _heaviest_tier(scope), len(tests))
 
 
 @pytest.hookimpl(optionalhook=True)
