@@ -392,5 +392,6 @@ def test_the_syncer_stops_waiting_for_an_overdue_learner_with_the_adaptive_windo
     for key, value in cache.items():
       jax.config.update(key, value)
   assert waited[False][2] >= 3.0  # the fixed window: the whole grace_s
-  # adaptive: a quarter of learner 2's interval (0.2 s plus a round's close) past its prediction
-  assert waited[True][2] < 1.5, waited
+  # adaptive: a quarter of learner 2's interval (0.2 s plus a round's close) past its prediction,
+  # so it closes before the whole window however slow the machine makes that interval (up to ~2 s)
+  assert waited[True][2] < 3.0, waited
