@@ -154,6 +154,7 @@ def test_an_unreachable_coordinator_is_named_within_the_timeout(monkeypatch):
     distributed.initialize("on", address, 2, 1, init_timeout_seconds=1)
 
 
+@pytest.mark.processes  # starts a binary: not in the fast tier
 @pytest.mark.parametrize("flags,line", [
     (["--coordinator_address=::1", "--num_processes=2", "--process_id=0"],
      "ValueError: --coordinator_address must be host:port with a port in 1..65535 (IPv6 in "
