@@ -18,7 +18,8 @@ is_masked = lambda x: isinstance(x, optax.MaskedNode)
 
 
 def run(tx, params, batches_r, loss_fn, use_phase=True, with_value=False):
-  """`tx` over stacked replicas with vmap, jitted; with_value passes the loss as `value=` to `update`."""
+  """`tx` over stacked replicas with vmap, jitted; with_value passes the loss as `value=` to
+  `update`."""
   params_r, state = tx.init_replicated(params, batches_r.shape[1])
 
   def step(p, s, batch, phase):

@@ -28,8 +28,8 @@ def _gone(pid: int) -> bool:
     return True
 
 
-# How long an orphan may take to go (the watchdog's 5 s grace and its polls): the wait ends as soon as
-# it has gone, so the bound only has to be one that a loaded machine never reaches.
+# How long an orphan may take to go (the watchdog's 5 s grace and its polls): the wait ends as soon
+# as it has gone, so the bound only has to be one that a loaded machine never reaches.
 ORPHAN_WAIT_S = 120
 
 

@@ -240,7 +240,7 @@ def test_a_pipeline_program_loaded_back_from_the_persistent_cache_runs_as_compil
   Trainer(config, tmp_path / "first").run()
   events, compiles = [], []  # JAX's monitoring events: each compile request, each cache hit
   on_event = lambda event, **_: events.append(event)
-  on_compile = lambda event, seconds, **_: compiles.append(event) if event == COMPILE_EVENT else None
+  on_compile = lambda event, _, **__: compiles.append(event) if event == COMPILE_EVENT else None
   jax.monitoring.register_event_listener(on_event)
   jax.monitoring.register_event_duration_secs_listener(on_compile)
   try:
