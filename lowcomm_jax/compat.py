@@ -43,14 +43,6 @@ def jax_detected_distributed_params() -> tuple:
   return clusters.ClusterEnv.auto_detect_unset_distributed_params(*unset)
 
 
-def persistent_cache_enabled() -> bool:
-  """Whether the persistent compilation cache is on: what JAX's private
-  `compilation_cache.is_persistent_cache_enabled` reads, from the public options (JAX exports
-  `reset_cache` in `jax.experimental.compilation_cache` but not this query)."""
-  return (jax.config.jax_compilation_cache_dir is not None
-          and bool(jax.config.jax_enable_compilation_cache))
-
-
 def tpu_flash_attention_forward(q, k, v, sm_scale: float, block_sizes) -> tuple:
   """(output, row sums l, row maxima m) of jax's Pallas TPU flash attention, causal, operands heads
   first [B, H, T, K]: the forward rule of its `jax.custom_vjp` (`_flash_attention_fwd` of

@@ -230,6 +230,7 @@ def test_paper_presets_hold_the_papers_block_parameters(name):
   assert abs(blocks / (12 * d * d * layers) - 1) < 0.02
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_trainer_with_dot_product_and_remat_follows_the_default_losses(tmp_path):
   # DiLoCo with one replica per device slice (shard_map over `replica`, the batch over `data`):
   # the same losses as the default model to float32 rounding of a ~5.5 loss.

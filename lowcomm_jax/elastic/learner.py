@@ -54,7 +54,7 @@ class Learner:
     self.index = learner
     self.dir = self.run_dir / "learners" / str(learner)
     self.dir.mkdir(parents=True, exist_ok=True)
-    self._event("start")
+    self._event("start", pid=os.getpid())  # the process (a restart is another)
     options.use_compilation_cache(self.run_dir)  # a restarted learner compiles nothing again
     self.syncer = ray.get_actor("syncer", namespace=options.namespace(self.run_dir))
     self.trainer = Trainer(options.learner_config(c), self.dir / "model")

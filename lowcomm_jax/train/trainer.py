@@ -211,9 +211,7 @@ class Trainer:
     if key not in self._programs:
       ledger = comm.Ledger()
       with ledger.recording(), mesh_lib.tracing(self.mesh):
-        compiled = self.source.compile(
-          self._jit_step(key, state).lower(state, self._abstract_batch())
-        )
+        compiled = self._jit_step(key, state).lower(state, self._abstract_batch()).compile()
       self._programs[key] = (compiled, ledger.entries)
     return self._programs[key]
 
