@@ -8,7 +8,6 @@ pyproject.toml allows).
 
 from __future__ import annotations
 
-import jax
 from jax._src import cloud_tpu_init, clusters
 
 
