@@ -8,7 +8,6 @@ pyproject.toml allows).
 
 from __future__ import annotations
 
-import jax
 from jax._src import cloud_tpu_init, clusters
 
 
@@ -43,9 +42,27 @@ def jax_detected_distributed_params() -> tuple:
   return clusters.ClusterEnv.auto_detect_unset_distributed_params(*unset)
 
 
-def persistent_cache_enabled() -> bool:
-  """Whether the persistent compilation cache is on: what JAX's private
-  `compilation_cache.is_persistent_cache_enabled` reads, from the public options (JAX exports
-  `reset_cache` in `jax.experimental.compilation_cache` but not this query)."""
-  return (jax.config.jax_compilation_cache_dir is not None
-          and bool(jax.config.jax_enable_compilation_cache))
+def tpu_flash_attention_forward(q, k, v, sm_scale: float, block_sizes) -> tuple:
+  """(output, row sums l, row maxima m) of jax's Pallas TPU flash attention, causal, operands heads
+  first [B, H, T, K]: the forward rule of its `jax.custom_vjp` (`_flash_attention_fwd` of
+  `jax.experimental.pallas.ops.tpu.flash_attention`), with the softmax statistics it keeps.
+
+  The public `flash_attention` is differentiable only with operands that vary over no manual mesh
+  axis: its kernels' results carry no such type, and its custom_vjp refuses a cotangent of another
+  type than its result. Inside the Trainer's `shard_map` over `replica` the model calls the rules
+  itself and types their results (`models.attention.tpu_flash_attention`). A public VJP that takes
+  such operands would replace these two. Not `jax._src`: the module is public, its rules private.
+  """
+  from jax.experimental.pallas.ops.tpu import flash_attention  # pylint: disable=g-import-not-at-top
+  o, (*_, l, m) = flash_attention._flash_attention_fwd(  # pylint: disable=protected-access
+      q, k, v, None, None, False, True, sm_scale, block_sizes, False)
+  return o, l, m
+
+
+def tpu_flash_attention_backward(q, k, v, o, l, m, d_out, sm_scale: float, block_sizes) -> tuple:
+  """(dq, dk, dv) of `tpu_flash_attention_forward`'s result given its cotangent `d_out`: the
+  backward rule of the same custom_vjp (`_flash_attention_bwd`), from the forward's residuals."""
+  from jax.experimental.pallas.ops.tpu import flash_attention  # pylint: disable=g-import-not-at-top
+  dq, dk, dv, _, _ = flash_attention._flash_attention_bwd(  # pylint: disable=protected-access
+      False, True, sm_scale, block_sizes, False, (q, k, v, None, None, o, l, m), d_out)
+  return dq, dk, dv

@@ -10,13 +10,14 @@ range). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
 import ml_collections
 
 from lowcomm_jax.data import tokenizer as tokenizer_lib
-from lowcomm_jax.models import config as model_config
+from lowcomm_jax.models import config as model_config, hf_llama
 
 # Keys that may change when a run is resumed: they do not change the trajectory (nonfinite
 # only decides what happens once a non-finite outer gradient appears: stop, or refuse it and go on).
@@ -53,7 +54,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.seed = 0  # parameter init and data order; in [0, 2**32).
   c.num_steps = 300  # optimizer steps.
   c.model = ml_collections.ConfigDict(dict(
-      size="tiny",  # a preset of lowcomm_jax.models.PRESETS
+      # a preset of lowcomm_jax.models.PRESETS, or hf:<folder>: the shape of that Hugging Face
+      # Llama folder's config.json (with init_from=hf:<folder>, continued training of it)
+      size="tiny",
       # activation dtype: "" (the preset's: float32 for tiny/small, bfloat16 for sdl_*) | float32 |
       # bfloat16; parameters stay float32
       dtype="",
@@ -65,7 +68,9 @@ def default_config() -> ml_collections.ConfigDict:
       # sdl_*) | none | full | dots (ModelConfig.remat, docs/accelerators.md)
       remat="",
   ))
-  # workdir of a finished run whose final parameters start this one (fresh optimizer)
+  # the parameters this run starts from (fresh optimizer): "" (initialised from `seed`) | the
+  # workdir of a finished run (its evaluated parameters) | hf:<folder> (a Hugging Face Llama folder
+  # of this run's model shape, e.g. written by experiments/export.py; refused naming what differs)
   c.init_from = ""
   c.data = ml_collections.ConfigDict(dict(
       # stdlib | licenses | docstrings | debian:<source> | domain:<d> | domain_mix:<d>+<d>, or the
@@ -285,14 +290,24 @@ def flatten(c, prefix="") -> dict:
 
 
 def model_config_of(c):
-  """The model's shape: the preset, its width `model.d_ff`, layers = stages × layers per stage for
-  the pipeline and SkipPipe sources, the vocabulary of `data.tokenizer` (padded to a multiple of
-  128; 256 for bytes)."""
-  preset = model_config.PRESETS.get(c.model.size)
-  changes = {"vocab_size": tokenizer_lib.model_vocab_size(
-      tokenizer_lib.load_tokenizer(c.data.tokenizer).vocab_size)}
+  """The model's shape: the preset (or with `model.size=hf:<folder>`, the shape of that Hugging Face
+  Llama folder's config.json), its width `model.d_ff`, layers = stages × layers per stage for the
+  pipeline and SkipPipe sources, the vocabulary of `data.tokenizer` (padded to a multiple of 128;
+  256 for bytes; a folder's own vocabulary, which must hold the tokenizer's)."""
+  tokens = tokenizer_lib.load_tokenizer(c.data.tokenizer).vocab_size
+  changes = {"vocab_size": tokenizer_lib.model_vocab_size(tokens)}
   if c.gradients != "replicas":
     changes["num_layers"] = c.pipeline.num_stages * c.pipeline.layers_per_stage
+  if c.model.size.startswith(hf_llama.PREFIX):
+    preset = hf_llama.folder_model_config(c.model.size[len(hf_llama.PREFIX):])
+    if tokens > preset.vocab_size:
+      raise ValueError(f"data.tokenizer={c.data.tokenizer!r} has {tokens:,} tokens, more than the "
+                       f"vocabulary of model.size={c.model.size!r} ({preset.vocab_size:,})")
+    changes["vocab_size"] = preset.vocab_size
+    return dataclasses.replace(
+        preset, **model_options(c), max_seq_len=max(preset.max_seq_len, c.data.seq_len),
+        d_ff=c.model.d_ff or preset.d_ff, **changes)
+  preset = model_config.PRESETS.get(c.model.size)
   return model_config.get_model_config(
       c.model.size, **model_options(c), max_seq_len=max(preset.max_seq_len, c.data.seq_len),
       d_ff=c.model.d_ff or preset.d_ff, **changes)

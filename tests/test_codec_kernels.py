@@ -94,6 +94,7 @@ def _streaming_e3m0_config(codec_kernels: str):
       "diloco.codec_kernels": codec_kernels, "mesh.data": 1})
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_training_with_pallas_kernels_on_the_wire_is_bit_identical_to_the_reference(tmp_path):
   """diloco.codec_kernels=pallas (interpreted on CPU) trains Streaming DiLoCo (e3m0, error
   feedback, τ = 1, H = 2: two syncs in 6 steps, one compiled sync program) to exactly the

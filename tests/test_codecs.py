@@ -306,6 +306,7 @@ def test_error_table_matches_direct_computation():
   assert rows[1]["relative_rms"] == {"64": 0.0, "per_tensor": 0.0}
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_the_outer_gradient_is_replica_0s_progress_from_the_start(tmp_path):
   """codecs.analysis measures on a real outer gradient: Δ = θ_start − θ_end of replica 0 of the
   Trainer's DiLoCo run, stopped before its first sync (so φ is still θ_start)."""

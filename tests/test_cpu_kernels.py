@@ -87,6 +87,7 @@ def _assert_same_losses(rows, reference_rows):
                           f"loss at step {b['step']}")
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_trainer_on_eight_devices_matches_the_xla_path_without_gathering_the_batch(tmp_path):
   kernel = Trainer(tiny_config(num_steps=4, **{"model.attention": "cpu_kernel"}),
                    tmp_path / "kernel")
@@ -110,6 +111,7 @@ def test_trainer_on_eight_devices_matches_the_xla_path_without_gathering_the_bat
                    xla.program(None, xla.init_state())[0].as_text())
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_diloco_one_replica_per_device_slice_matches_the_xla_path(tmp_path):
   diloco = {"num_steps": 4, "algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 2,
             "mesh.replica": 2, "mesh.data": 1}
@@ -121,6 +123,7 @@ def test_diloco_one_replica_per_device_slice_matches_the_xla_path(tmp_path):
   _assert_same_losses(runs["kernel"], runs["xla"])
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_bad_values_are_named_before_anything_is_written(tmp_path):
   with pytest.raises(ValueError,
                      match=r"model.attention must be one of \('xla', 'dot_product', "

@@ -195,3 +195,65 @@ def test_bad_input_is_named_before_compute(tmp_path):
   with pytest.raises(ValueError, match=r"diloco.sync_every \(H\) must be an integer >= 1"):
     lowcomm_jax.diloco(optax.sgd(0.1), sync_every=0)
   assert not any(tmp_path.iterdir())
+
+
+API_REFUSALS = {  # a bad argument of the optax-style API → the start of its one-line refusal
+    "diloco sync_every": (lambda: lowcomm_jax.diloco(optax.sgd(1.0), sync_every=0),
+                          "sync_every (H)"),
+    "fragments": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), fragments=0),
+                  "fragments must"),
+    "overlap_steps": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), sync_every=4,
+                                                          overlap_steps=4), "overlap_steps (τ=4)"),
+    "merge_alpha": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), merge_alpha=2.0),
+                    "merge_alpha (α)"),
+    "error_feedback": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), error_feedback=True),
+                       "error_feedback needs a lossy codec"),
+    "codec_kernels": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), codec="int8",
+                                                          codec_kernels="gpu"),
+                      "codec_kernels must"),
+    "overlap_anchor": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), overlap_anchor="late"),
+                       "overlap_anchor must"),
+    "group_size": (lambda: lowcomm_jax.noloco(optax.sgd(1.0), 4, group_size=3), "group_size must"),
+    "top_k": (lambda: lowcomm_jax.sparseloco(optax.sgd(1.0), top_k=0), "top_k must"),
+    "bits": (lambda: lowcomm_jax.sparseloco(optax.sgd(1.0), bits=3), "bits must"),
+    # checked when init first sees the parameters
+    "fragment rules": (lambda: lowcomm_jax.streaming_diloco(
+        optax.sgd(1.0), fragments=[("nothing", 0)], sync_every=2).init({"w": jnp.zeros(2)}),
+        "fragments: the rules ['nothing'] match no parameter"),
+}
+
+
+def test_the_python_api_names_its_arguments_not_config_keys():
+  for name, (call, start) in API_REFUSALS.items():
+    with pytest.raises(ValueError, match=None) as error:
+      call()
+    message = str(error.value)
+    assert message.startswith(start), (name, message)
+    assert not re.search(r"\b(diloco|noloco|sparseloco)\.\w", message), (name, message)
+  # The Trainer builds its algorithm through lowcomm_jax.optim, whose refusals name config keys.
+  with pytest.raises(ValueError, match=r"^diloco\.sync_every \(H\)"):
+    lowcomm_jax.optim.diloco(optax.sgd(1.0), sync_every=0)
+
+
+def test_the_global_model_and_the_syncs_as_docs_api_reads_them():
+  """docs/api.md: φ is `state.outer_params` (one copy, not stacked); `tx.phase_at(step).receive`
+  names the fragments merged after inner step `step`, and then every replica holds φ."""
+  params, xs, loss_fn = mlp_problem(replicas=2)
+  tx = lowcomm_jax.diloco(optax.adamw(0.05), sync_every=3)
+  params_r, state = tx.init_replicated(params, num_replicas=2)
+
+  def step(p, s, batch):
+    updates, s = tx.update(jax.grad(loss_fn)(p, batch), s, p)
+    return optax.apply_updates(p, updates), s
+
+  step_r = jax.jit(jax.vmap(step, in_axes=(0, tx.state_axes, 0), out_axes=(0, tx.state_axes),
+                            axis_name="replica"))
+  for s, batch in enumerate(xs[:6], start=1):
+    params_r, state = step_r(params_r, state, batch)
+    phi = state.outer_params
+    assert jax.tree.leaves(phi)[0].shape == jax.tree.leaves(params)[0].shape
+    synced = tx.phase_at(s).receive == (0,)
+    assert synced == (s % 3 == 0)
+    same = all(np.array_equal(np.asarray(r[i]), np.asarray(f))
+               for r, f in zip(jax.tree.leaves(params_r), jax.tree.leaves(phi)) for i in range(2))
+    assert same == synced, s

@@ -5,7 +5,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -156,17 +155,17 @@ def _closed_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.timeout(120)  # it gives up after its 1 s: a wait without an end fails here
 def test_an_unreachable_coordinator_is_named_within_the_timeout(monkeypatch):
   _environment(monkeypatch)
   address = f"127.0.0.1:{_closed_port()}"
-  start = time.monotonic()
   with pytest.raises(RuntimeError, match=re.escape(
       f"no coordinator answered at {address} (--coordinator_address) within "
       "distributed.init_timeout_seconds=1 s")):
     distributed.initialize("on", address, 2, 1, init_timeout_seconds=1)
-  assert time.monotonic() - start < 10
 
 
+@pytest.mark.processes  # starts a binary: not in the fast tier
 @pytest.mark.parametrize("flags,line", [
     (["--coordinator_address=::1", "--num_processes=2", "--process_id=0"],
      "ValueError: --coordinator_address must be host:port with a port in 1..65535 (IPv6 in "

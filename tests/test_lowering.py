@@ -117,6 +117,10 @@ EXTRAS = (
     # tensor).
     Combination("dp", "replicas", "none", "inline", "fsdp_tensor",
                 (("model.attention", "dot_product"), ("data.seq_len", 128))),
+    # The same with replicas on their own mesh axis (a shard_map over `replica`, the flash kernel's
+    # nested in it): the kernel's results typed as varying over `replica`, as XLA's attention's.
+    Combination("diloco", "replicas", "none", "inline", "fsdp_tensor",
+                (("model.attention", "dot_product"), ("data.seq_len", 128))),
     Combination("dp", "replicas", "none", "inline", "fsdp_tensor", (("model.remat", "dots"),)),
 )
 

@@ -82,6 +82,7 @@ def _stalled(fn):
     os.kill(os.getpid(), signal.SIGCONT)  # never left stopped
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_trainer_logs_the_formula_and_a_peak_measured_under_load_keeps_it_at_most_one(tmp_path):
   # The peak is measured while a sibling holds the CPU, the steps run without it: the old MFU
   # (wall-clock rate of the steps over a wall-clock peak measured once at start) divided by a peak

@@ -86,6 +86,42 @@ def test_tpu_flash_attention_runs_on_each_devices_rows():
       assert re.search(r"\(tensor<2x2x128x16xf32>", call), call[-200:]
 
 
+@pytest.mark.parametrize("shared_keys", [False, True], ids=["own operands", "shared keys"])
+def test_tpu_flash_attention_inside_a_replica_shard_map_keeps_each_replicas_gradients(shared_keys):
+  """The Trainer's one replica per `replica` slice (a shard_map manual over `replica`, data and
+  tensor automatic inside): `dot_product_attention` traces (its TPU branch typed varying over
+  `replica` as the XLA branch is) and, lowered for tpu, its gradients stay on each replica's
+  devices: the kernels take one device's rows, and no collective runs where every operand is the
+  replica's own. Keys shared by the replicas get their gradients summed over `replica` (one
+  all-reduce)."""
+  from lowcomm_jax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2),
+                           (mesh_lib.REPLICA, mesh_lib.DATA, mesh_lib.TENSOR))
+  own, lead = jax.sharding.PartitionSpec(mesh_lib.REPLICA), jax.sharding.PartitionSpec()
+  key_spec = lead if shared_keys else own
+  operand = jax.ShapeDtypeStruct((2, 4, 128, 4, 16), jnp.float32)  # [R, B, T, H, K]
+  keys = jax.ShapeDtypeStruct(operand.shape[1:], jnp.float32) if shared_keys else operand
+
+  def per_replica(q, k, v, w):
+    mine = lambda x: x[0]
+    k = k if shared_keys else mine(k)
+    loss = lambda q, k, v: jnp.sum(attention.dot_product_attention(q, k, v) * mine(w))
+    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(mine(q), k, mine(v))
+    return dq[None], dk if shared_keys else dk[None], dv[None]
+
+  step = jax.shard_map(per_replica, mesh=mesh, in_specs=(own, key_spec, own, own),
+                       out_specs=(own, key_spec, own), axis_names={mesh_lib.REPLICA})
+  with mesh_lib.tracing(mesh):
+    text = jax.jit(step).trace(operand, keys, operand, operand).lower(
+        lowering_platforms=("tpu",)).as_text()
+  calls = [line for line in text.splitlines() if "@tpu_custom_call(" in line]
+  assert len(calls) == 3  # forward, dK/dV, dQ
+  for call in calls:
+    assert re.search(r"\(tensor<2x2x128x16xf32>", call), call[-200:]
+  assert text.count("stablehlo.all_reduce") == (1 if shared_keys else 0)
+  assert "all_gather" not in text and "collective_permute" not in text
+
+
 _CFG = models.get_model_config("tiny", num_layers=4, d_model=64, num_heads=2, d_ff=128,
                                layer_loop="scan")
 _TOKENS = jax.random.randint(jax.random.key(1), (4, 128), 0, _CFG.vocab_size)
@@ -194,6 +230,7 @@ def test_paper_presets_hold_the_papers_block_parameters(name):
   assert abs(blocks / (12 * d * d * layers) - 1) < 0.02
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_trainer_with_dot_product_and_remat_follows_the_default_losses(tmp_path):
   # DiLoCo with one replica per device slice (shard_map over `replica`, the batch over `data`):
   # the same losses as the default model to float32 rounding of a ~5.5 loss.

@@ -158,8 +158,9 @@ def test_a_process_that_stops_answering_stops_the_others_naming_it(tmp_path):
   assert proc.returncode != 0
   first_line = proc.stderr[proc.stderr.index("launch_local:"):].splitlines()[0]
   assert first_line.startswith("launch_local: process 1 stopped answering: no heartbeat within")
+  # the heartbeat's detection stopped process 0 (SIGABRT), then the launcher the run: no wait
+  # without an end (a hang fails at the tier's timeout, tests/conftest.py)
   assert "(process 0 (pid" in first_line and "failed: killed by signal SIGABRT" in first_line
-  assert elapsed < timeout + 25  # detection, then the launcher's 5 s grace for the others
 
 
 def test_launcher_reports_a_failed_process_with_its_status_and_last_lines(tmp_path):

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from optax import contrib
 
@@ -121,6 +122,7 @@ def test_in_diloco_each_replica_steps_its_matrices_by_muon_until_the_sync():
                                  atol=_bound(expected[step_index], max(got.shape)))
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_muon_trains_the_tiny_model_as_diloco_inner_optimizer(tmp_path):
   c = tiny_config(**{"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 5,
                      "num_steps": 10, "optimizer.name": "muon", "optimizer.warmup_steps": 2,

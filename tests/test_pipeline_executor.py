@@ -10,15 +10,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache
 
 import lowcomm_jax
-from lowcomm_jax import compat, hlo, testing
+from lowcomm_jax import hlo, testing
 from lowcomm_jax.models import get_model_config, llama
 from lowcomm_jax.parallel import bubble, routing, stages, ticks
 from lowcomm_jax.parallel.executor import PipelineExecutor, transfer_patterns
 from lowcomm_jax.skippipe import paths, scheduler, topology
-from lowcomm_jax.train import sources
+from lowcomm_jax.train import Trainer, sources
 
 SEQ, MB_SIZE = 8, 2
 
@@ -236,32 +235,28 @@ def test_grid_optimizer_noloco_pairs_replicas_within_each_stage():
                               lambda w: testing.trajectory_error_bound(w, 1, 2 + 8))
 
 
-@pytest.mark.parametrize("platform,cached", [("cpu", False), ("gpu", True), ("tpu", True)])
-def test_the_pipeline_bypasses_the_persistent_compilation_cache_only_on_cpu(
-  tmp_path, platform, cached
-):
-  """The CPU workaround (a cached pipeline program segfaults when loaded back on XLA:CPU) must not
-  cost accelerators their compilation cache: there the program is written to it."""
-  before = {name: getattr(jax.config, name) for name in (
-      "jax_compilation_cache_dir", "jax_enable_compilation_cache",
-      "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")}
-  cache = tmp_path / "cache"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile, from the cache or not
+
+
+def test_a_pipeline_program_loaded_back_from_the_persistent_cache_runs_as_compiled(tmp_path):
+  """The Trainer's pipeline step programs go through the persistent compilation cache (on for the
+  test session, tests/conftest.py) like every other: a second run of one config (pipeline permutes
+  and NoLoCo's permutes in one program, its sync step included) compiles nothing, every program
+  loaded back from the cache, runs, and logs the first run's losses bit for bit."""
+  config = testing.engine_config("pipeline_noloco", num_steps=3)
+  Trainer(config, tmp_path / "first").run()
+  events, compiles = [], []  # JAX's monitoring events: each compile request, each cache hit
+  on_event = lambda event, **_: events.append(event)
+  on_compile = lambda event, _, **__: compiles.append(event) if event == COMPILE_EVENT else None
+  jax.monitoring.register_event_listener(on_event)
+  jax.monitoring.register_event_duration_secs_listener(on_compile)
   try:
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    compilation_cache.reset_cache()
-    source = types.SimpleNamespace(mesh=types.SimpleNamespace(
-        devices=np.array([types.SimpleNamespace(platform=platform)])))
-    lowered = jax.jit(lambda x: x * 3.0 + float(len(platform))).lower(jnp.ones(7))  # a new program
-    entries = lambda: set(cache.iterdir()) if cache.exists() else set()
-    before_compile = entries()
-    compiled = sources.PipelineGradients.compile(source, lowered)
-    assert bool(entries() - before_compile) == cached
-    assert compat.persistent_cache_enabled()  # left as it was
-    np.testing.assert_array_equal(compiled(np.ones(7, np.float32)), np.full(7, 3.0 + len(platform)))
+    Trainer(config, tmp_path / "again").run()
   finally:
-    for name, value in before.items():
-      jax.config.update(name, value)
-    compilation_cache.reset_cache()
+    jax.monitoring.unregister_event_listener(on_event)
+    jax.monitoring.unregister_event_duration_listener(on_compile)
+  assert compiles and events.count("/jax/compilation_cache/cache_hits") == len(compiles), (
+      len(compiles), events)
+  losses = lambda run: [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("eval_loss"))
+                        for r in testing.read_metrics(tmp_path / run)]
+  assert losses("again") == losses("first") and len(losses("first")) == 3

@@ -68,6 +68,7 @@ def _run_pipeline_binary(*flags):
                XLA_FLAGS="--xla_force_host_platform_device_count=8"))
 
 
+@pytest.mark.processes  # starts a binary: not in the fast tier
 def test_pipeline_binary_refuses_bad_input_and_an_existing_run_before_writing(tmp_path):
   bad = _run_pipeline_binary(f"--workdir={tmp_path / 'new'}", "--config.pipeline.routing=bogus")
   assert bad.returncode != 0 and "pipeline.routing must be" in bad.stderr

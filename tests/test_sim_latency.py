@@ -64,6 +64,7 @@ def test_table_rows():
   assert row["speedup_vs_tree"] == pytest.approx(expected.tree / expected.pairwise)
 
 
+@pytest.mark.processes  # starts a binary: not in the fast tier
 def test_benchmark_prints_headline_and_writes_json(tmp_path):
   import json
   import os

@@ -141,6 +141,7 @@ def test_table1_hours_at_one_gbit():
   assert fp4_hours == pytest.approx(0.88, rel=0.05)
 
 
+@pytest.mark.processes  # starts a binary: not in the fast tier
 def test_simulate_binary_writes_table_and_plot(tmp_path):
   import json
   import os

@@ -153,3 +153,47 @@ def test_metrics_one_step_behind_fetch_after_the_next_dispatch():
     behind.hold(6, {"loss": np.asarray(0.0)})
   assert behind.ready() == (5, {"loss": 2.0, "tokens_per_s": 7.0}, 10.0)
   assert len(fetched) == 1 and behind.ready() is None
+
+
+def _tensorboard_events(workdir) -> list[list]:
+  """Each events file's (step, scalar tags, purge step or None) in order, read from the TFRecord
+  framing (length, its CRC, the Event, its CRC)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  files = []
+  for path in sorted((pathlib.Path(workdir) / "tensorboard").iterdir()):
+    data, offset, events = path.read_bytes(), 0, []
+    while offset < len(data):
+      length = int.from_bytes(data[offset:offset + 8], "little")
+      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      offset += 12 + length + 4
+      purge = event.step if event.session_log.status == event_pb2.SessionLog.START else None
+      events.append((event.step, {v.tag for v in event.summary.value}, purge))
+    files.append(events)
+  return files
+
+
+def test_a_resumed_run_reports_the_whole_run_and_keeps_the_resume_steps_scalars(tmp_path):
+  """Stopped after step 3 (its checkpoint), resumed to step 4: summary.json's wall_time_s and
+  tokens_per_s are the whole run's (the earlier start's figures as its checkpoint recorded them,
+  plus this start's), this start's own beside them (`this_start`); TensorBoard keeps step 3's
+  scalars, purging from step 4 on, which the resumed start logs."""
+  changes = {"num_steps": 4, "checkpoint.every": 2, "log_every": 1}
+  Trainer(tiny_config(stop_at_step=3, **changes), tmp_path).run()
+  timing = json.loads((tmp_path / "checkpoints" / "3" / "data" / "metadata").read_text())["timing"]
+  summary = Trainer(tiny_config(**changes), tmp_path).run()
+  this = summary["this_start"]
+  assert this["first_step"] == 4
+  assert summary["wall_time_s"] == timing["wall_time_s"] + this["wall_time_s"]
+  # Steps 2 and 3 were timed (step 1's window compiles); step 4, this start's first, compiles.
+  earlier, tokens_per_step = timing["throughput"], 8 * 64
+  assert earlier["steps"] == 2 and this["tokens_per_s"] is None
+  assert summary["tokens_per_s"] == earlier["steps"] * tokens_per_step / earlier["seconds"]
+  on_disk = json.loads((tmp_path / "summary.json").read_text())
+  assert on_disk["tokens_per_s"] == summary["tokens_per_s"]
+  assert on_disk["this_start"]["first_step"] == 4
+  assert on_disk["null_reasons"] == {"this_start.tokens_per_s": "no timed step: every step of this "
+                                     "start was in the window that compiles"}
+  first, resumed = _tensorboard_events(tmp_path)
+  assert {step for step, tags, _ in first if "loss" in tags} == {1, 2, 3}
+  assert [purge for _, _, purge in resumed if purge is not None] == [4]
+  assert {step for step, tags, _ in resumed if "loss" in tags} == {4}

@@ -36,6 +36,7 @@ from jax import custom_batching
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax.cpu_kernels import build
 
 _SOURCE = pathlib.Path(__file__).with_name("attention.cc")
@@ -65,18 +66,6 @@ def check(dtype, head_dim: int) -> None:
   if head_dim not in HEAD_DIMS:
     raise ValueError(f"model.attention='cpu_kernel' supports head_dim (d_model // num_heads) in "
                      f"{HEAD_DIMS}, got {head_dim} (use model.attention='xla')")
-
-
-def _varying(x) -> frozenset:
-  aval = jax.typeof(x)
-  return frozenset(aval.mat.varying if hasattr(aval, "mat") else getattr(aval, "vma", ()))
-
-
-def _vary_like(x, like):
-  """x marked varying over the manual mesh axes `like` varies over: a custom call's results carry
-  none, and under `jax.shard_map` custom_vjp requires the gradients' types to match the inputs'."""
-  missing = tuple(sorted(_varying(like) - _varying(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _pad_time(x, t_padded: int):
@@ -177,7 +166,7 @@ def _forward(q, k, v):
   # cut from the output and get a zero cotangent.
   t_padded = -(-t // _ROWS) * _ROWS
   q, k, v = (_pad_time(x, t_padded) for x in (q, k, v))
-  out, lse = (_vary_like(x, q) for x in _run(_FORWARD, q, k, v))
+  out, lse = (mesh_lib.vary_like(x, q) for x in _run(_FORWARD, q, k, v))
   return out[..., :t, :, :], (q, k, v, out, lse)
 
 
@@ -186,7 +175,7 @@ def _backward(saved, d_out):
   t = d_out.shape[-3]
   d_out = _pad_time(d_out, q.shape[-3])
   grads = _run(_BACKWARD, q, k, v, out, lse, d_out)
-  return tuple(_vary_like(g[..., :t, :, :], x) for g, x in zip(grads, (q, k, v)))
+  return tuple(mesh_lib.vary_like(g[..., :t, :, :], x) for g, x in zip(grads, (q, k, v)))
 
 
 causal_attention.defvjp(_forward, _backward)

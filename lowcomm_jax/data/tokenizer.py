@@ -7,9 +7,11 @@
 
 Every tokenizer has `vocab_size`, `encode(text) -> ids`, `decode(ids) -> text`,
 `encode_documents(texts) -> one stream` (each document followed by `eos_id`, the document
-separator), `files()` (its own files, to copy next to an exported model) and `stream_dtype` (the
-narrowest unsigned dtype holding every id: uint8 for bytes, uint16 up to 65,536 tokens). The model's
-vocabulary follows the tokenizer: `model_vocab_size` pads it to a multiple of 128 (bytes keeps 256).
+separator: a tokenizer.json's is the `eos_token` of a `tokenizer_config.json` beside it, else the
+first of `EOS_TOKENS` it has), `files()` (its own files, to copy next to an exported model) and
+`stream_dtype` (the narrowest unsigned dtype holding every id: uint8 for bytes, uint16 up to 65,536
+tokens). The model's vocabulary follows the tokenizer: `model_vocab_size` pads it to a multiple of
+128 (bytes keeps 256).
 
 Bits per byte need the bytes each token stands for, counted on decoded text: `check_exact_bytes`
 refuses a tokenizer whose decoding does not give back the text it encoded (WordPiece lowercases and
@@ -113,11 +115,14 @@ class HFTokenizer(_Base):
                        f"({str(error).splitlines()[0][:160]})") from None
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     vocab = self._tok.get_vocab(with_added_tokens=True)
-    eos = [vocab[t] for t in EOS_TOKENS if t in vocab]
+    eos = [vocab[t] for t in (_configured_eos(path), *EOS_TOKENS) if t in vocab]
     if not eos:
       raise ValueError(f"data.tokenizer={str(path)!r} has none of the end-of-text tokens "
                        f"{', '.join(EOS_TOKENS)} to separate documents; add one as a special token")
     self.eos_id = eos[0]
+
+  def id_to_piece(self, i: int) -> str:
+    return self._tok.id_to_token(int(i))
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, self.stream_dtype)
@@ -134,6 +139,16 @@ class HFTokenizer(_Base):
     extra = [folder / n for n in ("tokenizer_config.json", "special_tokens_map.json")
              if (folder / n).is_file()]
     return [self.path] + extra
+
+
+def _configured_eos(path: pathlib.Path) -> str | None:
+  """The eos token that a `tokenizer_config.json` beside a tokenizer.json names (a Hugging Face
+  model folder's, e.g. one exported by experiments/export.py), if any."""
+  try:
+    eos = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
+  except (OSError, ValueError, AttributeError):
+    return None
+  return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
 
 
 class SentencePieceTokenizer(_Base):
@@ -154,6 +169,9 @@ class SentencePieceTokenizer(_Base):
     if self.eos_id < 0:
       raise ValueError(f"data.tokenizer={str(path)!r} has no eos piece (trained with eos_id=-1) to "
                        "separate documents; train it with an eos piece")
+
+  def id_to_piece(self, i: int) -> str:
+    return self._sp.IdToPiece(int(i))
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._sp.EncodeAsIds(text), self.stream_dtype)

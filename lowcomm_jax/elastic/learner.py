@@ -24,6 +24,7 @@ progress.json (tokens computed and bytes sent and received, summed over its rest
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -54,7 +55,7 @@ class Learner:
     self.index = learner
     self.dir = self.run_dir / "learners" / str(learner)
     self.dir.mkdir(parents=True, exist_ok=True)
-    self._event("start")
+    self._event("start", pid=os.getpid())  # the process (a restart is another)
     options.use_compilation_cache(self.run_dir)  # a restarted learner compiles nothing again
     self.syncer = ray.get_actor("syncer", namespace=options.namespace(self.run_dir))
     self.trainer = Trainer(options.learner_config(c), self.dir / "model")
@@ -248,9 +249,13 @@ class Learner:
         self._event(fault.kind, step=step, seconds=fault.seconds)
         if fault.kind == "kill":
           os._exit(1)  # pylint: disable=protected-access
-        # SIGSTOP from another process, which wakes this one D seconds later
-        subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {fault.seconds}; "
-                          f"kill -CONT {os.getpid()}"], start_new_session=True)
+        # SIGSTOP from another process, which wakes this one D seconds later; it looks every
+        # 0.1 s and ends at once when something else woke or ended this process first, so it
+        # never outlives the stop nor signals a process id that was used again
+        pid, ticks = os.getpid(), max(1, math.ceil(fault.seconds * 10))
+        subprocess.Popen(["sh", "-c", f"kill -STOP {pid}; i=0; while [ $i -lt {ticks} ]; do "
+                          f"sleep 0.1; i=$((i+1)); grep -q '^State:.*stopped' /proc/{pid}/status "
+                          f"2>/dev/null || exit 0; done; kill -CONT {pid}"], start_new_session=True)
         time.sleep(0.05)
     return slow
 

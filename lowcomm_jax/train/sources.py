@@ -28,10 +28,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lowcomm_jax import checks, compat, mesh as mesh_lib, sharding
+from lowcomm_jax import checks, mesh as mesh_lib, sharding
 from lowcomm_jax.models import loss as loss_lib
 from lowcomm_jax.optim.inner import TrainState
 
@@ -61,10 +60,6 @@ class ReplicaGradients:
   def comm_events(self, num_steps: int, entries_at) -> list:
     """The source's own transfers for the virtual clock: none (the algorithm reports its own)."""
     return []
-
-  @staticmethod
-  def compile(lowered):
-    return lowered.compile()
 
   def init(self, params):
     return self.algorithm.init_replicated(params, self.algorithm.num_replicas)
@@ -205,22 +200,6 @@ class PipelineGradients:
     return [clock.CommEvent(step - 1, step, e.payload_bytes, "send", 2)
             for step in range(1, num_steps + 1) for e in entries_at(step)
             if e.plan is None for _ in range(e.repeats)]
-
-  def compile(self, lowered):
-    """Compiles without the persistent compilation cache on CPU: there (jax 0.10.2) this step's
-    program (pipeline permutes and NoLoCo's permutes in one shard_map'd program), loaded back from
-    the cache, segfaults on its first run; compiled fresh it runs and matches the former pipeline
-    loop. Other backends keep the cache (their compiles are the slow ones)."""
-    on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-    if not on_cpu or not compat.persistent_cache_enabled():
-      return lowered.compile()
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-      return lowered.compile()
-    finally:
-      jax.config.update("jax_enable_compilation_cache", True)
-      compilation_cache.reset_cache()
 
   def per_device(self, fn, num_in):
     grid = P(mesh_lib.REPLICA, mesh_lib.STAGE)

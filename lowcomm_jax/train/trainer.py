@@ -26,8 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lowcomm_jax import comm, config as config_lib, distributed, mesh as mesh_lib, sharding
 from lowcomm_jax.cpu_kernels import attention as cpu_attention
-from lowcomm_jax.data import corpora, pipeline
-from lowcomm_jax.models import config as model_config, llama, loss as loss_lib
+from lowcomm_jax.data import corpora, pipeline, tokenizer as tokenizer_lib
+from lowcomm_jax.models import config as model_config, hf_llama, llama, loss as loss_lib
 from lowcomm_jax.optim.inner import TrainState
 from lowcomm_jax.train import (
   algorithms,
@@ -86,9 +86,13 @@ class Trainer:
         cpu_attention.load()
       except RuntimeError as error:
         raise ValueError(str(error)) from None
-    if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
+    if config.init_from.startswith(hf_llama.PREFIX):
+      hf_llama.check_folder(config.init_from[len(hf_llama.PREFIX):], self.model_cfg)
+      hf_llama.check_tokenizer(config.init_from[len(hf_llama.PREFIX):],
+                               tokenizer_lib.load_tokenizer(config.data.tokenizer))
+    elif config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
-    if config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
+    elif config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
       raise ValueError(f"init_from={config.init_from!r} holds checkpoints/ but no config.json, so "
                        f"the model they hold is unknown; give the workdir of a run (both are in "
                        f"it)")
@@ -137,8 +141,12 @@ class Trainer:
   def init_params(self):
     """The initial (unreplicated) parameters, sharded by the layout's rules.
 
-    With `init_from`, the evaluated parameters of that run's latest checkpoint (replica 0 or φ).
+    With `init_from`, the evaluated parameters of that run's latest checkpoint (replica 0 or φ),
+    or with `init_from=hf:<folder>` that Hugging Face Llama folder's weights.
     """
+    if self.config.init_from.startswith(hf_llama.PREFIX):
+      _, params = hf_llama.read_folder(self.config.init_from[len(hf_llama.PREFIX):])
+      return jax.device_put(params, self.param_shardings)
     if self.config.init_from:
       return self._params_from(pathlib.Path(self.config.init_from))
     cfg, seed = self.model_cfg, self.config.seed
@@ -200,9 +208,7 @@ class Trainer:
     if key not in self._programs:
       ledger = comm.Ledger()
       with ledger.recording(), mesh_lib.tracing(self.mesh):
-        compiled = self.source.compile(
-          self._jit_step(key, state).lower(state, self._abstract_batch())
-        )
+        compiled = self._jit_step(key, state).lower(state, self._abstract_batch()).compile()
       self._programs[key] = (compiled, ledger.entries)
     return self._programs[key]
 
@@ -357,6 +363,7 @@ class Trainer:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     start = restored[0] if restored else 0
     sent_bytes, peak_sync_bytes = 0.0, 0.0  # the ledger's bytes per worker, over the whole run
+    timing = {}  # the wall time and timed windows of the starts before this one, up to `start`
     self._refused_seen = np.zeros_like(self.refused(state))
     if start:
       _, state, data_state = restored
@@ -364,6 +371,7 @@ class Trainer:
       for it, s in zip(data_iters, data_state["replicas"][mine.start:mine.stop]):
         it.set_state(s)
       sent_bytes, peak_sync_bytes = data_state["sent_bytes"], data_state["peak_sync_bytes"]
+      timing = data_state.get("timing", {})  # absent from checkpoints written before it was kept
       # refusals before the checkpoint were already reported
       self._refused_seen = self.refused(state)
       print(f"resumed from {ckpt.directory}/{start}", flush=True)
@@ -376,7 +384,9 @@ class Trainer:
     peak = mfu_lib.run_peak(c.hardware.peak_flops_per_device, self.mesh.devices.size,
                             self.mesh.devices.flat)
     eval_loss, eval_losses = None, {}
-    throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start)
+    throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start,
+                                        timing.get("throughput"))
+    earlier_wall = float(timing.get("wall_time_s", 0.0))
     # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
     # the host wait for a step before dispatching the next; throughput windows end at the fetch.
     behind = metrics_lib.OneStepBehind(self._fetch)
@@ -451,7 +461,9 @@ class Trainer:
         state = overlap.settle(state)  # the checkpoint holds the in-flight means, as inline
         overlap.quiet()
         data_states = distributed.gather_lists([it.get_state() for it in data_iters])
-        ckpt.save(step, state, {"replicas": data_states,
+        saved_timing = {"wall_time_s": earlier_wall + time.perf_counter() - run_start,
+                        "throughput": throughput.totals()}
+        ckpt.save(step, state, {"replicas": data_states, "timing": saved_timing,
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
       if preempted and step < stop:  # reliability: saved; stop with a message
         overlap.close()
@@ -475,7 +487,12 @@ class Trainer:
     wall = time.perf_counter() - run_start
 
     tokens_per_s = throughput.tokens_per_s
-    summary = self._summary(stop, eval_loss, wall, tokens_per_s, sent_bytes, peak_sync_bytes, state)
+    summary = self._summary(stop, eval_loss, earlier_wall + wall, tokens_per_s, sent_bytes,
+                            peak_sync_bytes, state)
+    # wall_time_s and tokens_per_s are the whole run's (every start's work up to the checkpoint the
+    # next start resumed from); this start's own figures beside them
+    summary["this_start"] = {"first_step": start + 1, "wall_time_s": wall,
+                             "tokens_per_s": throughput.start_tokens_per_s}
     summary["final_eval_bits_per_byte"] = eval_losses.get("eval_bits_per_byte")
     summary["eval_bytes_per_token"] = splits.bytes_per_token
     summary.update(throughput.summary())
@@ -489,8 +506,10 @@ class Trainer:
       summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
     if stop == c.num_steps and distributed.is_primary():  # strict JSON, nulls explained
       untimed = "no timed step: every step of this start was in the window that compiles"
-      summary = workdir_lib.write_summary(self.workdir, summary, {} if throughput.seconds else {
+      why_null = {"this_start.tokens_per_s": untimed}
+      why_null.update({} if throughput.seconds else {
           k: untimed for k in ("tokens_per_s", "tokens_per_cpu_s", "mfu") if k in summary})
+      summary = workdir_lib.write_summary(self.workdir, summary, why_null)
     self.final_state = state
     self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
     return summary

@@ -18,7 +18,7 @@ import ml_collections
 from lowcomm_jax import checks, config as config_lib, mesh as mesh_lib, sharding
 from lowcomm_jax.data import corpora, files, pipeline, tokenizer as tokenizer_lib
 from lowcomm_jax.elastic import faults
-from lowcomm_jax.models import config as model_config
+from lowcomm_jax.models import config as model_config, hf_llama
 from lowcomm_jax.optim import inner
 from lowcomm_jax.sim import network
 from lowcomm_jax.train import algorithms, sources
@@ -56,7 +56,8 @@ def _check(c: ml_collections.ConfigDict) -> None:
   checks.require(c.algorithm in names, "algorithm", f"one of {names}", c.algorithm)
   checks.integer(c, "num_steps", 1)
   checks.integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
-  model_config.get_model_config(c.model.size, **config_lib.model_options(c))
+  if not c.model.size.startswith(hf_llama.PREFIX):  # hf:<folder>: read when the model is built
+    model_config.get_model_config(c.model.size, **config_lib.model_options(c))
   corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
   _check_tokenizer(c)
   checks.require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)

@@ -330,8 +330,8 @@ def write_summary(workdir: pathlib.Path, summary: dict, why_null: dict | None = 
   """
   reasons: dict = {}
   clean = strict_json(summary, reasons=reasons)
-  for key, reason in (why_null or {}).items():  # the known cause beats "was nan"
-    if key in clean and clean[key] is None:
+  for key, reason in (why_null or {}).items():  # the known cause beats "was nan" (key: its path)
+    if key in reasons or clean.get(key, 0) is None:
       reasons[key] = reason
   if reasons:
     clean["null_reasons"] = reasons
