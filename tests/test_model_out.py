@@ -404,7 +404,7 @@ INIT_FROM_HF_REFUSALS = {
     "a tensor of another shape": ({}, _reshape_tensor, "model.norm.weight [16] (this run: [32])"),
     "no weights": ({}, lambda f: (f / "model.safetensors").unlink(), "no model.safetensors in it"),
     "no folder": ({}, lambda f: shutil.rmtree(f), "no config.json in it"),
-    "another tokenizer": ({}, lambda f: tokenizer_lib.train_bpe([TEXT * 4], 200, f),
+    "another tokenizer": ({}, lambda f: tokenizer_lib.train_bpe([TEXT * 4], 200, f, overwrite=True),
                           "holds another tokenizer than data.tokenizer='bytes'"),
 }
 
