@@ -1,20 +1,21 @@
 """Training throughput and MFU of the accelerator presets on one accelerator host, and the codec
 kernels' bandwidth against a copy.
 
-  python benchmarks/accelerator.py                 # a GPU or TPU host: benchmarks/results/accelerator.json
-  python benchmarks/accelerator.py --smoke         # any host, tiny sizes: checks the script end to end
+  python benchmarks/accelerator.py          # a GPU or TPU host: benchmarks/results/accelerator.json
+  python benchmarks/accelerator.py --smoke  # any host, tiny sizes: checks the script end to end
 
 Training rows, for each preset of `--models` (default: the `sdl_*` presets up to 2 B parameters)
 and two algorithms: `dp` (plain optax AdamW) and `streaming_diloco_e3m0` (Streaming DiLoCo, one
 worker per host, P = 3 strided fragments plus the non-block one, H = 100, τ = 1, α = 0.5, outer
-gradients sent as e3m0; a model whose layers 3 does not divide gets P = 2 or 1, H = 25 (P + 1)). Every run is bfloat16, `--seq_len` tokens per sequence (2048), on a mesh
-of every local device (`data` axis), with the largest per-device batch that fits: doubling from 1
-until XLA reports the device out of memory (at compile time or at the first step), or, for a preset
-`--batches` names, halving from that batch until it fits. The timed steps
-are non-sync steps (a Streaming DiLoCo sync step also encodes and sends a fragment), `--steps` of
-them after `--warmup`, in alternating rounds with the dp setup of the same preset; a row holds the
-median tokens/s, the Trainer's MFU (train/mfu.py: the chip's bf16 datasheet peak by device kind)
-and, for Streaming DiLoCo, its step time over dp's.
+gradients sent as e3m0; a model whose layers 3 does not divide gets P = 2 or 1, H = 25 (P + 1)).
+Every run is bfloat16, `--seq_len` tokens per sequence (2048), on a mesh of every local device
+(`data` axis), with the largest per-device batch that fits: doubling from 1 until XLA reports the
+device out of memory (at compile time or at the first step), or, for a preset `--batches` names,
+halving from that batch until it fits. The timed steps are non-sync steps (a Streaming DiLoCo sync
+step also encodes and sends a fragment), `--steps` of them after `--warmup`, in alternating rounds
+with the dp setup of the same preset; a row holds the median tokens/s, the Trainer's MFU
+(train/mfu.py: the chip's bf16 datasheet peak by device kind) and, for Streaming DiLoCo, its step
+time over dp's.
 
 Kernel rows, for each 4-bit and 8-bit codec and each GPU kernel of `--gpu_kernels` (on GPU; the
 default is the one `codecs.kernels.gpu_kernel` picks): the compiled Pallas encode and decode (each
@@ -43,15 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from lowcomm_jax import codecs
-from lowcomm_jax import config as config_lib
-from lowcomm_jax.models import PRESETS, flops_per_token
-from lowcomm_jax.models import config as model_config
+from lowcomm_jax import codecs, config as config_lib
+from lowcomm_jax.models import PRESETS, config as model_config, flops_per_token
 from lowcomm_jax.train import Trainer, mfu
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "accelerator.json"
 
-_MODELS = flags.DEFINE_list("models", None, "Presets to train (default: sdl_* up to 2 B parameters).")
+_MODELS = flags.DEFINE_list("models", None,
+                            "Presets to train (default: sdl_* up to 2 B parameters).")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternating timed rounds per preset.")
@@ -59,7 +59,8 @@ _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compiling.")
 _MAX_BATCH = flags.DEFINE_integer("max_batch_per_device", 256, "Largest per-device batch tried.")
 _ATTENTION = flags.DEFINE_string("attention", None, "model.attention (default: the config's).")
 _REMAT = flags.DEFINE_string("remat", None, "model.remat (default: the config's).")
-_LOG2_VALUES = flags.DEFINE_integer("log2_values", 28, "log2 of the float32 values the codecs code.")
+_LOG2_VALUES = flags.DEFINE_integer("log2_values", 28,
+                                    "log2 of the float32 values the codecs code.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Interleaved timings per kernel program.")
 _CALLS = flags.DEFINE_integer("calls", 10, "Calls in a row per kernel timing.")
 _BATCHES = flags.DEFINE_list("batches", [], "model=batch: the per-device batch to try first for a "
@@ -155,7 +156,8 @@ def largest_fitting(model: str, algorithm: str, root: pathlib.Path) -> Setup:
   batch = 1
   while batch <= _MAX_BATCH.value:
     try:
-      Setup(run_config(model, algorithm, batch, _SEQ_LEN.value), root / f"{model}_{algorithm}_{batch}")
+      Setup(run_config(model, algorithm, batch, _SEQ_LEN.value),
+            root / f"{model}_{algorithm}_{batch}")
     except Exception as error:  # pylint: disable=broad-except
       if not out_of_memory(error):
         raise

@@ -1,4 +1,5 @@
-"""The fused CPU attention kernel alone against XLA's attention, one layer's shape of `small`, one core.
+"""The fused CPU attention kernel alone against XLA's attention, one layer's shape of `small`, one
+core.
 
   nice -n 10 python benchmarks/attention_kernel.py [--rounds=5 --calls=200]
 
@@ -29,10 +30,12 @@ from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top,wron
 
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timed rounds (after one warm-up round).")
 _CALLS = flags.DEFINE_integer("calls", 200, "Calls per setup per round.")
-_OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).parent / "results" / "attention_kernel.json"),
+_OUT = flags.DEFINE_string("out",
+                           str(pathlib.Path(__file__).parent / "results" / "attention_kernel.json"),
                            "Where to write the results.")
 _B, _T, _H, _K = 8, 128, 4, 32  # one layer of `small` at 8 × 128 tokens (step_breakdown's replica)
-_ROWS, _TILE = 4, 16  # the kernel's query-row block and score-column tile (cpu_kernels/attention.cc)
+# the kernel's query-row block and score-column tile (cpu_kernels/attention.cc)
+_ROWS, _TILE = 4, 16
 
 
 def _executed_flops() -> tuple[int, int]:
@@ -79,7 +82,9 @@ def main(argv):
   cpu = {name: [] for name in setups}
   for r in range(-1, _ROUNDS.value):  # round -1 warms up
     timed = {name: _time(call, _CALLS.value) for name, call in setups.items()}
-    print(f"round {r + 1}: " + ", ".join(f"{k} {1e3 * c:.3f}" for k, c in timed.items()) + " CPU-ms")
+    print(
+      f"round {r + 1}: " + ", ".join(f"{k} {1e3 * c:.3f}" for k, c in timed.items()) + " CPU-ms"
+    )
     if r >= 0:
       for name, c in timed.items():
         cpu[name].append(c)

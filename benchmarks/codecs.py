@@ -51,6 +51,7 @@ def main(argv):
   del argv
   import jax
   import jax.numpy as jnp
+
   from lowcomm_jax import codecs
   from lowcomm_jax.codecs import analysis
   from lowcomm_jax.train import outer_gradient
@@ -87,11 +88,15 @@ def main(argv):
                encode_throughput_over_copy=median["copy"] / median[name + "/encode"],
                decode_throughput_over_copy=median["copy"] / median[name + "/decode"])
     throughput.append(row)
-    print(f"{name:<6} {1e3 * median[name]:>14.2f} {row['throughput_over_copy']:>18.3f} "
-          f"{row['encode_throughput_over_copy']:>14.3f} {row['decode_throughput_over_copy']:>14.3f}")
+    print(
+      f"{name:<6} {1e3 * median[name]:>14.2f} {row['throughput_over_copy']:>18.3f} "
+      f"{row['encode_throughput_over_copy']:>14.3f} {row['decode_throughput_over_copy']:>14.3f}"
+    )
 
   delta, info = outer_gradient.diloco_outer_gradient("small", 2, _INNER_STEPS.value)
-  source = f"real: DiLoCo small decoder, M=2, replica 0 after {_INNER_STEPS.value} inner AdamW steps"
+  source = (
+    f"real: DiLoCo small decoder, M=2, replica 0 after {_INNER_STEPS.value} inner AdamW steps"
+  )
   num_params = sum(int(v.size) for v in jax.tree.leaves(delta))
   rows = analysis.error_table(delta, key=jax.random.key(1))
   print(f"\nrelative RMS error on an outer gradient ({num_params} values; {source})")

@@ -44,12 +44,14 @@ def worker() -> dict:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
   from lowcomm_jax import comm, distributed, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
   distributed.initialize("on", _COORDINATOR.value, 2, _PROCESS.value, timeout_seconds=60)
   mesh = mesh_lib.make_mesh({mesh_lib.REPLICA: 2}, jax.devices())
   value = np.full((1, _VALUES.value), 1.0 + jax.process_index(), np.float32)
-  delta = distributed.global_array(value, NamedSharding(mesh, P(mesh_lib.REPLICA)), (2, _VALUES.value))
+  delta = distributed.global_array(value, NamedSharding(mesh, P(mesh_lib.REPLICA)),
+                                   (2, _VALUES.value))
   x = jnp.ones((512, 512), jnp.float32) / 512
 
   def matmuls(x):

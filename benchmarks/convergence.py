@@ -6,8 +6,8 @@ Every run trains the `small` model on the Python standard library's source for t
 steps with the same tokens per step: M replicas × 8 sequences × 128 bytes (DiLoCo: each replica its
 own shard; data-parallel: one batch of M × 8 split over M devices). The table gives the final eval
 loss (global parameters for DiLoCo), its ratio to data-parallel at the same M, the bytes each worker
-sent, and the ratio of those bits to data-parallel's. Finished runs are reused (the Trainer resumes),
-so the benchmark can be extended and rerun. Writes benchmarks/results/convergence.json and
+sent, and the ratio of those bits to data-parallel's. Finished runs are reused (the Trainer
+resumes), so the benchmark can be extended and rerun. Writes benchmarks/results/convergence.json and
 benchmarks/results/convergence.png.
 """
 
@@ -39,13 +39,17 @@ def runs() -> dict[str, dict]:
   for m in (2, 4, 8):
     table[f"dp M={m}"] = {"algorithm": "dp", "mesh.data": m, "data.batch_size": 8 * m, "_m": m}
     for h in (10, 50, 100) if m < 8 else (100,):
-      table[f"diloco M={m} H={h}"] = {"algorithm": "diloco", "num_replicas": m, "diloco.sync_every": h,
+      table[f"diloco M={m} H={h}"] = {"algorithm": "diloco", "num_replicas": m,
+                                      "diloco.sync_every": h,
                                       "mesh.data": 1, "_m": m}
-  # NoLoCo in pairs at H = 50 against DiLoCo at H = 100, the paper's settings (docs/algorithms.md §2.5).
+  # NoLoCo in pairs at H = 50 against DiLoCo at H = 100, the paper's settings (docs/algorithms.md
+  # §2.5).
   for m in (4, 8):
-    table[f"noloco M={m} H=50"] = {"algorithm": "noloco", "num_replicas": m, "noloco.sync_every": 50,
+    table[f"noloco M={m} H=50"] = {"algorithm": "noloco", "num_replicas": m,
+                                   "noloco.sync_every": 50,
                                    "mesh.data": 1, "_m": m}
-  table["noloco M=4 H=50 e3m0"] = {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 50,
+  table["noloco M=4 H=50 e3m0"] = {"algorithm": "noloco", "num_replicas": 4,
+                                   "noloco.sync_every": 50,
                                   "noloco.codec": "e3m0", "mesh.data": 1, "_m": 4}
   # Streaming DiLoCo at M = 2, H = 60 (divisible by P + 1 rows: the `small` model has 6 layers, so
   # P ∈ {2, 3} block fragments plus the non-block fragment), against DiLoCo at the same H.
@@ -56,7 +60,8 @@ def runs() -> dict[str, dict]:
                                (3, 1, 0.5, "e3m0")):
     name = f"streaming M=2 H=60 P={p} τ={tau} α={alpha}" + (f" {codec}" if codec != "none" else "")
     table[name] = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 60,
-                   "diloco.num_fragments": p, "diloco.overlap_steps": tau, "diloco.merge_alpha": alpha,
+                   "diloco.num_fragments": p, "diloco.overlap_steps": tau,
+                   "diloco.merge_alpha": alpha,
                    "diloco.codec": codec, "mesh.data": 1, "_m": 2}
   return table
 
@@ -87,7 +92,9 @@ def result_row(name: str, changes: dict, summary: dict, workdir: pathlib.Path) -
          "eval_curve": [(r["step"], r["eval_loss"]) for r in curve if "eval_loss" in r]}
   if changes["algorithm"] == "noloco":  # no global model: the replicas' losses and their spread
     row["final_eval_loss_replicas"] = summary["final_eval_loss_replicas"]
-    row["weight_spread_curve"] = [(r["step"], r["weight_spread"]) for r in curve if "weight_spread" in r]
+    row["weight_spread_curve"] = [
+      (r["step"], r["weight_spread"]) for r in curve if "weight_spread" in r
+    ]
   return row
 
 
@@ -114,12 +121,12 @@ def main(argv):
       r["bits_ratio_to_dp"] = r["bytes_per_worker"] / base["bytes_per_worker"]
       r["peak_ratio_to_dp"] = r["peak_bytes_per_sync"] / base["peak_bytes_per_sync"]
   rows = sorted(results.values(), key=lambda r: (r["replicas"], r["algorithm"] != "dp", r["name"]))
-  print(f"\n{'run':<44}{'tokens':>10}{'eval loss':>11}{'vs dp':>8}{'MB/worker':>11}{'bits vs dp':>12}"
-        f"{'peak MB':>9}")
+  print(f"\n{'run':<44}{'tokens':>10}{'eval loss':>11}{'vs dp':>8}{'MB/worker':>11}"
+        f"{'bits vs dp':>12}{'peak MB':>9}")
   for r in rows:
-    print(f"{r['name']:<44}{r['tokens']:>10}{r['final_eval_loss']:>11.4f}{r.get('loss_ratio_to_dp', 0):>8.3f}"
-          f"{r['bytes_per_worker'] / 1e6:>11.2f}{r.get('bits_ratio_to_dp', 0):>12.4f}"
-          f"{r['peak_bytes_per_sync'] / 1e6:>9.3f}")
+    print(f"{r['name']:<44}{r['tokens']:>10}{r['final_eval_loss']:>11.4f}"
+          f"{r.get('loss_ratio_to_dp', 0):>8.3f}{r['bytes_per_worker'] / 1e6:>11.2f}"
+          f"{r.get('bits_ratio_to_dp', 0):>12.4f}{r['peak_bytes_per_sync'] / 1e6:>9.3f}")
   _RESULTS.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"steps": _STEPS.value, "runs": rows}, indent=1))
   fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)

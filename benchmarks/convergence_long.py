@@ -2,28 +2,29 @@
 
   nohup nice -n 15 python benchmarks/convergence_long.py --workdir=/work/fidelity_runs \\
       > /work/fidelity_runs/log.txt 2>&1 &
-  python benchmarks/convergence_long.py --only="diloco M=1,dp M=1"   # some rows (substrings, comma-separated)
-  python benchmarks/convergence_long.py --list                       # the rows, in the order they run
-  python benchmarks/convergence_long.py --report     # rewrite the JSON and PNG now, with unfinished rows
+  # some rows (substrings, comma-separated):
+  python benchmarks/convergence_long.py --only="diloco M=1,dp M=1"
+  python benchmarks/convergence_long.py --list    # the rows, in the order they run
+  python benchmarks/convergence_long.py --report  # the JSON and PNG now, with unfinished rows
 
-The `small` model (convergence.py's config: 8 × 128 bytes per replica per step) for 3,000 inner steps
-per run, with the papers' recipe: inner AdamW with linear warm-up (150 steps, 5%) then cosine decay to
-0.1× the peak over the whole run (the inner optimizer's step count never resets at an outer step, so
-the schedule runs across outer steps); outer Nesterov 0.7/0.9 for DiLoCo (DiLoCo, PAPERS.md 1.1),
-outer learning rate 0.4 for Streaming DiLoCo (PAPERS.md 5); evaluation on the global φ after the last
-outer step (3,000 is a multiple of every H here). Equal tokens: data-parallel at M sees one batch of
-M × 8 sequences per step, what the M DiLoCo replicas see together. It runs on one device with that
-global batch (the same mean gradient as M workers); its bytes are those of a float32 ring all-reduce
-over M workers every step, as the Trainer counts them for dp.
+The `small` model (convergence.py's config: 8 × 128 bytes per replica per step) for 3,000 inner
+steps per run, with the papers' recipe: inner AdamW with linear warm-up (150 steps, 5%) then cosine
+decay to 0.1× the peak over the whole run (the inner optimizer's step count never resets at an outer
+step, so the schedule runs across outer steps); outer Nesterov 0.7/0.9 for DiLoCo (DiLoCo, PAPERS.md
+1.1), outer learning rate 0.4 for Streaming DiLoCo (PAPERS.md 5); evaluation on the global φ after
+the last outer step (3,000 is a multiple of every H here). Equal tokens: data-parallel at M sees one
+batch of M × 8 sequences per step, what the M DiLoCo replicas see together. It runs on one device
+with that global batch (the same mean gradient as M workers); its bytes are those of a float32 ring
+all-reduce over M workers every step, as the Trainer counts them for dp.
 
 Rows run in priority order (the headline comparison first) and each lives in its own workdir under
---workdir (outside the repository): checkpoints every 150 steps, so an interrupted suite resumes where
-it stopped (the Trainer resumes bit-identically); each finished run is added to
+--workdir (outside the repository): checkpoints every 150 steps, so an interrupted suite resumes
+where it stopped (the Trainer resumes bit-identically); each finished run is added to
 benchmarks/results/convergence_long.json at once (ratios to data-parallel are recomputed over all
 finished rows) and the PNG redrawn. Rerunning the command skips finished rows; two copies of it
-running at once share the rows (a row's lock file holds the pid of the process running it). Each copy
-pins itself to a core no other copy holds, so that XLA gives it one thread (`_pin_to_a_free_core`);
-`--nopin_to_core` lets a copy that runs alone use every core.
+running at once share the rows (a row's lock file holds the pid of the process running it). Each
+copy pins itself to a core no other copy holds, so that XLA gives it one thread
+(`_pin_to_a_free_core`); `--nopin_to_core` lets a copy that runs alone use every core.
 """
 
 import fcntl
@@ -50,7 +51,8 @@ _MODEL = flags.DEFINE_string("model", "small", "Model preset; other than small, 
 _REPORT = flags.DEFINE_boolean("report", False, "Rewrite the JSON and PNG from the runs so far "
                                "(unfinished rows' curves included), run nothing.")
 _PIN = flags.DEFINE_boolean("pin_to_core", True, "Pin this copy to one core no other copy holds "
-                            "(two copies side by side); --nopin_to_core lets one copy alone use every core.")
+                            "(two copies side by side); --nopin_to_core lets one copy alone use "
+                            "every core.")
 _WARMUP = 150
 _EVAL_EVERY = 150
 _RESULTS = pathlib.Path(__file__).parent / "results"
@@ -111,11 +113,13 @@ def rows() -> list[tuple[str, int, dict]]:
   table += [("dp M=4", 0, _dp(4)), ("diloco M=4 H=30", 0, _diloco(4, 30)),
             ("diloco M=4 H=30 outer_momentum=0.5", 0, _diloco(4, 30, outer_momentum=0.5)),
             # NoLoCo in pairs at the paper's H = 50 (PAPERS.md 2.5), against DiLoCo M=4.
-            ("noloco M=4 H=50", 0, {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 50,
+            ("noloco M=4 H=50", 0,
+             {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 50,
                                     "mesh.data": 1, "_m": 4})]
   # SparseLoCo (arXiv 2508.15706) at the paper's compression (chunks of 4096, k = 64, 2 bits,
   # β = 0.95, η = 1) against DiLoCo and data-parallel at the same M, H and tokens.
-  table += [("sparseloco M=2 H=30", 0, _sparseloco(2, 30)), ("sparseloco M=4 H=30", 0, _sparseloco(4, 30)),
+  table += [("sparseloco M=2 H=30", 0, _sparseloco(2, 30)),
+            ("sparseloco M=4 H=30", 0, _sparseloco(4, 30)),
             # β = 0.999 (the authors' code's default): at 1.56 % a value waits ~64 syncs to be sent,
             # and 0.95^64 keeps 4 % of it, 0.999^64 94 %.
             ("sparseloco M=2 H=30 decay=0.999", 0, _sparseloco(2, 30, decay=0.999)),
@@ -125,7 +129,8 @@ def rows() -> list[tuple[str, int, dict]]:
             ("sparseloco M=2 H=30 outer_lr=2", 1, _sparseloco(2, 30, outer_lr=2.0)),
             ("sparseloco M=4 H=30 outer_lr=4", 0, _sparseloco(4, 30, outer_lr=4.0)),
             # k = 128 of 4,096 (3.1 %, the paper's upper density) at η = 2.
-            ("sparseloco M=2 H=30 outer_lr=2 top_k=128", 0, _sparseloco(2, 30, outer_lr=2.0, top_k=128)),
+            ("sparseloco M=2 H=30 outer_lr=2 top_k=128", 0,
+             _sparseloco(2, 30, outer_lr=2.0, top_k=128)),
             ("sparseloco M=2 H=30", 1, _sparseloco(2, 30))]
   return [(run, seed, {**changes, "seed": seed}) for run, seed, changes in table]
 
@@ -136,8 +141,11 @@ def _out() -> pathlib.Path:
 
 def make_config(changes: dict):
   return convergence.make_config(
-      {"optimizer.warmup_steps": _WARMUP, "model.size": _MODEL.value, **changes}, steps=convergence._STEPS.value,  # pylint: disable=protected-access
-      eval_every=_EVAL_EVERY, checkpoint_every=_EVAL_EVERY)
+    {"optimizer.warmup_steps": _WARMUP, "model.size": _MODEL.value, **changes},
+    steps=convergence._STEPS.value,  # pylint: disable=protected-access
+    eval_every=_EVAL_EVERY,
+    checkpoint_every=_EVAL_EVERY,
+  )
 
 
 def _key(run: str, seed: int) -> str:
@@ -158,7 +166,10 @@ def _selected(run: str, seed: int) -> bool:
 def _load() -> dict:
   if not _out().with_suffix(".json").exists():
     return {}
-  return {_key(r["run"], r["seed"]): r for r in json.loads(_out().with_suffix(".json").read_text())["rows"]}
+  return {
+    _key(r["run"], r["seed"]): r
+    for r in json.loads(_out().with_suffix(".json").read_text())["rows"]
+  }
 
 
 def _with_ratios(results: dict) -> list[dict]:
@@ -201,8 +212,9 @@ def _pin_to_a_free_core(root: pathlib.Path) -> None:
   The runs are small (a 1.3M-parameter model) and two copies share this 2-core machine: XLA's CPU
   thread pool takes as many threads as the process may use cores (an XLA flag such as
   --xla_cpu_multi_thread_eigen=false does not change that), so two unpinned copies contend for
-  both cores; one thread each costs ~7% fewer CPU-seconds per step (docs/performance.md, fifth
-  pass). Must run before JAX creates its CPU client (the first jax.devices()).
+  both cores; one thread each costs ~7% fewer CPU-seconds per step
+  (benchmarks/results/README.md, 2026-11-24, pass 5). Must run before JAX creates its CPU client
+  (the first jax.devices()).
   """
   mine = sorted(os.sched_getaffinity(0))
   if len(mine) < 2:
@@ -236,8 +248,10 @@ def _unfinished(results: dict) -> list[dict]:
     curve = [(r["step"], r["eval_loss"]) for r in map(json.loads, metrics.read_text().splitlines())
              if "eval_loss" in r]
     if curve:
-      out.append({"run": run, "seed": seed, "replicas": changes["_m"], "algorithm": changes["algorithm"],
-                  "last_eval_step": curve[-1][0], "last_eval_loss": curve[-1][1], "eval_curve": curve})
+      out.append({"run": run, "seed": seed, "replicas": changes["_m"],
+                  "algorithm": changes["algorithm"],
+                  "last_eval_step": curve[-1][0], "last_eval_loss": curve[-1][1],
+                  "eval_curve": curve})
   return out
 
 
@@ -248,23 +262,40 @@ def _write(results: dict, suite_start: str) -> list[dict]:
   _RESULTS.mkdir(parents=True, exist_ok=True)
   _out().with_suffix(".json").write_text(json.dumps({
       "steps": convergence._STEPS.value, "warmup_steps": _WARMUP,  # pylint: disable=protected-access
-      "command": f"python benchmarks/convergence_long.py --workdir=/work/fidelity_runs --model={_MODEL.value}",
+      "command": f"python benchmarks/convergence_long.py --workdir=/work/fidelity_runs "
+                 f"--model={_MODEL.value}",
       "model": _MODEL.value,
       "suite_started": suite_start, "rows": table, "unfinished": unfinished}, indent=1))
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-  panels = (("M = 1 and 2, H = 30 (seed 0)", lambda r: r["replicas"] in (1, 2) and "outer_lr" not in r["run"]
-             and "H=100" not in r["run"] and "streaming" not in r["run"]),
-            ("Streaming DiLoCo (M = 2, e3m0) and the outer-lr sweep",
-             lambda r: r["replicas"] == 2 and r["algorithm"] != "dp" and r["run"] != "diloco M=2 H=30"
-             or r["run"] in ("dp M=2", "diloco M=2 H=30")),
-            ("M = 4", lambda r: r["replicas"] == 4))
+  panels = (
+    (
+      "M = 1 and 2, H = 30 (seed 0)",
+      lambda r: (
+        r["replicas"] in (1, 2)
+        and "outer_lr" not in r["run"]
+        and "H=100" not in r["run"]
+        and "streaming" not in r["run"]
+      ),
+    ),
+    (
+      "Streaming DiLoCo (M = 2, e3m0) and the outer-lr sweep",
+      lambda r: (
+        r["replicas"] == 2
+        and r["algorithm"] != "dp"
+        and r["run"] != "diloco M=2 H=30"
+        or r["run"] in ("dp M=2", "diloco M=2 H=30")
+      ),
+    ),
+    ("M = 4", lambda r: r["replicas"] == 4),
+  )
   for ax, (title, keep) in zip(axes, panels):
     for r, running in [(r, False) for r in table] + [(r, True) for r in unfinished]:
       if r["seed"] == 0 and keep(r) and r["eval_curve"]:
         curve = r["eval_curve"][1:] or r["eval_curve"]  # the first eval (step 150) is off the scale
         steps, losses = zip(*curve)
         style = ("o" if r["algorithm"] == "dp" else ".") + (":" if running else "-")
-        ax.plot(steps, losses, style, label=r["run"] + (" (running)" if running else ""), lw=1, ms=3)
+        ax.plot(steps, losses, style, label=r["run"] + (" (running)" if running else ""), lw=1,
+                ms=3)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("inner step")
     ax.legend(fontsize=7)
@@ -280,8 +311,9 @@ def _print(table: list[dict]) -> None:
   for r in table:
     ratio = f"{r['ratio_to_dp']:.4f}" if r["ratio_to_dp"] else "-"
     bits = f"{r['bits_vs_dp']:.5f}" if r["bits_vs_dp"] else "-"
-    print(f"{r['run']:<34}{r['seed']:>5}{r['eval_loss']:>11.4f}{ratio:>8}{r['bytes_per_worker'] / 1e6:>11.1f}"
-          f"{bits:>12}{r['wall_time_s']:>8.0f}  {r['paper_35m'] or ''}", flush=True)
+    print(f"{r['run']:<34}{r['seed']:>5}{r['eval_loss']:>11.4f}{ratio:>8}"
+          f"{r['bytes_per_worker'] / 1e6:>11.1f}{bits:>12}{r['wall_time_s']:>8.0f} "
+          f" {r['paper_35m'] or ''}", flush=True)
 
 
 def main(argv):
@@ -314,7 +346,9 @@ def main(argv):
     row.update(run=run, seed=seed, eval_loss=row.pop("final_eval_loss"), steps=summary["steps"],
                workdir=str(workdir))
     if changes["algorithm"] == "dp":  # one device holds the global batch; M workers would ring it
-      row["bytes_per_worker"] = comm.ring_factor(changes["_m"]) * 4 * trainer.num_params * summary["steps"]
+      row["bytes_per_worker"] = (
+        comm.ring_factor(changes["_m"]) * 4 * trainer.num_params * summary["steps"]
+      )
       row["peak_bytes_per_sync"] = comm.ring_factor(changes["_m"]) * 4 * trainer.num_params
     results[key] = row
     _print(_write(results, suite_start))

@@ -7,7 +7,8 @@ Measured side by side in one run, alternating rounds (this machine is shared and
 - `diloco non-sync`: DiLoCo's inner step with M = 1 on one device (same model, batch, AdamW);
 - `diloco sync`: DiLoCo's sync step (inner step + outer gradient, mean, outer Nesterov, replace).
 Reports the non-sync/dp ratio (contract: ≤ 1.05) and the sync cost amortized over H:
-(t_sync − t_non_sync) / H as a fraction of the dp step. Writes benchmarks/results/diloco_overhead.json.
+(t_sync − t_non_sync) / H as a fraction of the dp step. Writes
+benchmarks/results/diloco_overhead.json.
 """
 
 import os
@@ -30,7 +31,8 @@ from lowcomm_jax.train import Trainer
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Alternating timed rounds.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Steps per round.")
 _SYNC_EVERY = flags.DEFINE_integer("sync_every", 50, "H, for the amortized sync cost.")
-_OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).parent / "results" / "diloco_overhead.json"),
+_OUT = flags.DEFINE_string("out",
+                           str(pathlib.Path(__file__).parent / "results" / "diloco_overhead.json"),
                            "Where to write the results.")
 
 
@@ -65,9 +67,11 @@ def main(argv):
       s["times"].append((time.perf_counter() - start) / _STEPS.value)
   med = {k: statistics.median(s["times"]) for k, s in setups.items()}
   # Ratios per round (same moment, same load), then the median of those ratios.
-  ratio = statistics.median(a / b for a, b in zip(setups["diloco non-sync"]["times"], setups["dp"]["times"]))
+  ratio = statistics.median(a / b for a,
+                            b in zip(setups["diloco non-sync"]["times"], setups["dp"]["times"]))
   sync_extra = statistics.median(
-      (a - b) / c for a, b, c in zip(setups["diloco sync"]["times"], setups["diloco non-sync"]["times"],
+      (a - b) / c for a, b,
+      c in zip(setups["diloco sync"]["times"], setups["diloco non-sync"]["times"],
                                      setups["dp"]["times"]))
   result = {
       "step_seconds_median": med, "non_sync_over_dp": ratio,

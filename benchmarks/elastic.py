@@ -80,11 +80,13 @@ KINDS = ("starting", "training", "syncing", "dead", "healing")
 
 # -- the timeline (pure) ---------------------------------------------------------------------------
 
-def intervals(events: list[dict], deaths: list[float], end: float) -> list[tuple[str, float, float]]:
+def intervals(
+  events: list[dict], deaths: list[float], end: float
+) -> list[tuple[str, float, float]]:
   """One learner's (kind, t0, t1) intervals from its events.jsonl and the times the driver saw it
-  die: starting (the first start→joined), healing (every later start→joined), training joined→sync_begin and sync_end→next, syncing
-  sync_begin→sync_end, dead death→the next start (a `kill` event is a death too). What is open at
-  `end` closes there."""
+  die: starting (the first start→joined), healing (every later start→joined), training
+  joined→sync_begin and sync_end→next, syncing sync_begin→sync_end, dead death→the next start (a
+  `kill` event is a death too). What is open at `end` closes there."""
   stream = sorted([(ev["time"], ev["event"]) for ev in events]
                   + [(t, "death") for t in deaths])
   out, kind, since = [], None, 0.0
@@ -126,9 +128,9 @@ def rejoin_phases(events: list[dict], death: float) -> dict | None:
   process's `start` (Ray restarting the actor: a process, its imports; negative when Ray had
   restarted it before the driver noticed), `construct` start→ready (the Trainer, the data, a
   fresh state, the step program from the compilation cache), `called` ready→run (the driver's new
-  `run` call), `heal` run→joined (φ and a peer's inner state); `from_last_event`: joined minus the dead
-  life's last event, a bound from above on the time from the death itself (the driver notices it
-  late). None when it did not rejoin."""
+  `run` call), `heal` run→joined (φ and a peer's inner state); `from_last_event`: joined minus the
+  dead life's last event, a bound from above on the time from the death itself (the driver notices
+  it late). None when it did not rejoin."""
   events = sorted(events, key=lambda ev: ev["time"])
   joined_before = [k for k, ev in enumerate(events)
                    if ev["event"] == "joined" and ev["time"] <= death]
@@ -211,7 +213,9 @@ def _row(summary: dict, fault_free: dict | None, rate: float, scenario: str = "p
          variant: str = "tiny") -> dict:
   rejoin = summary["rejoin_s"]
   e = summary["config"]["elastic"]
-  slow = {int(f.split(":")[1].split("=")[1]) for f in e["faults"].split(",") if f.startswith("slow")}
+  slow = {
+    int(f.split(":")[1].split("=")[1]) for f in e["faults"].split(",") if f.startswith("slow")
+  }
   fast_waits = [w for i, evs in enumerate(summary["events"]) if i not in slow
                 for w in sync_waits(evs)]
   end = max(ev["time"] for evs in summary["events"] for ev in evs)
@@ -263,6 +267,7 @@ def _allreduce_worker(spec: str) -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
   from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize("on", f"127.0.0.1:{port}", int(num_processes), int(process_id))
   n = jax.process_count()
@@ -307,6 +312,7 @@ def allreduce_seconds(shapes: list, num_processes: int, repeats: int) -> dict:
 
 def _param_shapes(config) -> list:
   import jax  # pylint: disable=g-import-not-at-top
+
   from lowcomm_jax.elastic import options  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as tmp:
@@ -355,8 +361,11 @@ def main(argv):
   s_free = _run(free, base / "fault_free")
   s_more = [_run(free, base / f"fault_free_{k}") for k in range(2, _FREE_RUNS.value + 1)]
   s_faulty = _run(faulty, base / "faulty")
-  rows = ([_row(s_free, None, 0.0, "no faults")] + [_row(s, s_free, 0.0, "no faults") for s in s_more]
-          + [_row(s_faulty, s_free, _RATE.value)])
+  rows = (
+    [_row(s_free, None, 0.0, "no faults")]
+    + [_row(s, s_free, 0.0, "no faults") for s in s_more]
+    + [_row(s_faulty, s_free, _RATE.value)]
+  )
   if _STRAGGLER_STEPS.value:
     fault = f"slow:learner={n - 1}:step=1:factor={_STRAGGLER_FACTOR.value:g}"
     straggler_free = (s_free if _STRAGGLER_STEPS.value == _STEPS.value else

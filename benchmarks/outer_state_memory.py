@@ -1,4 +1,5 @@
-"""Bytes per device of Streaming DiLoCo's outer state under the `fsdp` layout, on 8 fake CPU devices.
+"""Bytes per device of Streaming DiLoCo's outer state under the `fsdp` layout, on 8 fake CPU
+devices.
 
   python benchmarks/outer_state_memory.py --label=after
   PYTHONPATH=/work/main python benchmarks/outer_state_memory.py --label=before   # another checkout
@@ -6,10 +7,10 @@
 The `small` model, Streaming DiLoCo with P = 2 block fragments (+ the non-block fragment), τ = 1
 (in-flight buffers), e3m0 with error feedback (residuals), M = 2 replicas on `mesh.replica=2`
 × `mesh.data=4`, `sharding.layout=fsdp`. The train state is built by the Trainer exactly as a run
-builds it; each outer-state field (φ, the outer optimizer states, the in-flight buffers, the residuals)
-is summed over the shards that live on device 0. A field sharded like its parameters holds about
-1/4 of its global bytes there (the `data` axis has 4 devices), a replicated one all of them.
-Writes (merges, under `--label`) benchmarks/results/outer_state_memory.json.
+builds it; each outer-state field (φ, the outer optimizer states, the in-flight buffers, the
+residuals) is summed over the shards that live on device 0. A field sharded like its parameters
+holds about 1/4 of its global bytes there (the `data` axis has 4 devices), a replicated one all of
+them. Writes (merges, under `--label`) benchmarks/results/outer_state_memory.json.
 """
 
 import os
@@ -27,9 +28,13 @@ from absl import app, flags
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.train import Trainer
 
-_LABEL = flags.DEFINE_string("label", "after", "Name of this measurement in the JSON (e.g. before/after).")
-_OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).parent / "results" / "outer_state_memory.json"),
-                           "Where to write the results.")
+_LABEL = flags.DEFINE_string("label", "after",
+                             "Name of this measurement in the JSON (e.g. before/after).")
+_OUT = flags.DEFINE_string(
+  "out",
+  str(pathlib.Path(__file__).parent / "results" / "outer_state_memory.json"),
+  "Where to write the results.",
+)
 
 FIELDS = ("outer_params", "outer_states", "in_flight", "residuals", "inner_state")
 
@@ -72,10 +77,12 @@ def main(argv):
   print(f"{'field':52s} {'device 0 (MB)':>14s} {'global (MB)':>12s} {'share':>7s}")
   for name, r in rows.items():
     share = r["bytes_on_device_0"] / r["global_bytes"] if r["global_bytes"] else 0.0
-    print(f"{name:52s} {r['bytes_on_device_0'] / 2**20:14.3f} {r['global_bytes'] / 2**20:12.3f} {share:7.3f}")
+    print(f"{name:52s} {r['bytes_on_device_0'] / 2**20:14.3f} "
+          f"{r['global_bytes'] / 2**20:12.3f} {share:7.3f}")
   out = pathlib.Path(_OUT.value)
   results = json.loads(out.read_text()) if out.exists() else {}
-  results[_LABEL.value] = {"code": str(pathlib.Path(config_lib.__file__).parents[1]), "fields": rows}
+  results[_LABEL.value] = {"code": str(pathlib.Path(config_lib.__file__).parents[1]),
+                           "fields": rows}
   out.write_text(json.dumps(results, indent=2) + "\n")
 
 

@@ -1,4 +1,5 @@
-"""The pipeline executor's bubble against the simulator's, and NoLoCo vs DiLoCo with a pipeline inside.
+"""The pipeline executor's bubble against the simulator's, and NoLoCo vs DiLoCo with a pipeline
+inside.
 
   python benchmarks/pipeline.py                 # both parts, about 10 minutes on 2 CPU cores
   python benchmarks/pipeline.py --steps=0       # the bubble table only
@@ -27,7 +28,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _STEPS = flags.DEFINE_integer("steps", 600, "Training steps of each part-2 run (0: skip part 2).")
-_OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "pipeline.json"),
+_OUT = flags.DEFINE_string("out",
+                           os.path.join(os.path.dirname(__file__), "results", "pipeline.json"),
                            "JSON output path.")
 
 
@@ -41,12 +43,16 @@ def bubble_cases():
   skip_routes = routing.routes_from_skippipe(skip, placement)
   return [
       # name, stages, replicas, routes, order
-      ("full pipeline, GPipe (S=4, R=2, 6 mb/replica)", 4, 2, routing.full_pipeline_routes(6, 4, 2), "gpipe"),
-      ("full pipeline, 1F1B (S=4, R=2, 6 mb/replica)", 4, 2, routing.full_pipeline_routes(6, 4, 2), "1f1b"),
+      ("full pipeline, GPipe (S=4, R=2, 6 mb/replica)", 4, 2, routing.full_pipeline_routes(6, 4, 2),
+       "gpipe"),
+      ("full pipeline, 1F1B (S=4, R=2, 6 mb/replica)", 4, 2, routing.full_pipeline_routes(6, 4, 2),
+       "1f1b"),
       ("SkipPipe paths, GPipe order (S=4, R=2, 3 of 4 stages)", 4, 2, skip_routes, "gpipe"),
       ("SkipPipe paths, 1F1B order (S=4, R=2, 3 of 4 stages)", 4, 2, skip_routes, "1f1b"),
-      ("random routing, GPipe (S=2, R=4, 6 slots)", 2, 4, routing.random_routes(6, 2, 4, seed=0), "gpipe"),
-      ("random routing, GPipe (S=4, R=2, 6 slots)", 4, 2, routing.random_routes(6, 4, 2, seed=0), "gpipe"),
+      ("random routing, GPipe (S=2, R=4, 6 slots)", 2, 4, routing.random_routes(6, 2, 4, seed=0),
+       "gpipe"),
+      ("random routing, GPipe (S=4, R=2, 6 slots)", 4, 2, routing.random_routes(6, 4, 2, seed=0),
+       "gpipe"),
   ]
 
 
@@ -54,15 +60,16 @@ def measure_bubbles():
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.models import get_model_config  # pylint: disable=g-import-not-at-top
+
+  from lowcomm_jax.models import get_model_config, llama  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.parallel import bubble, stages, ticks  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.parallel.executor import PipelineExecutor  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
 
   rows = []
   for name, s, r, routes, order in bubble_cases():
     cfg = get_model_config("tiny", num_layers=s)
-    params_R = jax.tree.map(lambda x: jnp.broadcast_to(x, (r,) + x.shape), llama.init_params(cfg, 0))
+    params_R = jax.tree.map(lambda x: jnp.broadcast_to(x, (r,) + x.shape),
+                            llama.init_params(cfg, 0))
     table = ticks.compile_ticks(routes, s, r, order)
     memory = len(routes) if order == "gpipe" else s
     batch = np.random.default_rng(0).integers(0, 256, (len(routes), 2, 17))
@@ -72,7 +79,8 @@ def measure_bubbles():
     rows.append({
         "schedule": name, "order": order, "microbatches": len(routes),
         "ticks_measured": result.num_ticks, "makespan_simulated": makespan,
-        "idle_measured": int(result.idle_ticks.sum()), "idle_planned": int(table.idle_ticks().sum()),
+        "idle_measured": int(result.idle_ticks.sum()),
+        "idle_planned": int(table.idle_ticks().sum()),
         "idle_simulated": int(simulated_idle.sum()),
         "bubble_measured": float(result.idle_ticks.sum() / (result.num_ticks * devices)),
         "bubble_simulated": float(simulated_idle.sum() / (makespan * devices)),
@@ -91,9 +99,12 @@ def measure_bubbles():
 def train_runs(steps):
   import importlib.util  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
+
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from lowcomm_jax.train import Trainer  # pylint: disable=g-import-not-at-top
-  path = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs", "noloco_pipeline.py")
+  path = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs",
+                      "noloco_pipeline.py")
   spec = importlib.util.spec_from_file_location("noloco_pipeline", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -112,14 +123,17 @@ def train_runs(steps):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       metrics = [json.loads(line) for line in f]
     per_replica = summary.get("final_eval_loss_replicas")
-    runs[label] = {"summary": summary,
-                   # The former loop's figure: the mean of the replicas' own models (fixed routing).
-                   "eval_loss_mean_of_replicas": float(np.mean(per_replica)) if per_replica else None,
-                   "eval_curve": [(m["step"], m["eval_loss"], m.get("weight_spread"))
-                                  for m in metrics if "eval_loss" in m],
-                   "command": "python experiments/train.py --config=experiments/configs/"
-                              f"noloco_pipeline.py{':' + variant if variant else ''} --workdir=... "
-                              f"--config.num_steps={steps}"}
+    runs[label] = {
+      "summary": summary,
+      # The former loop's figure: the mean of the replicas' own models (fixed routing).
+      "eval_loss_mean_of_replicas": float(np.mean(per_replica)) if per_replica else None,
+      "eval_curve": [
+        (m["step"], m["eval_loss"], m.get("weight_spread")) for m in metrics if "eval_loss" in m
+      ],
+      "command": "python experiments/train.py --config=experiments/configs/"
+      f"noloco_pipeline.py{':' + variant if variant else ''} --workdir=... "
+      f"--config.num_steps={steps}",
+    }
   return runs
 
 
@@ -127,14 +141,18 @@ def main(argv):
   del argv
   started = time.perf_counter()
   print("schedule" + " " * 51 + "ticks meas/sim   idle meas/sim   bubble meas/sim")
-  results = {"command": "python benchmarks/pipeline.py" + (f" --steps={_STEPS.value}" if _STEPS.value != 600 else ""),
-             "bubble": measure_bubbles()}
+  results = {
+    "command": "python benchmarks/pipeline.py"
+    + (f" --steps={_STEPS.value}" if _STEPS.value != 600 else ""),
+    "bubble": measure_bubbles(),
+  }
   if _STEPS.value:
     results["training"] = train_runs(_STEPS.value)
     print("\nrun                                   eval loss   weight spread   tokens")
     for label, run in results["training"].items():
       s = run["summary"]
-      print(f"{label:38s} {s['final_eval_loss']:.4f}      {s.get('final_weight_spread', 0.0):.2e}      {s['tokens']}")
+      print(f"{label:38s} {s['final_eval_loss']:.4f}      {s.get('final_weight_spread', 0.0):.2e} "
+            f"     {s['tokens']}")
   results["wall_seconds"] = time.perf_counter() - started
   os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   with open(_OUT.value, "w") as f:

@@ -29,8 +29,8 @@ import json
 import os
 import time
 
-from absl import app, flags
 import numpy as np
+from absl import app, flags
 
 _PLACEMENT_ITERATIONS = flags.DEFINE_integer(
     "placement_iterations", 3000, "Annealing steps of the placement search.")
@@ -58,8 +58,7 @@ def _timed(fn, *args, **kwargs):
 def run_setup(name, topo, placement, config, sim_config, blind_seeds,
               reference=None, reference_paths=None):
   """Every method on one topology and placement; returns rows and results."""
-  from lowcomm_jax.skippipe import baselines, scheduler, simulator
-  from lowcomm_jax.skippipe import paths as paths_lib
+  from lowcomm_jax.skippipe import baselines, paths as paths_lib, scheduler, simulator
 
   def simulate(schedule):
     return simulator.simulate_iteration(topo, placement, schedule, sim_config)
@@ -148,8 +147,7 @@ def run_setup(name, topo, placement, config, sim_config, blind_seeds,
 def _reference_paths():
   """The reference's 5 collision-aware paths, 6 micro-batches each, released
   as its create_schedule.py does (3 per wave 1 s apart, waves 2.5 s apart)."""
-  from lowcomm_jax.skippipe import paths as paths_lib
-  from lowcomm_jax.skippipe import topology as topology_lib
+  from lowcomm_jax.skippipe import paths as paths_lib, topology as topology_lib
   stored = topology_lib.reference_data()["reported_results"][
       "schedule_json_collision_aware_paths"]
   out = []
@@ -164,8 +162,7 @@ def _reference_paths():
 
 def main(argv):
   del argv
-  from lowcomm_jax.skippipe import gantt, paths, placement, simulator
-  from lowcomm_jax.skippipe import topology as topology_lib
+  from lowcomm_jax.skippipe import gantt, paths, placement, simulator, topology as topology_lib
 
   sim_config = simulator.SimulationConfig(task_gap_s=_TASK_GAP.value)
   blind_seeds = _BLIND_SEEDS.value
@@ -238,14 +235,16 @@ def main(argv):
 
 def _print_training_comparison() -> None:
   """The training half of the benchmark, from `experiments/skippipe.py`'s results file."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "skippipe_training.json")
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                      "skippipe_training.json")
   if not os.path.exists(path):
     print("no training results yet: run python experiments/skippipe.py")
     return
   with open(path) as f:
     result = json.load(f)
   print(f"\ntraining at equal steps ({result['command']}):")
-  print(f"{'trained on':<16}{'eval loss, all stages':>22}{'ppl, all':>10}{'ppl, half model':>17}{'half vs all':>13}")
+  print(f"{'trained on':<16}{'eval loss, all stages':>22}{'ppl, all':>10}{'ppl, half model':>17}"
+        f"{'half vs all':>13}")
   for name in ("skippipe", "full"):
     r = result[name]
     print(f"{name:<16}{r['eval_loss_all_layers']:>22.4f}{r['eval_ppl_all_layers']:>10.2f}"

@@ -3,11 +3,13 @@ outer-communication thread or inline) between two processes on a shaped link, ne
 clock's prediction for the same link.
 
   nice -n 10 python benchmarks/slow_link.py [--link=20Mbit,0ms]   # as root; H = 6, steps 21..39
-  nice -n 10 python benchmarks/slow_link.py --taus=2 --out=/tmp/slow_link_tau2.json   # τ = 2 rows only
+  # τ = 2 rows only:
+  nice -n 10 python benchmarks/slow_link.py --taus=2 --out=/tmp/slow_link_tau2.json
   nice -n 10 python benchmarks/slow_link.py --sync_every=10 --warm_steps=12 --steps=32 \
     --out=benchmarks/results/slow_link_h10.json   # H = 10: the thread's gain is at most 1.4×
+  # all-reduce-bound:
   nice -n 10 python benchmarks/slow_link.py --sync_every=10 --warm_steps=12 --steps=32 \
-    --batch_size=2 --seq_len=64 --out=benchmarks/results/slow_link_comm_bound.json   # all-reduce-bound
+    --batch_size=2 --seq_len=64 --out=benchmarks/results/slow_link_comm_bound.json
 
 Two network namespaces joined by a veth pair; `tc` gives each direction the link's rate and
 one-way delay (netem; a link without delay uses tbf, for kernels without netem such as this
@@ -59,12 +61,14 @@ _TAUS = flags.DEFINE_list("taus", None, "Only the Streaming rows with these τ (
 # all-reduce, s a step), so the thread's gain is largest, (H/P + τ)/(H/P), when C = τ·s: 1.67× at
 # the default H = 6 (H/P = 3, the shortest period with room for τ = 2, which must be < H/P), 1.4×
 # at H = 10 (H/P = 5). --batch_size=2 --seq_len=64 is the all-reduce-bound case (C ≈ 30·s).
-_SYNC_EVERY = flags.DEFINE_integer("sync_every", 6, "H: inner steps per outer step (P = 2 fragments).")
+_SYNC_EVERY = flags.DEFINE_integer("sync_every", 6,
+                                   "H: inner steps per outer step (P = 2 fragments).")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Sequences per replica per step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per sequence.")
 # Other jobs on this shared machine only ever slow a run down: the clock takes its step time from
 # the fastest of these unshaped runs.
-_UNSHAPED_REPEATS = flags.DEFINE_integer("unshaped_repeats", 2, "Unshaped runs per row (the fastest "
+_UNSHAPED_REPEATS = flags.DEFINE_integer("unshaped_repeats", 2,
+                                         "Unshaped runs per row (the fastest "
                                          "gives the clock's step time and unshaped_s).")
 _REPLOT = flags.DEFINE_bool("replot", False, "Only redraw the timeline PNG from --out's timelines.")
 _OUT = flags.DEFINE_string("out", str(ROOT / "benchmarks" / "results" / "slow_link.json"),
@@ -79,7 +83,8 @@ _STREAMING = {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
 # that merges it), so they run inline only.
 def runs(h: int) -> list[tuple[str, str, int, dict]]:
   return [(f"diloco H={h}", "inline", 0, {"algorithm": "diloco"})] + [
-      (f"streaming P=2 τ={tau} α=0.5 H={h}", executor, tau, {**_STREAMING, "diloco.overlap_steps": tau})
+      (f"streaming P=2 τ={tau} α=0.5 H={h}", executor, tau,
+       {**_STREAMING, "diloco.overlap_steps": tau})
       for tau in (0, 1, 2) for executor in (("inline",) if tau == 0 else ("thread", "inline"))]
 
 
@@ -125,7 +130,8 @@ def veth_pair():
           continue
         rate = f"{int(link.bandwidth_bits_per_s)}bit"
         if link.latency_s:
-          sh("tc", "-n", ns, "qdisc", "add", *dev, "netem", "delay", f"{link.latency_s * 1e6:.0f}us",
+          sh("tc", "-n", ns, "qdisc", "add", *dev, "netem", "delay",
+             f"{link.latency_s * 1e6:.0f}us",
              "rate", rate, "limit", "100000")
         else:  # a bucket of 10 ms at the link's rate, and up to 1 s of queue
           burst = max(16384, int(link.bandwidth_bits_per_s / 8 / 100))
@@ -183,17 +189,21 @@ def main(argv):
   link = network.parse_network(_LINK.value)
   window = _STEPS.value - _WARM.value
   results = {"link": _LINK.value, "steps": _STEPS.value, "warm_steps": _WARM.value,
-             "sync_every": _SYNC_EVERY.value, "model": COMMON["model.size"], "batch_size": _BATCH.value, "seq_len": _SEQ_LEN.value,
+             "sync_every": _SYNC_EVERY.value, "model": COMMON["model.size"],
+             "batch_size": _BATCH.value, "seq_len": _SEQ_LEN.value,
              "rows": []}
   timelines = {}
   with veth_pair() as shape, tempfile.TemporaryDirectory() as tmp:
     for index, (name, executor, tau, extra) in enumerate(runs(_SYNC_EVERY.value)):
-      if _TAUS.value is not None and (extra["algorithm"] == "diloco" or str(tau) not in _TAUS.value):
+      if _TAUS.value is not None and (
+        extra["algorithm"] == "diloco" or str(tau) not in _TAUS.value
+      ):
         continue
       changes = {**COMMON, **extra, "diloco.overlap_executor": executor,
                  "diloco.sync_every": _SYNC_EVERY.value,
                  "data.batch_size": _BATCH.value, "data.seq_len": _SEQ_LEN.value,
-                 "num_steps": _STEPS.value + 1, "stop_at_step": _STEPS.value, "log_every": _WARM.value}
+                 "num_steps": _STEPS.value + 1, "stop_at_step": _STEPS.value,
+                 "log_every": _WARM.value}
       shape(None)
       fast = min(run(changes, pathlib.Path(tmp) / f"{index}_fast{i}")
                  for i in range(_UNSHAPED_REPEATS.value))
@@ -242,7 +252,8 @@ def plot_timelines(timelines: dict, path: pathlib.Path) -> None:
     for before, s in zip(steps, steps[1:]):
       ax.barh(y + 0.5, s["finished_s"] - before["finished_s"], left=before["finished_s"] - origin,
               height=0.8, color="tab:blue" if s["step"] % 2 else "tab:cyan", edgecolor="white")
-      ax.text(before["finished_s"] - origin + 0.02, y + 0.5, str(s["step"]), va="center", fontsize=6)
+      ax.text(before["finished_s"] - origin + 0.02, y + 0.5, str(s["step"]), va="center",
+              fontsize=6)
     for i in timeline["issued"]:
       if i["started_s"] >= origin and i["step"] <= _STEPS.value:
         ax.barh(y + 1.4, i["finished_s"] - i["started_s"], left=i["started_s"] - origin, height=0.7,
@@ -250,10 +261,12 @@ def plot_timelines(timelines: dict, path: pathlib.Path) -> None:
         ax.text(i["started_s"] - origin + 0.02, y + 1.4, f"Δ{i['fragment']} (step {i['step']})",
                 va="center", fontsize=6)
   ax.set_yticks([2 * l + t for l in range(len(timelines)) for t in (0.5, 1.4)])
-  ax.set_yticklabels([f"{e}: {what}" for e in sorted(timelines) for what in ("inner steps",
-                                                                               "all-reduce (thread)")])
+  ax.set_yticklabels(
+    [f"{e}: {what}" for e in sorted(timelines) for what in ("inner steps", "all-reduce (thread)")]
+  )
   ax.set_xlabel(f"seconds since step {_WARM.value + 2} was dispatched (process 0)")
-  ax.set_title(f"{timeline_run()}, 2 processes, {_LINK.value} link: steps and the executor's all-reduces")
+  ax.set_title(f"{timeline_run()}, 2 processes, {_LINK.value} link: steps and the executor's "
+               f"all-reduces")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 

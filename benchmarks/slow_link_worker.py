@@ -11,6 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import train as train_script  # pylint: disable=wrong-import-position
+
 from lowcomm_jax import cli, distributed, train  # pylint: disable=wrong-import-position
 
 

@@ -69,7 +69,8 @@ def main(argv):
       print(f"{preset:>9} {num_params:>13,} {m:>2} {dense:>13,.0f} {quantized:>12,} "
             f"{sparse_sent:>11,} {dense / sparse_sent:>6.1f}× {8 * payload / num_params:>10.4f}")
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-  result = {"date": date, "command": "python benchmarks/sparseloco_bytes.py " + " ".join(sys.argv[1:]),
+  result = {"date": date,
+            "command": "python benchmarks/sparseloco_bytes.py " + " ".join(sys.argv[1:]),
             "sparseloco": dict(chunk_size=sparse.chunk_size, top_k=sparse.top_k, bits=sparse.bits),
             "e3m0_block_size": _BLOCK.value, "rows": rows}
   out = pathlib.Path(_OUT.value)

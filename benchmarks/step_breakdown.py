@@ -1,4 +1,5 @@
-"""Where our step's CPU time goes against torch's, one replica on one core, attention ablated or not.
+"""Where our step's CPU time goes against torch's, one replica on one core, attention ablated or
+not.
 
   nice -n 10 python benchmarks/step_breakdown.py [--rounds=5 --steps=10]
       [--torchft_python=/work/peers/torchft-venv/bin/python]
@@ -35,7 +36,8 @@ import step_speed  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # step_speed's flags serve here too (rounds, steps, dtype, torchft_python, out), with own defaults.
-flags.FLAGS.set_default("out", str(pathlib.Path(__file__).parent / "results" / "step_breakdown.json"))
+flags.FLAGS.set_default("out",
+                        str(pathlib.Path(__file__).parent / "results" / "step_breakdown.json"))
 flags.FLAGS.set_default("rounds", 5)
 flags.FLAGS.set_default("steps", 10)
 _BATCH = 8  # sequences of one replica's inner step, as in step_speed's DiLoCo comparison
@@ -96,20 +98,32 @@ def main(argv):
   diff = lambda a, b: [x - y for x, y in zip(cpu[a], cpu[b])]
   ratio = lambda a, b: statistics.median(x / y for x, y in zip(cpu[a], cpu[b]))
   result = {
-      "model": "small", "tokens_per_step": _BATCH * step_speed._SEQ, "dtype": step_speed._DTYPE.value,  # pylint: disable=protected-access
-      "cores": 1, "jax": jax.__version__, "torch": peers["torch"].ready["torch"],
-      "rounds": step_speed._ROUNDS.value, "steps_per_round": steps,  # pylint: disable=protected-access
-      "cpu_ms_per_step": {k: ms(v) for k, v in cpu.items()},
-      "attention_ms_per_step": {"ours": ms(diff("ours", "ours, no attention")),
-                                "torch": ms(diff("torch", "torch, no attention"))},
-      "ours_over_torch": {"step": ratio("ours", "torch"),
-                          "without_attention": ratio("ours, no attention", "torch, no attention")},
+    "model": "small",
+    "tokens_per_step": _BATCH * step_speed._SEQ,
+    "dtype": step_speed._DTYPE.value,  # pylint: disable=protected-access
+    "cores": 1,
+    "jax": jax.__version__,
+    "torch": peers["torch"].ready["torch"],
+    "rounds": step_speed._ROUNDS.value,
+    "steps_per_round": steps,  # pylint: disable=protected-access
+    "cpu_ms_per_step": {k: ms(v) for k, v in cpu.items()},
+    "attention_ms_per_step": {
+      "ours": ms(diff("ours", "ours, no attention")),
+      "torch": ms(diff("torch", "torch, no attention")),
+    },
+    "ours_over_torch": {
+      "step": ratio("ours", "torch"),
+      "without_attention": ratio("ours, no attention", "torch, no attention"),
+    },
   }
   if kernel:
-    result["attention_ms_per_step"]["ours" + kernel] = ms(diff("ours" + kernel, "ours, no attention"))
+    result["attention_ms_per_step"]["ours" + kernel] = ms(diff("ours" + kernel,
+                                                               "ours, no attention"))
     result["ours_over_torch"]["step" + kernel] = ratio("ours" + kernel, "torch")
   result["cpu_seconds_per_round"] = cpu
-  result["attention_share_ours"] = result["attention_ms_per_step"]["ours"] / result["cpu_ms_per_step"]["ours"]
+  result["attention_share_ours"] = (
+    result["attention_ms_per_step"]["ours"] / result["cpu_ms_per_step"]["ours"]
+  )
   out = pathlib.Path(step_speed._OUT.value)  # pylint: disable=protected-access
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1))

@@ -1,4 +1,5 @@
-"""Speed of the training step per CPU-second: the Trainer against a plain jitted optax step and peers.
+"""Speed of the training step per CPU-second: the Trainer against a plain jitted optax step and
+peers.
 
   nice -n 10 python benchmarks/step_speed.py [--rounds=7 --steps=5 --dtype=float32]
       [--torchft_python=/work/peers/torchft-venv/bin/python]
@@ -36,8 +37,8 @@ venv skips the peer with the reason in the JSON, as in CI), timed in the same ro
   own JAX, 0.12 on Python 3.12) and our data-parallel Trainer on the same shape, devices and tokens.
 - `diloco K=2 processes` (and with `attention=cpu_kernel`): our same DiLoCo laid out as torchft's,
   one process per replica, each on its own core (peers/ours_diloco_processes.py: `jax.distributed`
-  on 127.0.0.1, the outer all-reduce through gloo), run as a peer subprocess: `torchft_ratio_processes`
-  (`_cpu_kernel`).
+  on 127.0.0.1, the outer all-reduce through gloo), run as a peer subprocess:
+  `torchft_ratio_processes` (`_cpu_kernel`).
 `torchft_ratio` and `maxtext_ratio` = our tokens per CPU-second ÷ theirs (medians of per-round
 ratios; > 1: we are cheaper). Peer CPU-seconds are those of every peer process (torchft: both
 replicas and the lighthouse's process).
@@ -65,28 +66,37 @@ import optax
 from absl import app, flags
 
 from lowcomm_jax import config as config_lib
-from lowcomm_jax.models import ModelConfig, flops_per_token, param_count
-from lowcomm_jax.models import config as model_config
-from lowcomm_jax.train import Trainer, mfu
-from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.models import (
+  ModelConfig,
+  config as model_config,
+  flops_per_token,
+  loss as loss_lib,
+  param_count,
+)
 from lowcomm_jax.optim import inner
+from lowcomm_jax.train import Trainer, mfu
 
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Interleaved timed rounds.")
 _WARMUP_ROUNDS = flags.DEFINE_integer("warmup_rounds", 1, "Untimed rounds of every setup first.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Steps per setup per round.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Activation dtype.")
-_OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).parent / "results" / "step_speed.json"),
+_OUT = flags.DEFINE_string("out",
+                           str(pathlib.Path(__file__).parent / "results" / "step_speed.json"),
                            "Where to write the results (the chart goes beside it, .png).")
 _TORCHFT_PYTHON = flags.DEFINE_string("torchft_python", "/work/peers/torchft-venv/bin/python",
-                                      "Python of a venv with torch and torchft; absent: peer skipped.")
+                                      "Python of a venv with torch and torchft; absent: peer "
+                                      "skipped.")
 _MAXTEXT_PYTHON = flags.DEFINE_string("maxtext_python", "/work/peers/maxtext-venv/bin/python",
                                       "Python of a venv with maxtext 0.2.5; absent: peer skipped.")
-_PEER_TIMEOUT = flags.DEFINE_integer("peer_timeout", 1800, "Seconds a peer may take to start or answer.")
+_PEER_TIMEOUT = flags.DEFINE_integer("peer_timeout", 1800,
+                                     "Seconds a peer may take to start or answer.")
 _BATCH, _SEQ = 16, 128
-# The DiLoCo comparison with torchft: K replicas, H inner steps per outer step, sequences per replica.
+# The DiLoCo comparison with torchft: K replicas, H inner steps per outer step, sequences per
+# replica.
 _K, _H, _DILOCO_BATCH = 2, 10, 8
 _PEERS_DIR = pathlib.Path(__file__).parent / "peers"
-# Our setups again with model.attention="cpu_kernel" (name suffix); "" on a checkout without the key.
+# Our setups again with model.attention="cpu_kernel" (name suffix); "" on a checkout without the
+# key.
 _KERNEL = ", attention=cpu_kernel" if "attention" in config_lib.default_config().model else ""
 # Each setup name's suffix → its model.attention (None: the config's default).
 _ATTENTIONS = {"": None, **({_KERNEL: "cpu_kernel"} if _KERNEL else {})}
@@ -136,7 +146,8 @@ def _plain_setup(trainer):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  batch = jax.device_put(np.random.default_rng(0).integers(0, 256, (_BATCH, _SEQ + 1), dtype=np.int32),
+  batch = jax.device_put(np.random.default_rng(0).integers(0, 256, (_BATCH, _SEQ + 1),
+                                                           dtype=np.int32),
                          jax.devices()[0])
   params = jax.device_put(params, jax.devices()[0])
   run = lambda s: step(s, batch)[:2]
@@ -153,7 +164,8 @@ def _diloco_config(attention=None):
 
 
 def _diloco_setup(attention=None):
-  """Our DiLoCo: the Trainer's phase programs (inner steps, and the sync step every H), K devices."""
+  """Our DiLoCo: the Trainer's phase programs (inner steps, and the sync step every H), K
+  devices."""
   c = _diloco_config(attention)
   trainer = Trainer(c, pathlib.Path(tempfile.mkdtemp()) / "w", devices=jax.devices()[:_K])
   batch = jax.device_put(
@@ -187,7 +199,8 @@ class Peer:
       self.skipped = f"{python} not found (the peer's venv is not installed here)"
       return
     self.proc = subprocess.Popen([python, str(_PEERS_DIR / script)] + args, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 bufsize=1)
     try:
       self.ready = self._read()
     except RuntimeError as e:
@@ -281,13 +294,15 @@ def _chart(rates: dict, peers: set, path: pathlib.Path):
           color=["tab:orange" if n in peers else "tab:blue" for n in names])
   ax.invert_yaxis()
   ax.set_xlabel("tokens per process CPU-second (median of rounds); orange: peers", fontsize=9)
-  ax.set_title(f"{_DTYPE.value}; pairs (ours, peer): the same model and tokens per step", fontsize=9)
+  ax.set_title(f"{_DTYPE.value}; pairs (ours, peer): the same model and tokens per step",
+               fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
 
 def _ratio(cpu, tokens, ours, theirs):
-  """Median over rounds of our tokens per CPU-second ÷ the peer's (None when the peer did not run)."""
+  """Median over rounds of our tokens per CPU-second ÷ the peer's (None when the peer did not
+  run)."""
   if not cpu.get(theirs):
     return None
   return statistics.median((tokens[ours] / a) / (tokens[theirs] / b)
@@ -315,8 +330,10 @@ def main(argv):
   peers = {"torchft diloco K=2": _torchft_peer(model_cfg)}
   steps["torchft diloco K=2"] = _H
   # ours again, run like a peer: one process per replica (not a peer: blue in the chart)
-  ours_as_peers = {f"diloco K=2 processes{suffix}": _diloco_processes(f"diloco K=2 processes{suffix}", attention)
-                   for suffix, attention in _ATTENTIONS.items()}
+  ours_as_peers = {
+    f"diloco K=2 processes{suffix}": _diloco_processes(f"diloco K=2 processes{suffix}", attention)
+    for suffix, attention in _ATTENTIONS.items()
+  }
   for name in ours_as_peers:
     steps[name], tokens[name] = _H, _K * _DILOCO_BATCH * _SEQ
   peers.update(ours_as_peers)
@@ -356,7 +373,8 @@ def main(argv):
             peer.skipped = f"failed in round {r + 1}: {e}"
             cpu[name], wall[name] = [], []
       print(f"{f'round {r + 1}' if r >= 0 else 'warm-up round'}: "
-            + ", ".join(f"{k} {1e3 * c:.0f}" for k, (c, _) in timed.items()) + " CPU-ms per step", flush=True)
+            + ", ".join(f"{k} {1e3 * c:.0f}" for k, (c, _) in timed.items()) + " CPU-ms per step",
+            flush=True)
       if r < 0:
         continue
       for name, (c, w) in timed.items():
@@ -379,7 +397,8 @@ def main(argv):
                        else {"ran": False, "reason": peer.skipped})
   result = {
       "model": "small", "dtype": _DTYPE.value, "tokens_per_step": tokens, "flops_per_token": fpt,
-      "jax": jax.__version__, "rounds": _ROUNDS.value, "warmup_rounds": _WARMUP_ROUNDS.value, "steps_per_round": steps,
+      "jax": jax.__version__, "rounds": _ROUNDS.value, "warmup_rounds": _WARMUP_ROUNDS.value,
+      "steps_per_round": steps,
       "cpu_seconds_per_step": {k: statistics.median(v) for k, v in cpu.items()},
       "wall_seconds_per_step": {k: statistics.median(v) for k, v in wall.items()},
       "tokens_per_cpu_second": rates,
@@ -414,12 +433,14 @@ def main(argv):
     print(f"{k:<28}{1e3 * result['cpu_seconds_per_step'][k]:>12.1f}"
           f"{1e3 * result['wall_seconds_per_step'][k]:>13.1f}{rates[k]:>14.0f}")
   print(f"overhead vs plain jit {result['overhead_vs_plain_jit']:.3f}; MFU (CPU-seconds) "
-        f"{result['mfu_small']:.3f} of {result['host_matmul_flops_per_cpu_second'] / 1e9:.1f} GFLOP per "
-        f"CPU-second; torchft_ratio {result['torchft_ratio']}; maxtext_ratio {result['maxtext_ratio']}; "
-        f"with model.attention=cpu_kernel: torchft_ratio {result['torchft_ratio_cpu_kernel']}, "
-        f"maxtext_ratio {result['maxtext_ratio_cpu_kernel']}, step CPU-s {result['cpu_kernel_over_xla']} "
-        f"of the default's; one process per replica: torchft_ratio {result['torchft_ratio_processes']}, "
-        f"with cpu_kernel {result['torchft_ratio_processes_cpu_kernel']}; wrote {out}")
+        f"{result['mfu_small']:.3f} of {result['host_matmul_flops_per_cpu_second'] / 1e9:.1f} "
+        f"GFLOP per CPU-second; torchft_ratio {result['torchft_ratio']}; "
+        f"maxtext_ratio {result['maxtext_ratio']}; with model.attention=cpu_kernel: "
+        f"torchft_ratio {result['torchft_ratio_cpu_kernel']}, "
+        f"maxtext_ratio {result['maxtext_ratio_cpu_kernel']}, step "
+        f"CPU-s {result['cpu_kernel_over_xla']} of the default's; one process per replica: "
+        f"torchft_ratio {result['torchft_ratio_processes']}, with "
+        f"cpu_kernel {result['torchft_ratio_processes_cpu_kernel']}; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Train-step throughput of the `small` model: 1 CPU device against the 8-fake-device mesh, side by side.
+"""Train-step throughput of the `small` model: 1 CPU device against the 8-fake-device mesh, side by
+side.
 
   python benchmarks/train_throughput.py [--steps=10 --rounds=5]
 
@@ -25,12 +26,12 @@ from absl import app, flags
 
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.models import flops_per_token
-from lowcomm_jax.train import Trainer
-from lowcomm_jax.train import mfu
+from lowcomm_jax.train import Trainer, mfu
 
 _STEPS = flags.DEFINE_integer("steps", 10, "Train steps per timed round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Alternating timed rounds per setup.")
-_OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).parent / "results" / "train_throughput.json"),
+_OUT = flags.DEFINE_string("out",
+                           str(pathlib.Path(__file__).parent / "results" / "train_throughput.json"),
                            "Where to write the results.")
 
 
@@ -44,7 +45,8 @@ def _setup(name, devices, mesh):
   state = trainer.init_state()
   train_step, _ = trainer.program(None, state)
   rng = np.random.default_rng(0)
-  batch = jax.device_put(rng.integers(0, 256, (1, 16, 129), dtype=np.int32), trainer.batch_sharding())
+  batch = jax.device_put(rng.integers(0, 256, (1, 16, 129), dtype=np.int32),
+                         trainer.batch_sharding())
   state, _ = train_step(state, batch)  # compile
   jax.block_until_ready(state)
   return {"trainer": trainer, "step": train_step, "state": state, "batch": batch, "rates": [],
@@ -77,8 +79,10 @@ def main(argv):
     rows.append(row)
     print(f"{name:<22}{rate:>12.0f}{rate / base:>8.2f}{row['mfu_vs_host_matmul']:>8.3f}")
   result = {"model": "small", "params": setups["1 device"]["trainer"].num_params,
-            "flops_per_token": fpt, "host_matmul_flops": peak.flops_per_second, "mfu_clock": peak.clock,
-            "host_matmul_flops_per_cpu_second": peak.flops_per_cpu_second, "tokens_per_step": tokens_per_step,
+            "flops_per_token": fpt, "host_matmul_flops": peak.flops_per_second,
+            "mfu_clock": peak.clock,
+            "host_matmul_flops_per_cpu_second": peak.flops_per_cpu_second,
+            "tokens_per_step": tokens_per_step,
             "steps_per_round": _STEPS.value, "rounds": _ROUNDS.value, "rows": rows}
   pathlib.Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
   pathlib.Path(_OUT.value).write_text(json.dumps(result, indent=1))

@@ -19,7 +19,8 @@ import sys
 from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A run directory with a checkpoint.", required=True)
-_CORPORA = flags.DEFINE_list("corpora", [], "data.corpus values to evaluate on, one after the other "
+_CORPORA = flags.DEFINE_list("corpora", [],
+                             "data.corpus values to evaluate on, one after the other "
                              "(default: the run's, or --config.data.corpus).")
 
 

@@ -21,8 +21,7 @@ The cache folder defaults to ``$LOWCOMM_CACHE`` or ``~/.cache/lowcomm_jax/corpor
 import json
 import time
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 from lowcomm_jax import cli
 from lowcomm_jax.data import debian

@@ -30,6 +30,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from lowcomm_jax.models import decode  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
   try:

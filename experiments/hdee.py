@@ -44,8 +44,8 @@ def main(argv):
   missing = [d.corpus.split(":", 1)[1] for d in domains.DOMAINS.values()
              if d.needs_fetch and not debian.is_fetched(d.corpus.split(":", 1)[1])]
   if missing:  # fetching (apt) is fetch_corpora.py's job, never this run's
-    sys.exit(f"HDEE reads {len(missing)} Debian corpora that are not in {debian.default_cache_dir()}: "
-             f"{', '.join(missing)}; fetch them first with:\n  "
+    sys.exit(f"HDEE reads {len(missing)} Debian corpora that are not "
+             f"in {debian.default_cache_dir()}: {', '.join(missing)}; fetch them first with:\n  "
              + debian.FETCH_COMMAND.format(names=",".join(missing)))
   experts.enable_compilation_cache(f"{_WORKDIR.value}/jax_cache")
 

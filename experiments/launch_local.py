@@ -4,7 +4,8 @@ Process 0's coordinator listens on 127.0.0.1 only (train.py binds it to the coor
 host unless --coordinator_bind_address is given).
 
   python experiments/launch_local.py --num_processes=2 -- \
-      --config=experiments/configs/diloco.py:tiny --workdir=runs/diloco_2proc --config.mesh.replica=2
+      --config=experiments/configs/diloco.py:tiny --workdir=runs/diloco_2proc \
+      --config.mesh.replica=2
 
 Everything after `--` goes to every process unchanged (`--script` runs another script than train.py,
 e.g. tests/engine_processes_worker.py); the launcher adds --coordinator_address
@@ -51,7 +52,8 @@ from lowcomm_jax import cli
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start (>= 1).")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 1, "Fake CPU devices in each process.")
 _GPUS = flags.DEFINE_string(
-    "gpus", None, "Comma-separated CUDA device ids of this machine to split among the processes, in "
+    "gpus", None,
+    "Comma-separated CUDA device ids of this machine to split among the processes, in "
     "order and equally (e.g. 0,1,2,3 with --num_processes=2: 0,1 and 2,3); unset: CPU processes.")
 _TAIL = flags.DEFINE_integer("tail_lines", 20, "Lines of each process shown when one fails.")
 _TRAIN = pathlib.Path(__file__).resolve().parent / "train.py"
@@ -73,7 +75,9 @@ def free_port() -> int:
 def child_env(devices: int, gpus: str | None = None) -> dict:
   """A process's environment: `devices` fake CPU devices, or the CUDA devices `gpus` ("0,1")."""
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+  xla_flags = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
+  ).strip()
   if gpus is None:
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={devices}".strip()
@@ -92,8 +96,8 @@ def split_gpus(gpus: str, num_processes: int) -> list[str]:
   """
   ids = [i.strip() for i in gpus.split(",")]
   if not all(i.isdigit() for i in ids) or len(set(ids)) != len(ids):
-    raise app.UsageError(f"--gpus must be distinct CUDA device ids separated by commas, e.g. 0,1,2,3, "
-                         f"got {gpus!r}")
+    raise app.UsageError(f"--gpus must be distinct CUDA device ids separated by commas, e.g. "
+                         f"0,1,2,3, got {gpus!r}")
   if len(ids) % num_processes:
     raise app.UsageError(f"--gpus gives {len(ids)} GPUs, which do not split equally among "
                          f"--num_processes={num_processes}")
@@ -192,7 +196,8 @@ class Process:
     previous = ""
     for line in self.popen.stdout:
       line = line.rstrip("\n")
-      self.silent_peers.update(silent_processes([previous, line]))  # the id may follow on a new line
+      # the id may follow on a new line
+      self.silent_peers.update(silent_processes([previous, line]))
       previous = line
       if not _STACK_FRAME.match(line):  # C++ stack frames would push the telling lines out
         self.lines.append(line)
@@ -250,7 +255,8 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
     for i in range(num_processes):
       command = [sys.executable, str(script), *train_args, f"--coordinator_address={address}",
                  f"--num_processes={num_processes}", f"--process_id={i}"]
-      processes.append(Process(i, die_with_launcher(wrap(i, command)), child_env(devices, blocks[i]),
+      processes.append(Process(i, die_with_launcher(wrap(i, command)),
+                               child_env(devices, blocks[i]),
                                tail, lock))
       with lock:
         gpu_note = f" on GPU {blocks[i]}" if blocks[i] is not None else ""
@@ -276,11 +282,12 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
   code = failed.popen.returncode
   if all(p.popen.returncode == _PREEMPTED for p in processes):
     print(f"launch_local: SIGTERM: all {num_processes} processes saved a checkpoint and stopped "
-          f"(exit status {_PREEMPTED}); rerun the same command to resume", file=sys.stderr, flush=True)
+          f"(exit status {_PREEMPTED}); rerun the same command to resume", file=sys.stderr,
+          flush=True)
     return _PREEMPTED
   silent = sorted(set().union(*(p.silent_peers for p in processes)))
-  failure = (f"process {failed.index} (pid {failed.popen.pid}) failed: {describe(code)}; the others "
-             "were stopped")
+  failure = (f"process {failed.index} (pid {failed.popen.pid}) failed: {describe(code)}; the "
+             f"others were stopped")
   if silent:  # the cause first: the process that went silent, not the one the runtime stopped
     names = ", ".join(f"process {index}" for index in silent)
     report = [f"launch_local: {names} stopped answering: no heartbeat within "
@@ -288,7 +295,9 @@ def launch(num_processes: int, devices: int, train_args: list[str], tail: int,
   else:
     report = [f"launch_local: {failure}"]
   for p in processes:
-    state = describe(p.popen.returncode) if p is failed else f"ended with {describe(p.popen.returncode)}"
+    state = (
+      describe(p.popen.returncode) if p is failed else f"ended with {describe(p.popen.returncode)}"
+    )
     report.append(f"--- process {p.index}, {state}; its last {len(p.lines)} lines:")
     report.extend(f"[{p.index}] {line}" for line in p.lines)
   if silent:

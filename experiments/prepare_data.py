@@ -4,6 +4,9 @@
       --tokenizer=runs/tok/tokenizer.json --out=data/books.bin --workers=8
   python experiments/train.py --config=experiments/configs/diloco.py --workdir=runs/books \
       --config.data.corpus=tokens:data/books.bin --config.data.tokenizer=runs/tok/tokenizer.json
+
+An existing --out (or its metadata) is refused (a run may be reading it); --overwrite writes the new
+files beside them and renames them into place, so a run that reads the old file keeps it.
 """
 
 import json
@@ -20,6 +23,8 @@ _OUT = flags.DEFINE_string("out", None, "The .bin to write; its metadata goes be
 _WORKERS = flags.DEFINE_integer("workers", 0, "Tokenizing processes; 0: one per CPU core.")
 _SEPARATOR = flags.DEFINE_string("doc_separator", "", "As data.doc_separator.")
 _DOC_CHARS = flags.DEFINE_integer("doc_chars", 0, "As data.doc_chars.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --out and its metadata "
+                               "(written beside them, then renamed into place).")
 
 
 def main(argv):
@@ -28,7 +33,7 @@ def main(argv):
   try:
     meta = prepare.prepare(_CORPUS.value, _TOKENIZER.value, _OUT.value, _WORKERS.value,
                            doc_separator=_SEPARATOR.value, doc_chars=_DOC_CHARS.value,
-                           progress=sys.stderr.isatty())
+                           progress=sys.stderr.isatty(), overwrite=_OVERWRITE.value)
   except ValueError as error:
     sys.exit(f"ValueError: {error}")
   print(json.dumps(meta))

@@ -1,4 +1,5 @@
-"""SkipPipe training: skip-trained vs full-pipeline-trained models at equal steps (docs/algorithms.md §3.4, §3.6).
+"""SkipPipe training: skip-trained vs full-pipeline-trained models at equal steps
+(docs/algorithms.md §3.4, §3.6).
 
   python experiments/skippipe.py --workdir=/tmp/skippipe            # ~10 min on 2 CPU cores
   python experiments/skippipe.py --workdir=/tmp/skippipe_quick --quick   # a smoke run
@@ -84,7 +85,8 @@ def main(argv):
         "skippipe.microbatches_per_data_node": _MB_PER_NODE.value, "pipeline.layers_per_stage": lps,
         "data.seq_len": _SEQ_LEN.value, "data.batch_size": num_mb * mb_size,
         "optimizer.learning_rate": _LR.value, "optimizer.warmup_steps": min(20, steps // 10),
-        "eval.num_batches": eval_n, "eval.every": max(steps // 10, 1), "log_every": max(steps // 10, 1),
+        "eval.num_batches": eval_n, "eval.every": max(steps // 10, 1),
+        "log_every": max(steps // 10, 1),
         "checkpoint.every": steps})
     if name == "full":
       c.skippipe.paths = module.full_paths(num_stages, num_mb)
@@ -105,13 +107,15 @@ def main(argv):
     t0 = time.perf_counter()
     summary = trainer.run()
     rows = [json.loads(l) for l in (workdir / name / "metrics.jsonl").read_text().splitlines()]
-    runs[name] = {"graphdef": trainer.graphdef, "params": trainer.source.eval_params(trainer.final_state),
+    runs[name] = {"graphdef": trainer.graphdef,
+                  "params": trainer.source.eval_params(trainer.final_state),
                   "train_loss": [(r["step"], r["loss"]) for r in rows if "loss" in r],
                   "eval": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
                   "seconds": time.perf_counter() - t0, "summary": summary}
 
   results = {
-      "command": "python experiments/skippipe.py --workdir=... " + ("--quick " if _QUICK.value else "")
+      "command": "python experiments/skippipe.py "
+                 "--workdir=... " + ("--quick " if _QUICK.value else "")
                  + f"--steps={_STEPS.value}",
       "setup": {"model": "small", "num_layers": cfg.num_layers, "num_stages": num_stages,
                 "layers_per_stage": lps, "d_model": cfg.d_model, "corpus": "stdlib",
@@ -129,20 +133,27 @@ def main(argv):
     removed = {r: _summary(training.stage_removal_losses(g, p, evals, num_stages, lps, r))
                for r in (1, 2, 3)}
     results[name] = {
-        "train_loss": run["train_loss"], "eval_curve": run["eval"], "train_seconds": run["seconds"],
-        "workdir": str(workdir / name), "eval_loss_all_layers": full_loss,
-        "eval_ppl_all_layers": float(np.exp(full_loss)),
-        "stages_removed": {str(r): v for r, v in removed.items()},
-        "half_model_ppl_mean": float(np.exp(removed[3]["mean_loss"])),
-        "half_model_ppl_increase_pct": float(100 * (np.exp(removed[3]["mean_loss"] - full_loss) - 1)),
-        # layers run per micro-batch relative to the full pipeline: the compute each run spends.
-        "relative_layer_compute": float(skip_paths.shape[1] / num_stages if name == "skippipe" else 1.0),
+      "train_loss": run["train_loss"],
+      "eval_curve": run["eval"],
+      "train_seconds": run["seconds"],
+      "workdir": str(workdir / name),
+      "eval_loss_all_layers": full_loss,
+      "eval_ppl_all_layers": float(np.exp(full_loss)),
+      "stages_removed": {str(r): v for r, v in removed.items()},
+      "half_model_ppl_mean": float(np.exp(removed[3]["mean_loss"])),
+      "half_model_ppl_increase_pct": float(100 * (np.exp(removed[3]["mean_loss"] - full_loss) - 1)),
+      # layers run per micro-batch relative to the full pipeline: the compute each run spends.
+      "relative_layer_compute": float(
+        skip_paths.shape[1] / num_stages if name == "skippipe" else 1.0
+      ),
     }
     print(f"{name}: eval loss {full_loss:.4f} (ppl {np.exp(full_loss):.3f}); half model ppl "
           f"{results[name]['half_model_ppl_mean']:.3f} "
           f"(+{results[name]['half_model_ppl_increase_pct']:.1f}%)", flush=True)
   results["skip_vs_full_eval_loss_pct"] = float(
-      100 * (results["skippipe"]["eval_loss_all_layers"] / results["full"]["eval_loss_all_layers"] - 1))
+    100
+    * (results["skippipe"]["eval_loss_all_layers"] / results["full"]["eval_loss_all_layers"] - 1)
+  )
 
   (workdir / "metrics.json").write_text(json.dumps(results, indent=1))
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))

@@ -4,7 +4,8 @@
   python experiments/train.py --config=experiments/configs/dp.py:tiny --workdir=runs/tiny \
       --config.num_steps=50
 
-Outputs go to the workdir (metrics.jsonl, tensorboard/, checkpoints/, summary.json);
+Outputs go to the workdir (config.json, tokenizer/, metrics.jsonl, tensorboard/, checkpoints/,
+summary.json);
 rerunning the same command resumes from the last checkpoint.
 
 Several processes (one per host, or experiments/launch_local.py on one machine) run the same
@@ -26,12 +27,14 @@ _DISTRIBUTED = flags.DEFINE_enum(
     "distributed", "auto", ["auto", "on", "off"],
     "Multi-process runtime: on always joins (JAX detects TPU pod slices, SLURM, Open MPI when the "
     "flags below are not given); auto joins when they are given, JAX_COORDINATOR_ADDRESS is set, "
-    "SLURM/Open MPI report several tasks or this host is one of a multi-host TPU pod slice; off runs "
-    "one process. One process per node (SLURM, Open MPI) uses every local GPU (docs/clusters.md).")
+    "SLURM/Open MPI report several tasks or this host is one of a multi-host TPU pod slice; off "
+    "runs one process. One process per node (SLURM, Open MPI) uses every local GPU "
+    "(docs/clusters.md).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0's coordinator (all processes the same).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in the run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None,
+                                   "This process's index in [0, num_processes).")
 _BIND = flags.DEFINE_string(
     "coordinator_bind_address", None,
     "host:port process 0's coordinator listens on; default the host of --coordinator_address "
@@ -44,8 +47,8 @@ def main(argv):
   from lowcomm_jax import distributed  # after flag parsing
   config = _CONFIG.value
   from lowcomm_jax.train import validation, workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  # Bad values fail before any process waits for another, in one line (cli.run shows the ValueError);
-  # the Trainer below does not check the same values again.
+  # Bad values fail before any process waits for another, in one line (cli.run shows the
+  # ValueError); the Trainer below does not check the same values again.
   validation.validate(config)
   workdir_lib.check_path(_WORKDIR.value)
   try:  # bad flags, an unreachable coordinator, a failed join: one line naming the flag

@@ -1,6 +1,7 @@
-"""lowcomm_jax: training language models across loosely connected workers with little communication."""
+"""lowcomm_jax: training language models across loosely connected workers with little
+communication."""
 
-from lowcomm_jax.optim import diloco, noloco, outer_nesterov, sparseloco, streaming_diloco
+from lowcomm_jax.api import diloco, noloco, outer_nesterov, sparseloco, streaming_diloco
 
 __version__ = "0.1.0"
 

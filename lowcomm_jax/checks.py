@@ -69,8 +69,8 @@ def sync_every(value, option: str = "diloco.sync_every", *, num_steps: int | Non
     raise ValueError(f"{option} (H) must be an integer >= 1, got {value!r}")
   h = int(value)
   if num_steps is not None and h > num_steps:
-    raise ValueError(f"{option} (H) must be an integer in [1, num_steps={num_steps}] (H > num_steps: "
-                     f"no outer step would ever happen), got {value!r}")
+    raise ValueError(f"{option} (H) must be an integer in [1, num_steps={num_steps}] (H > "
+                     f"num_steps: no outer step would ever happen), got {value!r}")
   if num_fragments > 1 and h % num_fragments:
     below, above = h - h % num_fragments, h - h % num_fragments + num_fragments
     nearest = f"{below} or {above}" if below else f"{above}"

@@ -25,8 +25,8 @@ import re
 import sys
 from typing import Callable, Sequence
 
-from absl import app, flags
 import ml_collections
+from absl import app, flags
 from ml_collections.config_flags import config_flags
 
 
@@ -108,7 +108,8 @@ def load_config_file(name: str, spec: str):
   except Exception as error:  # pylint: disable=broad-except
     fail(f"--{name}={spec}: get_config({variant!r}) of {path} failed: {_short(error)}")
   if not isinstance(config, ml_collections.ConfigDict):
-    fail(f"--{name}={spec}: get_config() of {path} returned {type(config).__name__}, not a ConfigDict")
+    fail(f"--{name}={spec}: get_config() of {path} returned {type(config).__name__}, not a "
+         f"ConfigDict")
   return config
 
 
@@ -153,7 +154,8 @@ def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
 
 
 def run(main: Callable[[list[str]], object]) -> None:
-  """`absl.app.run(main)`, with flag and config-file mistakes and `main`'s ValueErrors in one line."""
+  """`absl.app.run(main)`, with flag and config-file mistakes and `main`'s ValueErrors in one
+  line."""
 
   def guarded(argv):
     try:

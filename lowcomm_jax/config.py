@@ -2,21 +2,22 @@
 
 Experiment files in `experiments/configs/` start from `default_config()` and change values; they
 cannot add keys (`lock_config=True`), so a misspelt key is an error at the command line, where
-`lowcomm_jax.cli` names it in one line with the closest keys. `lowcomm_jax.train.validation.validate`
-checks values before any compute and before anything is written: one ValueError naming the option
-and its allowed values (each key's comment below gives its range). A run's fingerprint (every key
-but RUNTIME_KEYS) must match to resume it.
+`lowcomm_jax.cli` names it in one line with the closest keys.
+`lowcomm_jax.train.validation.validate` checks values before any compute and before anything is
+written: one ValueError naming the option and its allowed values (each key's comment below gives its
+range). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
 import ml_collections
 
 from lowcomm_jax.data import tokenizer as tokenizer_lib
-from lowcomm_jax.models import config as model_config
+from lowcomm_jax.models import config as model_config, hf_llama
 
 # Keys that may change when a run is resumed: they do not change the trajectory (nonfinite
 # only decides what happens once a non-finite outer gradient appears: stop, or refuse it and go on).
@@ -34,11 +35,11 @@ RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "
 
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  # dp: synchronous data parallel (one gradient all-reduce per step); diloco: M replicas (mesh.replica)
-  # train alone for H steps, then an outer step; streaming_diloco: fragments, overlap τ, merge α;
-  # noloco: outer steps by gossip in random groups of replicas, no all-reduce (the `noloco` section);
-  # sparseloco: Streaming DiLoCo's schedule with top-k, 1-2 bit outer gradients and error feedback
-  # (the `sparseloco` section).
+  # dp: synchronous data parallel (one gradient all-reduce per step); diloco: M replicas
+  # (mesh.replica) train alone for H steps, then an outer step; streaming_diloco: fragments, overlap
+  # τ, merge α; noloco: outer steps by gossip in random groups of replicas, no all-reduce (the
+  # `noloco` section); sparseloco: Streaming DiLoCo's schedule with top-k, 1-2 bit outer gradients
+  # and error feedback (the `sparseloco` section).
   c.algorithm = "dp"
   # Where gradients come from (lowcomm_jax.train.sources): replicas (each replica's forward/backward
   # on its own batch) | skippipe (micro-batches along SkipPipe stage paths, the `skippipe` section)
@@ -48,11 +49,14 @@ def default_config() -> ml_collections.ConfigDict:
   # gradient; NoLoCo: a replica's slow weights): the outer step is always refused and counted in
   # summary.json's refused_outer_steps; raise stops the run naming it, skip logs it and goes on.
   c.nonfinite = "raise"
-  c.num_replicas = 1  # M: model replicas (workers); mesh.replica devices hold them, M/mesh.replica each
+  # M: model replicas (workers); mesh.replica devices hold them, M/mesh.replica each
+  c.num_replicas = 1
   c.seed = 0  # parameter init and data order; in [0, 2**32).
   c.num_steps = 300  # optimizer steps.
   c.model = ml_collections.ConfigDict(dict(
-      size="tiny",  # a preset of lowcomm_jax.models.PRESETS
+      # a preset of lowcomm_jax.models.PRESETS, or hf:<folder>: the shape of that Hugging Face
+      # Llama folder's config.json (with init_from=hf:<folder>, continued training of it)
+      size="tiny",
       # activation dtype: "" (the preset's: float32 for tiny/small, bfloat16 for sdl_*) | float32 |
       # bfloat16; parameters stay float32
       dtype="",
@@ -64,14 +68,17 @@ def default_config() -> ml_collections.ConfigDict:
       # sdl_*) | none | full | dots (ModelConfig.remat, docs/accelerators.md)
       remat="",
   ))
-  c.init_from = ""  # workdir of a finished run whose final parameters start this one (fresh optimizer)
+  # the parameters this run starts from (fresh optimizer): "" (initialised from `seed`) | the
+  # workdir of a finished run (its evaluated parameters) | hf:<folder> (a Hugging Face Llama folder
+  # of this run's model shape, e.g. written by experiments/export.py; refused naming what differs)
+  c.init_from = ""
   c.data = ml_collections.ConfigDict(dict(
       # stdlib | licenses | docstrings | debian:<source> | domain:<d> | domain_mix:<d>+<d>, or the
       # user's files (lowcomm_jax.data.files, docs/data.md): text:<glob> | jsonl:<glob>:<field> |
       # parquet:<glob>:<column> | hf:<save_to_disk folder>:<column> | tokens:<file.bin|file.npy>
       corpus="stdlib",
-      # bytes (UTF-8 bytes, vocabulary 256) | a Hugging Face tokenizer.json or a folder holding one |
-      # a SentencePiece .model (lowcomm_jax.data.tokenizer); model.vocab_size follows it, padded
+      # bytes (UTF-8 bytes, vocabulary 256) | a Hugging Face tokenizer.json or a folder holding one
+      # | a SentencePiece .model (lowcomm_jax.data.tokenizer); model.vocab_size follows it, padded
       # to a multiple of 128. domain: and domain_mix: corpora are bytes only.
       tokenizer="bytes",
       doc_separator="",  # "" or a string that splits every document further (e.g. "\n\n\n")
@@ -102,7 +109,8 @@ def default_config() -> ml_collections.ConfigDict:
       sync_every=50,  # H: inner steps between two syncs of a fragment, at most num_steps
       num_fragments=1,  # P: block fragments (1 = the whole model, vanilla DiLoCo)
       fragment_pattern="strided",  # strided (blocks p, p+P, ...) | sequential
-      non_block_fragment="own",  # own: embeddings/norm/head form one more fragment | fold: into fragment 0
+      # own: embeddings/norm/head form one more fragment | fold: into fragment 0
+      non_block_fragment="own",
       # Fragments as data instead of num_fragments/fragment_pattern/non_block_fragment: "" (off) or
       # comma-separated "regex:index" entries over parameter paths, first full match wins, indices
       # 0..F-1 (optim.fragments.rule_fragments), e.g. "blocks/attn/.*:0,blocks/mlp.*:1,.*:2".
@@ -110,15 +118,19 @@ def default_config() -> ml_collections.ConfigDict:
       staggered=True,  # fragment p syncs at offset (p+1)·H/P; False: all at the same step
       overlap_steps=0,  # τ: inner steps a fragment's all-reduce overlaps before it is applied
       # Where the τ steps sit around a fragment's nominal sync step n (docs/overlap.md):
-      #   send:  Δ after step n, all-reduce issued with step n+1, merged after step n+τ (the paper's)
-      #   apply: Δ after step n−τ, issued with step n−τ+1, merged after step n (torchft's convention)
+      #   send:  Δ after step n, all-reduce issued with step n+1, merged after step n+τ
+      #          (the paper's)
+      #   apply: Δ after step n−τ, issued with step n−τ+1, merged after step n
+      #          (torchft's convention)
       overlap_anchor="send",
       merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied
-      codec="none",  # none (float32 all-reduce) | e3m0 | e2m1 | int4 | int8 | bf16 | fp32 (compressed mean)
+      # none (float32 all-reduce) | e3m0 | e2m1 | int4 | int8 | bf16 | fp32 (compressed mean)
+      codec="none",
       codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2
       codec_rounding="nearest",  # nearest | stochastic
       error_feedback=False,  # add each replica's quantization residual to its next outer gradient
-      # How an overlapped fragment's (τ >= 1) mean travels (lowcomm_jax.train.overlap, docs/overlap.md):
+      # How an overlapped fragment's (τ >= 1) mean travels (lowcomm_jax.train.overlap,
+      # docs/overlap.md):
       #   thread: a communication thread issues it (comm.OuterCommExecutor) while the next inner
       #           steps run; the step programs hold no cross-replica collective, and the
       #           merge runs as its own program after step n+τ (same results as inline within
@@ -137,13 +149,15 @@ def default_config() -> ml_collections.ConfigDict:
                              # compile) | reference (jnp); all give bit-identical results, so a
                              # resumed run may change it (docs/accelerators.md)
   ))
-  c.noloco = ml_collections.ConfigDict(dict(  # docs/algorithms.md §2.3; defaults from the paper's code
+  # docs/algorithms.md §2.3; defaults from the paper's code
+  c.noloco = ml_collections.ConfigDict(dict(
       sync_every=50,  # H: inner steps between two gossip outer steps, at most num_steps
       group_size=2,  # n: replicas per random group (2: pairs); must divide num_replicas
       outer_learning_rate=0.7,  # β: step along the group-mean outer gradient, > 0
       outer_momentum=0.5,  # α: heavy-ball momentum of δ, in [0, 1)
       gamma=0.7,  # γ: pull of φ_i toward its group's mean slow weights, >= 0
-      num_groupings=16,  # >= 1: random partitions drawn from `seed` (one outer program switches among them)
+      # >= 1: random partitions drawn from `seed` (one outer program switches among them)
+      num_groupings=16,
       codec="none",  # none (float32) | a diloco.codec name: the outer gradients' wire format
       codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2
   ))
@@ -166,13 +180,15 @@ def default_config() -> ml_collections.ConfigDict:
   ))
   # Elastic learners on Ray (docs/elastic.md, experiments/elastic.py): num_learners independent
   # learners, each one replica of algorithm=diloco or streaming_diloco (the diloco section's H, P,
-  # τ, α apply) on its own devices (mesh.data × mesh.tensor), and a syncer that holds φ and the outer
-  # optimizer state and closes each fragment's round once min_quorum learners sent their Δ_p and a
-  # grace window passed. num_replicas is not read: learner i of N reads shard i of N of the data.
+  # τ, α apply) on its own devices (mesh.data × mesh.tensor), and a syncer that holds φ and the
+  # outer optimizer state and closes each fragment's round once min_quorum learners sent their Δ_p
+  # and a grace window passed. num_replicas is not read: learner i of N reads shard i of N of the
+  # data.
   c.elastic = ml_collections.ConfigDict(dict(
       num_learners=2,  # N: learner actors, >= 1 (may change on resume; while the run goes on,
       #                  learners are added and removed by lowcomm_jax.elastic.start's run object)
-      min_quorum=0,  # Δ_p a round waits for, in [0, num_learners] (0: all N; fewer while some are down)
+      # Δ_p a round waits for, in [0, num_learners] (0: all N; fewer while some are down)
+      min_quorum=0,
       grace_s=1.0,  # seconds a round with its quorum waits for the other live learners, >= 0
       # True: wait only for the learners whose next Δ_p is predicted within grace_s (from their
       # recent arrivals); a straggler or a stopped learner then costs no wait (elastic/grace.py)
@@ -207,7 +223,8 @@ def default_config() -> ml_collections.ConfigDict:
   ))
   c.skippipe = ml_collections.ConfigDict(dict(  # gradients=skippipe (docs/algorithms.md §3.4)
       paths="",  # stage paths, one per micro-batch, e.g. "0-1-2,0-2-1"; "" plans them on `topology`
-      topology="gcp_12_regions",  # the scheduler's cluster: gcp_12_regions | gcp_42_nodes | homogeneous
+      # the scheduler's cluster: gcp_12_regions | gcp_42_nodes | homogeneous
+      topology="gcp_12_regions",
       path_length=4,  # k: stages per path counting stage 0, in [1, the topology's stages]
       microbatches_per_data_node=2,  # >= 1
       placement_seed=0,  # seeds the placement search, in [0, 2**32)
@@ -223,15 +240,18 @@ def default_config() -> ml_collections.ConfigDict:
   c.stop_at_step = -1  # stop (with a checkpoint) after this step; -1 runs to num_steps
   c.progress_bar = True  # a tqdm bar on a terminal; plain log lines otherwise
   c.hardware = ml_collections.ConfigDict(dict(
-      peak_flops_per_device=0.0,  # for MFU (train/mfu.py), >= 0; 0: the chip's bf16 datasheet peak by device_kind (mfu.BF16_PEAKS), else the host's measured float32 matmul (CPU: per CPU-second)
+      # for MFU (train/mfu.py), >= 0; 0: the chip's bf16 datasheet peak by device_kind
+      # (mfu.BF16_PEAKS), else the host's measured float32 matmul (CPU: per CPU-second)
+      peak_flops_per_device=0.0,
       step_seconds=0.0,  # compute seconds per step for the virtual clock, >= 0; 0: as measured
   ))
   # Virtual clock: "" (off), a preset (datacenter, cross_region, internet, home) or
   # "<bandwidth>,<latency>" such as "1Gbit,50ms"; summary.json then reports the run's wall time on
   # that network from the ledger's bytes and the algorithm's overlap (lowcomm_jax.sim.clock).
   c.network = ""
-  # Multi-process runs (experiments/launch_local.py, SLURM, TPU pod slices; lowcomm_jax.distributed).
-  # Who the processes are comes from train.py's flags or the environment, not from here.
+  # Multi-process runs (experiments/launch_local.py, SLURM, TPU pod slices;
+  # lowcomm_jax.distributed). Who the processes are comes from train.py's flags or the environment,
+  # not from here.
   c.distributed = ml_collections.ConfigDict(dict(
       timeout_seconds=60,  # a process silent this long (no heartbeat) stops every other one, named
       init_timeout_seconds=300,  # how long processes wait for each other at start-up
@@ -253,7 +273,8 @@ def override(c: ml_collections.ConfigDict, changes: dict) -> ml_collections.Conf
     section, _, name = key.rpartition(".")
     target = c[section] if section else c
     if name not in target:
-      raise ValueError(f"unknown config key {key!r}; see lowcomm_jax/config.py for the allowed keys")
+      raise ValueError(f"unknown config key {key!r}; see lowcomm_jax/config.py for the allowed "
+                       f"keys")
     target[name] = value
   return c
 
@@ -271,14 +292,24 @@ def flatten(c, prefix="") -> dict:
 
 
 def model_config_of(c):
-  """The model's shape: the preset, its width `model.d_ff`, layers = stages × layers per stage for
-  the pipeline and SkipPipe sources, the vocabulary of `data.tokenizer` (padded to a multiple of 128;
-  256 for bytes)."""
-  preset = model_config.PRESETS.get(c.model.size)
-  changes = {"vocab_size": tokenizer_lib.model_vocab_size(
-      tokenizer_lib.load_tokenizer(c.data.tokenizer).vocab_size)}
+  """The model's shape: the preset (or with `model.size=hf:<folder>`, the shape of that Hugging Face
+  Llama folder's config.json), its width `model.d_ff`, layers = stages × layers per stage for the
+  pipeline and SkipPipe sources, the vocabulary of `data.tokenizer` (padded to a multiple of 128;
+  256 for bytes; a folder's own vocabulary, which must hold the tokenizer's)."""
+  tokens = tokenizer_lib.load_tokenizer(c.data.tokenizer).vocab_size
+  changes = {"vocab_size": tokenizer_lib.model_vocab_size(tokens)}
   if c.gradients != "replicas":
     changes["num_layers"] = c.pipeline.num_stages * c.pipeline.layers_per_stage
+  if c.model.size.startswith(hf_llama.PREFIX):
+    preset = hf_llama.folder_model_config(c.model.size[len(hf_llama.PREFIX):])
+    if tokens > preset.vocab_size:
+      raise ValueError(f"data.tokenizer={c.data.tokenizer!r} has {tokens:,} tokens, more than the "
+                       f"vocabulary of model.size={c.model.size!r} ({preset.vocab_size:,})")
+    changes["vocab_size"] = preset.vocab_size
+    return dataclasses.replace(
+        preset, **model_options(c), max_seq_len=max(preset.max_seq_len, c.data.seq_len),
+        d_ff=c.model.d_ff or preset.d_ff, **changes)
+  preset = model_config.PRESETS.get(c.model.size)
   return model_config.get_model_config(
       c.model.size, **model_options(c), max_seq_len=max(preset.max_seq_len, c.data.seq_len),
       d_ff=c.model.d_ff or preset.d_ff, **changes)

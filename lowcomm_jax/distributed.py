@@ -34,11 +34,14 @@ import socket
 import sys
 import threading
 import time
+import urllib.request
 import weakref
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+from lowcomm_jax import compat
 
 # Environments where JAX finds the coordinator, the process count and the process id by itself.
 _DETECTED_ENVIRONMENTS = {"SLURM_NTASKS": "SLURM", "OMPI_COMM_WORLD_SIZE": "Open MPI"}
@@ -48,13 +51,11 @@ _METADATA_SECONDS = 2.0  # bound on asking a TPU VM's metadata server for its sl
 
 
 def _on_tpu_vm() -> bool:
-  from jax._src import cloud_tpu_init  # pylint: disable=g-import-not-at-top
-  return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
+  return compat.on_cloud_tpu_vm()
 
 
 def _tpu_hosts_from_metadata() -> int:
   """The hosts of this Cloud TPU VM's slice, from the VM's metadata server (bounded in time)."""
-  import urllib.request  # pylint: disable=g-import-not-at-top
   address = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
   request = urllib.request.Request(
       f"http://{address}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
@@ -84,7 +85,8 @@ def tpu_hosts(on_tpu_vm: bool | None = None, metadata=_tpu_hosts_from_metadata) 
       pass
   raise ValueError("--distributed=auto cannot tell whether this TPU VM is one host or part of a "
                    "multi-host pod slice (no TPU_WORKER_HOSTNAMES and no answer from the metadata "
-                   "server): set --distributed=on for a pod slice or --distributed=off for one host")
+                   "server): set --distributed=on for a pod slice or --distributed=off for one "
+                   "host")
 
 
 def detected_cluster() -> str | None:
@@ -122,9 +124,7 @@ def one_process_per_node() -> bool:
 def _slurm_or_mpi_arguments() -> tuple[str, int, int] | None:
   """(coordinator address, process count, process id) as JAX's own detection reads them from
   SLURM or Open MPI, or None when neither is complete."""
-  from jax._src import clusters  # pylint: disable=g-import-not-at-top
-  env = next((e for e in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
-              if e.name in ("slurm", "ompi") and e.is_env_present()), None)
+  env = compat.slurm_or_mpi_cluster()
   if env is None:
     return None
   address = env.get_coordinator_address(timeout_secs=None,
@@ -147,7 +147,8 @@ def parse_host_port(value: str, flag: str) -> tuple[str, int]:
     try:
       ipaddress.IPv6Address(host)
     except ValueError:
-      raise ValueError(f"{allowed}; {host!r} in brackets is not an IPv6 address, got {value!r}") from None
+      raise ValueError(f"{allowed}; {host!r} in brackets is not an IPv6 address, "
+                       f"got {value!r}") from None
     port = rest[1:]
   else:
     host, colon, port = value.rpartition(":")
@@ -225,7 +226,8 @@ def initialize_arguments(mode: str = "auto", coordinator_address: str | None = N
                      cluster_detection_method="deactivate")
   # A detected cluster's coordinator (a node name) leaves the bind address to JAX (every interface):
   # the name may resolve to a loopback address on its own node.
-  arguments["coordinator_bind_address"] = bind_address(coordinator_address, coordinator_bind_address)
+  arguments["coordinator_bind_address"] = bind_address(coordinator_address,
+                                                       coordinator_bind_address)
   return arguments
 
 
@@ -361,8 +363,7 @@ class Preemption:
   """
 
   def __init__(self):
-    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-    self.joined = jax_distributed.global_state.client is not None
+    self.joined = jax.distributed.is_initialized()
     self.signalled, self._previous = False, None
     if not self.joined:
       try:
@@ -372,7 +373,8 @@ class Preemption:
 
   def _on_sigterm(self) -> None:
     self.signalled = True
-    print("SIGTERM received: saving a checkpoint at the end of this step, then stopping", flush=True)
+    print("SIGTERM received: saving a checkpoint at the end of this step, then stopping",
+          flush=True)
 
   def reached(self, step: int) -> bool:
     if self.joined:

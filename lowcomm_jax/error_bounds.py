@@ -120,9 +120,10 @@ def assert_trees_within(actual, expected, bound, what: str = "") -> None:
 
 def chain_of_sums(model_cfg, seq_len: int, tokens: int = 0) -> int:
   """The longest chain of float32 sums behind the decoder's loss (`tokens` > 0) or logits (0): per
-  block q, k, v and o over d, scores over the head dimension, weights over T = `seq_len`, the MLP over
-  d then d_ff; the head over d, then for a loss the softmax over V and the mean over `tokens`. The
-  `length` of `sum_error_bound` for one evaluation, the `terms_per_step` of `trajectory_error_bound`."""
+  block q, k, v and o over d, scores over the head dimension, weights over T = `seq_len`, the MLP
+  over d then d_ff; the head over d, then for a loss the softmax over V and the mean over `tokens`.
+  The `length` of `sum_error_bound` for one evaluation, the `terms_per_step` of
+  `trajectory_error_bound`."""
   c = model_cfg
   per_block = 4 * c.d_model + c.head_dim + seq_len + c.d_model + c.d_ff
   return c.num_layers * per_block + c.d_model + ((c.vocab_size + tokens) if tokens else 0)

@@ -34,7 +34,8 @@ def _parse(hlo_text: str):
       name, _, opcode, rest = inst.groups()
       args = rest.split(")", 1)[0]
       operands = re.findall(r"%([\w.\-]+)", args)
-      called = re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-, %]+)\}?", rest)
+      called = re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-, "
+                          r"%]+)\}?", rest)
       called = [c.strip().lstrip("%") for group in called for c in group.split(",")]
       computations[current][name] = (opcode, operands, called, line)
   return computations, entry

@@ -88,3 +88,22 @@ def current(mesh):
   when it has the same axes, else `mesh`."""
   context = jax.sharding.get_abstract_mesh()
   return context if _same_axes(context, mesh) else mesh
+
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes a traced value varies over (empty outside `jax.shard_map`)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def vary_like(x, *like):
+  """`x` marked varying over the manual mesh axes any of `like` varies over.
+
+  A custom call's results, and a nested `shard_map`'s without type checks (`check_vma=False`),
+  carry no varying axes, while the values computed in their place would vary as their operands
+  do. Differentiated, the mark (`pcast` to varying) transposes to a sum of the cotangents over those
+  axes, so a value that is differentiated is marked inside a `jax.custom_vjp`'s rules.
+  """
+  missing = tuple(sorted(frozenset().union(*map(varying_axes, like)) - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x

@@ -1,4 +1,5 @@
-"""Logical axis rules: parameters name their axes ("embed", "mlp", ...); a rules table maps them to mesh axes.
+"""Logical axis rules: parameters name their axes ("embed", "mlp", ...); a rules table maps them to
+mesh axes.
 
 Layouts, as a MaxText user expects them:
 - `replicated`: every parameter on every device of a worker; only the batch is split over `data`.
@@ -27,7 +28,9 @@ LAYOUTS: dict[str, dict[str, str]] = {
 }
 
 
-def rules_for(layout: str, overrides: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
+def rules_for(
+  layout: str, overrides: Mapping[str, str | None] | None = None
+) -> dict[str, str | None]:
   """The logical → mesh axis table of a layout, with `overrides` applied."""
   if layout not in LAYOUTS:
     raise ValueError(f"sharding.layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
@@ -59,8 +62,8 @@ def param_specs(axes_by_path: Mapping[str, tuple[str, ...]], params, rules, mesh
     for dim, axis, logical in zip(dims, s, axes_by_path[name]):
       if axis is not None and dim % mesh.shape[axis]:
         raise ValueError(f"parameter {name}: dimension {logical!r} of size {dim} is not divisible "
-                         f"by mesh axis {axis!r} of size {mesh.shape[axis]}; change sharding.layout "
-                         "or the mesh")
+                         f"by mesh axis {axis!r} of size {mesh.shape[axis]}; change "
+                         f"sharding.layout or the mesh")
     return P(*leading, *s)
 
   return jax.tree_util.tree_map_with_path(spec, params)
@@ -88,7 +91,8 @@ def state_specs(abstract_state, abstract_params, specs, batched=False, lead_axis
   is_spec = lambda x: isinstance(x, P)
   flat_specs = {llama.path_name(k): tuple(s) for k, s in
                 jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]}
-  shapes = {llama.path_name(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+  shapes = {llama.path_name(k): tuple(v.shape) for k,
+            v in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
 
   def matches(shape, param_shape, spec) -> bool:
     if shape == param_shape:

@@ -1,5 +1,5 @@
-"""Helpers the tests share (no test file imports another test file); also for users testing their own
-configs: tiny run configs, the engine battery's cases, run outputs, HLO collective bytes,
+"""Helpers the tests share (no test file imports another test file); also for users testing their
+own configs: tiny run configs, the engine battery's cases, run outputs, HLO collective bytes,
 launch_local.py runs of several processes, reading a run's final state back, hashing a directory.
 
 Multi-process runs:
@@ -8,18 +8,19 @@ Each process has one fake CPU device and owns whole replicas; the single-process
 simulates the same replicas with vmap on one device. All-reduce order differs between the two
 (gloo across processes, an XLA reduction inside one), so parameters agree to float32 rounding:
 max abs difference below TOLERANCE (the differences measured are in
-benchmarks/results/README.md, "Multi-process agreement"). The launched processes run with XLA's expensive optimizations off
-(JAX_DISABLE_MOST_OPTIMIZATIONS): every process but the first compiles each program itself (JAX
-writes the persistent compilation cache from process 0 only), and this halves that time.
+benchmarks/results/README.md, "Multi-process agreement"). The launched processes run with XLA's
+expensive optimizations off (JAX_DISABLE_MOST_OPTIMIZATIONS): every process but the first compiles
+each program itself (JAX writes the persistent compilation cache from process 0 only), and this
+halves that time.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import importlib.util
 import ipaddress
 import json
+import math
 import os
 import pathlib
 import re
@@ -52,7 +53,8 @@ def tiny_config(**changes) -> ml_collections.ConfigDict:
 def engine_config(case: str, **changes) -> ml_collections.ConfigDict:
   """A 6-step run of battery case `case` (ENGINE_CASES) on 32-byte windows, 4 per replica."""
   base = {"num_steps": 6, "data.seq_len": 32, "data.batch_size": 4, "eval.batch_size": 4,
-          "eval.num_batches": 2, "eval.every": 3, "checkpoint.every": 2, "optimizer.warmup_steps": 2,
+          "eval.num_batches": 2, "eval.every": 3, "checkpoint.every": 2,
+          "optimizer.warmup_steps": 2,
           "mesh.data": 1}
   return tiny_config(**{**base, **ENGINE_CASES[case]["config"], **changes})
 
@@ -64,7 +66,8 @@ _PIPELINE = {"gradients": "pipeline", "num_replicas": 2, "mesh.replica": 2, "mes
 # step (its metrics are computed before it; the step after shows its effect).
 ENGINE_CASES = {
     "dp": {"config": {}, "sync": 1},
-    "diloco": {"config": {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 3}, "sync": 3},
+    "diloco": {"config": {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 3},
+               "sync": 3},
     "streaming_diloco": {"config": {
         "algorithm": "streaming_diloco", "num_replicas": 2, "diloco.num_fragments": 2,
         "diloco.non_block_fragment": "fold", "diloco.sync_every": 4, "diloco.overlap_steps": 1,
@@ -85,7 +88,8 @@ ENGINE_CASES = {
                                    "outer_optimizer.momentum": 0.3}, "sync": 3},
     # SparseLoCo over the other two sources. Chunks of 32 (2 kept) divide every layer's leaf of the
     # tiny model, so a stage's slice of a leaf is whole chunks and the pipeline's top-k picks what
-    # the replicas source's picks; SkipPipe on identity paths (each micro-batch through stages 0, 1).
+    # the replicas source's picks; SkipPipe on identity paths (each micro-batch through stages 0,
+    # 1).
     "pipeline_sparseloco": {"config": {**_PIPELINE, "algorithm": "sparseloco",
                                        "sparseloco.sync_every": 3, "sparseloco.chunk_size": 32,
                                        "sparseloco.top_k": 2}, "sync": 3},
@@ -127,7 +131,11 @@ _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 def collective_bytes(line: str) -> int:
   """Bytes of a collective's result in one HLO instruction line (all its tuple elements)."""
-  result = line.split("=", 1)[1].split("(", 1)[0] if "= (" not in line else line.split("= (", 1)[1].split(")", 1)[0]
+  result = (
+    line.split("=", 1)[1].split("(", 1)[0]
+    if "= (" not in line
+    else line.split("= (", 1)[1].split(")", 1)[0]
+  )
   total = 0
   for dtype, dims in _SHAPE.findall(result):
     size = 1
@@ -176,6 +184,21 @@ def tree_hash(directory) -> dict[str, str]:
           for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def tree_state(directory) -> dict[str, tuple]:
+  """(mode, size, mtime in ns, SHA-256 of a file's bytes) of `directory` itself ("."; through a
+  symbolic link) and of everything under it, by relative path: what a tool that only reads leaves
+  as it was."""
+  root = pathlib.Path(directory)
+  if not root.exists():
+    return {}
+  state = {}
+  for path in [root, *sorted(root.rglob("*"))]:
+    info = path.stat() if path == root else path.lstat()
+    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    state[str(path.relative_to(root))] = (info.st_mode, info.st_size, info.st_mtime_ns, digest)
+  return state
+
+
 def make_config(config_file: str, changes: dict):
   spec = importlib.util.spec_from_file_location("experiment_config", CONFIGS / config_file)
   module = importlib.util.module_from_spec(spec)
@@ -187,14 +210,16 @@ def launch(num_processes: int, workdir, changes: dict, on_line=None,
            config_file: str = "diloco.py", extra_flags=()) -> subprocess.CompletedProcess:
   """Runs train.py through launch_local.py to the end; `on_line(line, popen)` sees each line of
   its stdout."""
-  return launch_script(num_processes, [f"--config={CONFIGS / config_file}:tiny", f"--workdir={workdir}",
+  return launch_script(num_processes,
+                       [f"--config={CONFIGS / config_file}:tiny", f"--workdir={workdir}",
                                        *(f"--config.{k}={v}" for k, v in changes.items()),
                                        *extra_flags], on_line)
 
 
 def launch_script(num_processes: int, args, on_line=None,
                   script=None) -> subprocess.CompletedProcess:
-  """Runs `script` (default train.py) with `args` as `num_processes` processes of launch_local.py."""
+  """Runs `script` (default train.py) with `args` as `num_processes` processes of
+  launch_local.py."""
   command = [sys.executable, str(LAUNCHER), f"--num_processes={num_processes}",
              *([f"--script={script}"] if script else []), "--", *map(str, args)]
   popen = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -359,7 +384,8 @@ def mlp_problem(seed=0, steps=12, replicas=4, batch=8):
 
 def layered_problem(layers=4, replicas=3, steps=12, seed=0):
   k = jax.random.split(jax.random.key(seed), 4)
-  params = {"blocks": {"w": jax.random.normal(k[0], (layers, 3, 3)) * 0.5, "b": jnp.zeros((layers, 3))},
+  params = {"blocks": {"w": jax.random.normal(k[0], (layers, 3, 3)) * 0.5,
+                       "b": jnp.zeros((layers, 3))},
             "head": jax.random.normal(k[1], (3, 1)) * 0.5}
   xs = jax.random.normal(k[2], (steps, replicas, 8, 4))
 

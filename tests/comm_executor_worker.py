@@ -7,24 +7,25 @@ processes. It checks, against the other process:
   equal: the executor's mean of every case equals the inline mean (the same fragment program called
     on the training thread, alone and inside a step-like program with compute) bit for bit;
   order: the executor ran the submissions in submission order, and refuses one that goes back;
-  late peer: process 1 submits 1.0 s late; process 0's compute, dispatched on the main thread while
-    its all-reduce waits for the peer, finishes before that all-reduce does.
+  late peer: process 1 submits only once process 0's compute has finished (a file process 0 writes
+    then); process 0's compute, dispatched on the main thread while its all-reduce waits for the
+    peer, must finish without it (an all-reduce that blocked it would leave process 1 waiting).
 and writes what it saw to OUT_JSON.
 """
 
 import json
+import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lowcomm_jax import codecs, comm, distributed, mesh as mesh_lib
 
-LATE_S = 1.0
+PEER_WAIT_S = 300  # process 1's bound on waiting for process 0's compute
 
 
 def local(tree):
@@ -56,7 +57,8 @@ def main(coordinator, num_processes, process_id, out_path):
     return distributed.global_array(value, rows, (num_processes,) + shape)
 
   delta = {"w": replicated_rows(40, 33), "b": replicated_rows(7)}
-  residual = jax.tree.map(lambda x: 0.01 * x, {"w": replicated_rows(40, 33), "b": replicated_rows(7)})
+  residual = jax.tree.map(lambda x: 0.01 * x,
+                          {"w": replicated_rows(40, 33), "b": replicated_rows(7)})
   key = jax.random.key(7)
   e3m0 = codecs.get_codec("e3m0", block_size=64)
   stochastic = codecs.get_codec("int4", block_size=32, rounding="stochastic")
@@ -97,17 +99,23 @@ def main(coordinator, num_processes, process_id, out_path):
     report["out_of_order_refused"] = "schedule order" in str(error)
   report["entries"] = [[e.kind, e.payload_bytes, e.num_workers] for e in ex.entries("fragment 0")]
 
-  # Late peer: the program is compiled (above); process 1 joins 1.0 s late.
+  # Late peer: the program is compiled (above); process 1 joins once process 0's compute is done.
   jax.block_until_ready(compute(x))
   distributed.barrier("late peer")
+  computed = os.path.join(os.path.dirname(out_path), "process0_computed")
   if me == 1:
-    time.sleep(LATE_S)
+    deadline = time.monotonic() + PEER_WAIT_S
+    while not os.path.exists(computed):
+      assert time.monotonic() < deadline, "process 0's compute never finished while it communicated"
+      time.sleep(0.05)
   start = time.perf_counter()
   future = ex.submit(20, "fragment 0", delta)
-  time.sleep(0.2)  # the executor thread has dispatched the all-reduce by now
+  time.sleep(0.2)  # the executor thread has (most likely) dispatched the all-reduce by now
   jax.block_until_ready(compute(x))
   compute_done = time.perf_counter() - start
   comm_done_before_compute = future.done()
+  if me == 0:
+    open(computed, "w").close()
   future.result()
   report["late_peer"] = {"compute_done_s": compute_done,
                          "comm_done_before_compute": comm_done_before_compute,

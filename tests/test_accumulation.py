@@ -1,13 +1,13 @@
-"""optimizer.accumulation_steps: k micro-batches of B/k rows give the step of one batch of B rows."""
+"""optimizer.accumulation_steps: k micro-batches of B/k rows give the step of one batch of B
+rows."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowcomm_jax.models import config as model_config, decode, llama
+from lowcomm_jax.models import config as model_config, decode, llama, loss as loss_lib
 from lowcomm_jax.testing import engine_config
-from lowcomm_jax.models import loss as loss_lib
 from lowcomm_jax.train import Trainer
 
 EPS = 2.0**-23
@@ -47,14 +47,16 @@ CASES = ["diloco", "skippipe"]
 
 def _params_after(case, accumulation, workdir, steps=1):
   config = engine_config(case, **{"optimizer.name": "sgd", "optimizer.warmup_steps": 0,
-                                  "data.batch_size": 8, "optimizer.accumulation_steps": accumulation})
+                                  "data.batch_size": 8,
+                                  "optimizer.accumulation_steps": accumulation})
   trainer = Trainer(config, workdir)  # builds the programs only; nothing is written
   state = trainer.init_state()
   m = config.num_replicas
   for step in range(1, steps + 1):
     batch = jax.device_put(np.stack([_batch(8, config.data.seq_len, seed=10 * step + r)
                                      for r in range(m)]), trainer.batch_sharding())
-    program, _ = trainer.program(trainer.algorithm.phase_at(step), state, trainer.source.route_at(step))
+    program, _ = trainer.program(trainer.algorithm.phase_at(step), state,
+                                 trainer.source.route_at(step))
     state, metrics = program(state, batch)
   return jax.device_get(state.params), np.asarray(metrics["loss"])
 
@@ -69,4 +71,5 @@ def test_accumulated_steps_equal_whole_batch_steps(case, tmp_path):
   n = 8 * 32
   np.testing.assert_allclose(acc_loss, whole_loss, rtol=n * EPS)
   for got, want in zip(jax.tree.leaves(accumulated), jax.tree.leaves(whole)):
-    np.testing.assert_allclose(got, want, rtol=0, atol=16 * EPS * max(float(np.abs(want).max()), 1.0))
+    np.testing.assert_allclose(got, want, rtol=0,
+                               atol=16 * EPS * max(float(np.abs(want).max()), 1.0))

@@ -1,8 +1,8 @@
 """Pallas codec kernels (interpret mode on CPU) are bit-identical to the jnp references.
 
 Each case compiles one program holding the reference and the kernels (the Triton and TPU kernel
-body, and the Mosaic GPU one) for two tensors: one whose size is a multiple of the block and one that is not (so
-the last block is padded), with a grid of several steps whose last step is
+body, and the Mosaic GPU one) for two tensors: one whose size is a multiple of the block and one
+that is not (so the last block is padded), with a grid of several steps whose last step is
 partly padding rows. One block of the first tensor holds a NaN and one an
 inf, to check the NaN policy is the same in both paths.
 """
@@ -105,6 +105,7 @@ def _streaming_e3m0_config(codec_kernels: str):
       "diloco.codec_kernels": codec_kernels, "mesh.data": 1})
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_training_with_pallas_kernels_on_the_wire_is_bit_identical_to_the_reference(tmp_path):
   """diloco.codec_kernels=pallas (interpreted on CPU) trains Streaming DiLoCo (e3m0, error
   feedback, τ = 1, H = 2: two syncs in 6 steps, one compiled sync program) to exactly the
@@ -177,8 +178,9 @@ def test_pallas_is_refused_where_no_compiled_kernel_exists():
   assert (refusal is not None) == (tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11))
   if refusal:
     assert "compute capability 9.0 and newer; NVIDIA A100-SXM4-80GB has 8.0" in refusal
-    with pytest.raises(ValueError, match=r"^diloco.codec_kernels=pallas_mosaic_gpu: Pallas Mosaic "
-                                         r"GPU in jax .* use diloco.codec_kernels=auto or reference$"):
+    with pytest.raises(ValueError, match=r"^diloco.codec_kernels=pallas_mosaic_gpu: Pallas "
+                                         r"Mosaic GPU in jax .* use diloco.codec_kernels=auto or "
+                                         r"reference$"):
       codecs.kernel_options("pallas_mosaic_gpu", e3m0, "cuda", A100)
   # auto never refuses: the reference runs where no compiled kernel exists.
   assert codecs.kernel_options("auto", codecs.get_codec("bf16"), "rocm")["use_pallas"]
@@ -205,8 +207,11 @@ def test_kernel_tiles_are_powers_of_two(name):
   x = jax.ShapeDtypeStruct((2250,), jnp.float32)
   jaxpr = jax.make_jaxpr(lambda x: codec.encode(x, use_pallas=True, interpret=True,
                                                 rows_per_step=3, gpu="triton"))(x)
-  shapes = [tuple(getattr(d, "block_size", d) for d in bm.block_shape)
-            for eqn in _pallas_eqns(jaxpr.jaxpr) for bm in eqn.params["grid_mapping"].block_mappings]
+  shapes = [
+    tuple(getattr(d, "block_size", d) for d in bm.block_shape)
+    for eqn in _pallas_eqns(jaxpr.jaxpr)
+    for bm in eqn.params["grid_mapping"].block_mappings
+  ]
   assert shapes and all(d & (d - 1) == 0 for shape in shapes for d in shape
                         if isinstance(d, int)), shapes
   assert (4, 1024) in shapes

@@ -219,7 +219,8 @@ def test_nan_or_inf_makes_its_block_nan_and_leaves_other_blocks_alone(name):
 def test_bf16_and_fp32_carry_nan_and_inf_per_value(rounding):
   x = np.array([1.0, np.nan, np.inf, -np.inf, -2.5], np.float32)
   for name in ("bf16", "fp32"):
-    decoded = np.asarray(roundtrip(codecs.get_codec(name, rounding=rounding), x, jax.random.key(0, impl="rbg")))
+    decoded = np.asarray(roundtrip(codecs.get_codec(name, rounding=rounding), x,
+                                   jax.random.key(0, impl="rbg")))
     assert np.isnan(decoded[1]) and decoded[2] == np.inf and decoded[3] == -np.inf
     assert decoded[0] == 1.0 and decoded[4] == -2.5
 
@@ -305,6 +306,7 @@ def test_error_table_matches_direct_computation():
   assert rows[1]["relative_rms"] == {"64": 0.0, "per_tensor": 0.0}
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_the_outer_gradient_is_replica_0s_progress_from_the_start(tmp_path):
   """codecs.analysis measures on a real outer gradient: Δ = θ_start − θ_end of replica 0 of the
   Trainer's DiLoCo run, stopped before its first sync (so φ is still θ_start)."""
@@ -318,7 +320,8 @@ def test_the_outer_gradient_is_replica_0s_progress_from_the_start(tmp_path):
   again.run()
   end = jax.device_get(jax.tree.map(lambda x: x[0], again.final_state.params))
   assert jax.tree.structure(delta) == jax.tree.structure(start)
-  for d, s, e in zip(jax.tree.leaves(delta), jax.tree.leaves(start), jax.tree.leaves(end), strict=True):
+  for d, s, e in zip(jax.tree.leaves(delta), jax.tree.leaves(start), jax.tree.leaves(end),
+                     strict=True):
     np.testing.assert_array_equal(d, s - e)
   assert all(np.any(d != 0) for d in jax.tree.leaves(delta))  # every parameter moved
   rows = analysis.error_table(delta, names=("int8", "fp32"), block_sizes=(1024,))

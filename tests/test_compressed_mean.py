@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lowcomm_jax import codecs, comm
 from lowcomm_jax.testing import assert_within, chunks, error_bound, sum_error_bound

@@ -1,4 +1,5 @@
-"""model.attention = "cpu_kernel": the fused C++ attention kernel against the XLA path it replaces."""
+"""model.attention = "cpu_kernel": the fused C++ attention kernel against the XLA path it
+replaces."""
 
 import ctypes
 import hashlib
@@ -13,8 +14,7 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import models, testing
-from lowcomm_jax.cpu_kernels import attention as cpu_attention
-from lowcomm_jax.cpu_kernels import build
+from lowcomm_jax.cpu_kernels import attention as cpu_attention, build
 from lowcomm_jax.models import llama
 from lowcomm_jax.testing import read_metrics, tiny_config, tree_hash
 from lowcomm_jax.train import Trainer
@@ -27,14 +27,18 @@ def _kernel_bhtk(q, k, v):
 
 
 def _value_and_grads(attention, q, k, v, w):
-  return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v) * w), argnums=(0, 1, 2)))(q, k, v)
+  return jax.jit(
+    jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v) * w), argnums=(0, 1, 2))
+  )(q, k, v)
 
 
 # Every compiled head width; T a multiple of the kernel's 4-row block or not (padded), 1 and long.
 @pytest.mark.parametrize("shape", [(2, 2, 12, 16), (3, 2, 13, 32), (1, 1, 1, 32), (1, 1, 5, 64),
                                    (2, 1, 7, 128), (1, 2, 130, 32)])
 def test_output_and_gradients_match_the_xla_attention(shape):
-  q, k, v, w = (jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(shape[2]), 4))
+  q, k, v, w = (
+    jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(shape[2]), 4)
+  )
   ref_out = llama.causal_attention(q, k, v)
   out = jax.jit(_kernel_bhtk)(q, k, v)
   t = shape[2]
@@ -43,15 +47,20 @@ def test_output_and_gradients_match_the_xla_attention(shape):
   (ref_loss, ref_grads), (loss, grads) = (_value_and_grads(f, q, k, v, w)
                                           for f in (llama.causal_attention, _kernel_bhtk))
   # Σ out·w: each output's error weighted by |w|, then the sum's own rounding over all its terms.
-  testing.assert_within(loss, ref_loss, float(np.sum(np.abs(w))) * out_bound
-                        + testing.sum_error_bound(np.sum(np.abs(np.asarray(ref_out) * np.asarray(w))), w.size),
-                        "loss")
+  testing.assert_within(
+    loss,
+    ref_loss,
+    float(np.sum(np.abs(w))) * out_bound
+    + testing.sum_error_bound(np.sum(np.abs(np.asarray(ref_out) * np.asarray(w))), w.size),
+    "loss",
+  )
   for name, g, ref in zip("qkv", grads, ref_grads):
     # the backward sums S (dV, dK) or S then K (dQ) more products of the forward's magnitudes
     testing.assert_within(g, ref, testing.attention_error_bound(q, k, t, ref) * t, f"d{name}")
   # causal: the first query sees only the first key (weight exp(0) / 1 = 1): v's first row, to
   # the rounding of that product
-  testing.assert_within(out[..., 0, :], v[..., 0, :], testing.operation_error_bound(np.abs(v[..., 0, :]), 2))
+  testing.assert_within(out[..., 0, :], v[..., 0, :],
+                        testing.operation_error_bound(np.abs(v[..., 0, :]), 2))
 
 
 def test_vmap_over_a_stacked_axis_equals_the_slices_one_by_one():
@@ -64,7 +73,8 @@ def test_vmap_over_a_stacked_axis_equals_the_slices_one_by_one():
   grad = jax.vmap(jax.grad(lambda q: jnp.sum(_kernel_bhtk(q, k, v) ** 2)))(qs)
   ref = jax.vmap(jax.grad(lambda q: jnp.sum(llama.causal_attention(q, k, v) ** 2)))(qs)
   for i in range(3):  # dQ: S then K more sums of the forward's magnitudes (d_out = 2·out here)
-    testing.assert_within(grad[i], ref[i], testing.attention_error_bound(qs[i], k, 16, ref[i]) * 16, f"dq {i}")
+    testing.assert_within(grad[i], ref[i], testing.attention_error_bound(qs[i], k, 16, ref[i]) * 16,
+                          f"dq {i}")
 
 
 def _assert_same_losses(rows, reference_rows):
@@ -72,12 +82,15 @@ def _assert_same_losses(rows, reference_rows):
   model's chain-of-sums bound (tiny_config: 8 windows of 64 bytes)."""
   chain = testing.tiny_chain_of_sums(64, 8 * 64)
   for a, b in zip(rows, reference_rows, strict=True):
-    testing.assert_within(a["loss"], b["loss"], testing.trajectory_error_bound(b["loss"], b["step"], chain),
+    testing.assert_within(a["loss"], b["loss"],
+                          testing.trajectory_error_bound(b["loss"], b["step"], chain),
                           f"loss at step {b['step']}")
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_trainer_on_eight_devices_matches_the_xla_path_without_gathering_the_batch(tmp_path):
-  kernel = Trainer(tiny_config(num_steps=4, **{"model.attention": "cpu_kernel"}), tmp_path / "kernel")
+  kernel = Trainer(tiny_config(num_steps=4, **{"model.attention": "cpu_kernel"}),
+                   tmp_path / "kernel")
   xla = Trainer(tiny_config(num_steps=4), tmp_path / "xla")
   kernel.run()
   xla.run()
@@ -85,16 +98,20 @@ def test_trainer_on_eight_devices_matches_the_xla_path_without_gathering_the_bat
   compiled = kernel.program(None, kernel.init_state())[0].as_text()
   # The batch is split over mesh.data = 8: each device's custom call holds its own sequence
   # (custom_partitioning), where a bare custom call would be all-gathered to [.., 8, 64, heads, 16].
-  calls = [line for line in compiled.splitlines() if "custom_call_target=\"lowcomm_attention" in line]
+  calls = [
+    line for line in compiled.splitlines() if 'custom_call_target="lowcomm_attention' in line
+  ]
   heads, t, k = 2, 64, 16
   assert len(calls) == 2 * 2  # forward and backward of each of the 2 layers
   assert all(f"f32[1,1,{t},{heads},{k}]" in line for line in calls)
   assert "all-gather" not in compiled
   # No [B, H, T, T] score or probability tensor is left in the step: that is the kernel's point.
   assert not re.search(rf"f32\[[\d,]*{heads},{t},{t}\]", compiled)
-  assert re.search(rf"f32\[[\d,]*{heads},{t},{t}\]", xla.program(None, xla.init_state())[0].as_text())
+  assert re.search(rf"f32\[[\d,]*{heads},{t},{t}\]",
+                   xla.program(None, xla.init_state())[0].as_text())
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_diloco_one_replica_per_device_slice_matches_the_xla_path(tmp_path):
   diloco = {"num_steps": 4, "algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 2,
             "mesh.replica": 2, "mesh.data": 1}
@@ -106,14 +123,18 @@ def test_diloco_one_replica_per_device_slice_matches_the_xla_path(tmp_path):
   _assert_same_losses(runs["kernel"], runs["xla"])
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_bad_values_are_named_before_anything_is_written(tmp_path):
-  with pytest.raises(ValueError, match=r"model.attention must be one of \('xla', 'dot_product', 'cpu_kernel'\), got 'flash'"):
+  with pytest.raises(ValueError,
+                     match=r"model.attention must be one of \('xla', 'dot_product', "
+                           r"'cpu_kernel'\), got 'flash'"):
     models.get_model_config("tiny", attention="flash")
   (tmp_path / "run").mkdir()
   Trainer(tiny_config(num_steps=2), tmp_path / "run").run()
   before = tree_hash(tmp_path / "run")
   with pytest.raises(ValueError, match=r"model.attention='cpu_kernel' computes in float32 only"):
-    Trainer(tiny_config(**{"model.attention": "cpu_kernel", "model.dtype": "bfloat16"}), tmp_path / "run")
+    Trainer(tiny_config(**{"model.attention": "cpu_kernel", "model.dtype": "bfloat16"}),
+            tmp_path / "run")
   with pytest.raises(ValueError, match=r"supports head_dim .* in \(16, 32, 64, 128\), got 8"):
     models.get_model_config("tiny", num_heads=4, attention="cpu_kernel")
   assert tree_hash(tmp_path / "run") == before
@@ -138,7 +159,8 @@ def test_nan_propagates_as_in_the_xla_attention():
   np.testing.assert_array_equal(np.isnan(out).any(-1), nan_rows)
   np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
   clean = lambda x: np.where(nan_rows[..., None], 0, x)
-  testing.assert_within(clean(out), clean(ref), testing.attention_error_bound(clean(q), clean(k), 9, clean(ref)))
+  testing.assert_within(clean(out), clean(ref),
+                        testing.attention_error_bound(clean(q), clean(k), 9, clean(ref)))
   for g, g_ref in zip(_value_and_grads(_kernel_bhtk, q, k, v, w)[1],
                       _value_and_grads(llama.causal_attention, q, k, v, w)[1]):
     # the two backwards reach a NaN by other formulas (rowsum(dO ⊙ O) against rowsum(P ⊙ dP)), so
@@ -146,7 +168,8 @@ def test_nan_propagates_as_in_the_xla_attention():
     poisoned = np.isnan(g).any(axis=(-2, -1))
     np.testing.assert_array_equal(poisoned, [[True, False], [False, True]])
     np.testing.assert_array_equal(poisoned, np.isnan(g_ref).any(axis=(-2, -1)))
-    testing.assert_within(g[0, 1], g_ref[0, 1], testing.attention_error_bound(q[0, 1], k[0, 1], 9, g_ref[0, 1]) * 9)
+    testing.assert_within(g[0, 1], g_ref[0, 1],
+                          testing.attention_error_bound(q[0, 1], k[0, 1], 9, g_ref[0, 1]) * 9)
 
 
 _SOURCE = pathlib.Path(cpu_attention.__file__).with_name("attention.cc")
@@ -179,7 +202,8 @@ def test_a_library_without_its_recorded_hash_is_refused(tmp_path, monkeypatch, r
 
 def test_a_cache_others_can_write_or_own_is_refused(tmp_path, monkeypatch):
   _plant(tmp_path, monkeypatch, folder_mode=0o770)
-  with pytest.raises(build.KernelCacheError, match=r"folder .*cache is writable by group or others \(mode 770\)"):
+  with pytest.raises(build.KernelCacheError,
+                     match=r"folder .*cache is writable by group or others \(mode 770\)"):
     build.build(_SOURCE, "model.attention='cpu_kernel'")
   (tmp_path / "cache").chmod(0o700)
   build.library_path(_SOURCE).chmod(0o702)
@@ -192,7 +216,8 @@ def test_a_cache_others_can_write_or_own_is_refused(tmp_path, monkeypatch):
     os.chown(tmp_path / "cache", 65534, 65534)
   else:
     monkeypatch.setattr(os, "geteuid", lambda: os.stat(tmp_path / "cache").st_uid + 1)
-  with pytest.raises(build.KernelCacheError, match=r"folder .*cache belongs to uid \d+, not to this user"):
+  with pytest.raises(build.KernelCacheError,
+                     match=r"folder .*cache belongs to uid \d+, not to this user"):
     build.build(_SOURCE, "model.attention='cpu_kernel'")
 
 

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lowcomm_jax import testing
-from lowcomm_jax.data import corpora, files, pipeline, prepare, tokenizer as tokenizer_lib
+from lowcomm_jax.data import corpora, files, pipeline, tokenizer as tokenizer_lib
 from lowcomm_jax.testing import ROOT, tiny_config
 from lowcomm_jax.train import Trainer, evaluation
 
@@ -30,7 +30,8 @@ def licenses():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, licenses):
-  """A byte-level BPE (tokenizer.json) and a SentencePiece model, both of 600 tokens, trained here."""
+  """A byte-level BPE (tokenizer.json) and a SentencePiece model, both of 600 tokens, trained
+  here."""
   root = tmp_path_factory.mktemp("tokenizers")
   texts = [t for _, t in licenses]
   return {"bpe": str(tokenizer_lib.train_bpe(texts, 600, root / "bpe")),
@@ -64,7 +65,9 @@ def test_model_vocabulary_follows_the_tokenizer(trained):
   assert tokenizer_lib.model_vocab_size(256) == 256
   assert tokenizer_lib.model_vocab_size(600) == 640 and tokenizer_lib.model_vocab_size(640) == 640
   assert config_lib.model_config_of(tiny_config()).vocab_size == 256
-  assert config_lib.model_config_of(tiny_config(**{"data.tokenizer": trained["bpe"]})).vocab_size == 640
+  assert (
+    config_lib.model_config_of(tiny_config(**{"data.tokenizer": trained["bpe"]})).vocab_size == 640
+  )
 
 
 def _docs_written(root: pathlib.Path, docs):
@@ -85,7 +88,8 @@ def _docs_written(root: pathlib.Path, docs):
                             str(root / "hf_dict"))
   txt_order = sorted(range(5), key=lambda i: (f"{i}.txt" if i % 2 == 0 else f"sub/{i}.txt"))
   return {f"text:{root}/txt": [texts[i] for i in txt_order],
-          f"text:{root}/txt/**/*.txt": [texts[i] for i in sorted(range(5), key=lambda i: (i % 2, i))],
+          f"text:{root}/txt/**/*.txt": [texts[i] for i in sorted(range(5),
+                                                                 key=lambda i: (i % 2, i))],
           f"jsonl:{root}/*.jsonl:text": texts[:7], f"parquet:{root}/a.parquet:content": texts[:6],
           f"hf:{root}/hf:text": texts[:9], f"hf:{root}/hf_dict:text": texts[:4]}
 
@@ -149,7 +153,9 @@ def test_bits_per_byte_count_the_utf8_bytes_of_the_eval_text(tmp_path, licenses,
     splits = pipeline.load_splits(spec, 100, name)
     text_bytes = sum(len(t.encode()) + 1 for t in held)  # + its separator
     assert splits.bytes_per_token == pytest.approx(text_bytes / len(splits.eval), rel=1e-12)
-    assert splits.bits_per_byte(2.0) == pytest.approx(2.0 * len(splits.eval) / math.log(2) / text_bytes)
+    assert splits.bits_per_byte(2.0) == pytest.approx(
+      2.0 * len(splits.eval) / math.log(2) / text_bytes
+    )
   assert pipeline.load_splits(spec, 100).bytes_per_token == 1.0
 
 
@@ -202,7 +208,8 @@ def test_prepared_ids_are_the_tokenizers_stream_and_train_and_evaluate(tmp_path,
   # computed by two programs.
   own, other = evaluation.evaluate_corpora(tmp_path / "run", [f"tokens:{out}", corpus])
   testing.assert_within(own["eval_loss"], summary["final_eval_loss"], testing.sum_error_bound(
-      summary["final_eval_loss"], testing.chain_of_sums(trainer.model_cfg, 32, 2 * 8 * 32)), "eval loss")
+      summary["final_eval_loss"], testing.chain_of_sums(trainer.model_cfg, 32, 2 * 8 * 32)),
+                        "eval loss")
   # The same documents tokenized afresh, held out by document instead of the stream's tail: up to
   # 2 batches of 8 windows of 32 tokens, as many as the held-out stream fills
   held = held_out(docs)
@@ -215,7 +222,9 @@ def test_prepared_ids_are_the_tokenizers_stream_and_train_and_evaluate(tmp_path,
   with open(out, "ab") as f:
     expected[:5].tofile(f)
   (tmp_path / "ids" / "docs.json").write_text(json.dumps({**meta, "num_tokens": len(expected) + 5}))
-  with pytest.raises(ValueError, match="was trained on another copy of data.corpus="):
+  with pytest.raises(ValueError, match=re.escape(
+      f"data.corpus='tokens:{out}' is not the file the run in {tmp_path / 'run'} trained on: the "
+      f"run's was {out} of {len(expected) * 2} bytes")):
     Trainer(tiny_config(**changes), tmp_path / "run")
   other = evaluation.run_config(tmp_path / "run", {"data.corpus": corpus, "data.seq_len": "16"})
   assert other.data.corpus == corpus and other.data.seq_len == 16

@@ -12,10 +12,10 @@ import threading
 
 import pytest
 
-from lowcomm_jax.data import debian, debian_readers
-
 # Small sources only, to keep the suite fast; the fetch command covers the rest.
 from conftest import DEBIAN_TEST_SOURCES as _TEST_SOURCES  # pylint: disable=g-bad-import-order
+
+from lowcomm_jax.data import debian, debian_readers
 
 
 def test_fetched_sources_read_known_text(cache_dir):

@@ -9,10 +9,9 @@ import optax
 import pytest
 
 import lowcomm_jax
-from lowcomm_jax import comm
-from lowcomm_jax.train import Trainer
-from lowcomm_jax import testing
+from lowcomm_jax import comm, testing
 from lowcomm_jax.testing import mlp_problem, run_replicas, tiny_config
+from lowcomm_jax.train import Trainer
 
 
 @pytest.mark.parametrize("sync_every", [1, 3, 5])
@@ -42,7 +41,8 @@ def test_h1_inner_sgd_outer_sgd_lr1_equals_data_parallel_on_the_larger_batch():
   # A mean of 4 replicas' gradients over 8 examples vs one gradient over 32: each step's sums of
   # ≤ 32 terms in another order, plus the outer step's 2 roundings, over 12 steps.
   bound = testing.trajectory_error_bound(dp, 12, 32 + 2)
-  testing.assert_trees_within(params_r, jax.tree.map(lambda b, a: np.broadcast_to(b, a.shape), dp, params_r),
+  testing.assert_trees_within(params_r,
+                              jax.tree.map(lambda b, a: np.broadcast_to(b, a.shape), dp, params_r),
                               bound, "replicas")
   testing.assert_trees_within(state.outer_params, dp, bound, "outer")
 
@@ -60,7 +60,8 @@ def test_outer_lr0_keeps_global_params_and_identical_data_equals_one_replica():
   # The mean of 4 equal replicas rounds (a sum of 4 terms) where one replica's does not, per outer
   # step (4 of them in 12 steps).
   bound = testing.trajectory_error_bound(one, 4, 4)
-  for a, b in zip(jax.tree.leaves((many, state_many.outer_params)), jax.tree.leaves((one, state_one.outer_params))):
+  for a, b in zip(jax.tree.leaves((many, state_many.outer_params)),
+                  jax.tree.leaves((one, state_one.outer_params))):
     testing.assert_within(a, np.broadcast_to(b, a.shape) if a.ndim == b.ndim else b, bound)
 
 
@@ -94,7 +95,8 @@ def test_three_parameters_two_rounds_by_hand():
   testing.assert_within(state.outer_params, [0.9975, 1.995, 0.0], round_bound, "φ after round 1")
   testing.assert_within(params_r, [[0.9975, 1.995, 0.0]] * 2, round_bound, "θ after round 1")
   params_r, state = run_replicas(tx, jnp.zeros(3), batches, loss_fn)
-  testing.assert_within(state.outer_params, [1.42524375, 2.8504875, 0.0], 2 * round_bound, "φ after round 2")
+  testing.assert_within(state.outer_params, [1.42524375, 2.8504875, 0.0], 2 * round_bound,
+                        "φ after round 2")
   testing.assert_within(state.outer_states[0][0].trace, [-0.676875, -1.35375, 0.0], 2 * round_bound,
                         "b after round 2")
 
@@ -130,17 +132,27 @@ def test_run_reports_bytes_and_evaluates_the_global_params(tmp_path):
   summary = trainer.run()
   sent = summary["bytes_sent_per_worker"]
   per_sync = comm.ring_factor(2) * 4 * trainer.num_params  # = 4 bytes per parameter at M = 2
-  assert sent["total"] == pytest.approx(2 * per_sync) and sent["peak_per_sync"] == pytest.approx(per_sync)
-  assert sent["bits_per_param_per_step"] == pytest.approx(8 * 2 * per_sync / (trainer.num_params * 8))
+  assert sent["total"] == pytest.approx(2 * per_sync) and sent["peak_per_sync"] == pytest.approx(
+    per_sync
+  )
+  assert sent["bits_per_param_per_step"] == pytest.approx(
+    8 * 2 * per_sync / (trainer.num_params * 8)
+  )
   state = trainer.final_state
   # Right after the sync at step 8 every replica equals φ (up to the rounding of θ + (φ − θ), since
   # optax transformations return updates, not new values).
-  # θ + (φ − θ): two roundings of values within twice the leaf's scale (θ is a few inner steps from φ).
+  # θ + (φ − θ): two roundings of values within twice the leaf's scale (θ is a few inner steps from
+  # φ).
   for g, p in zip(jax.tree.leaves(state.opt_state.outer_params), jax.tree.leaves(state.params)):
     testing.assert_within(np.asarray(p), np.broadcast_to(np.asarray(g), p.shape),
                           testing.operation_error_bound(2 * np.max(np.abs(np.asarray(g))), 2))
-  eval_loss = trainer.evaluate(trainer.eval_fn(), state, __import__("lowcomm_jax.data.pipeline", fromlist=["x"])
-                               .eval_batches(trainer_eval_tokens(c), c.data.seq_len, 8, 4))["eval_loss"]
+  eval_loss = trainer.evaluate(
+    trainer.eval_fn(),
+    state,
+    __import__("lowcomm_jax.data.pipeline", fromlist=["x"]).eval_batches(
+      trainer_eval_tokens(c), c.data.seq_len, 8, 4
+    ),
+  )["eval_loss"]
   assert eval_loss == summary["final_eval_loss"]  # the same program on the same state and batches
 
 
@@ -149,21 +161,26 @@ def trainer_eval_tokens(c):
   return pipeline.load_splits(c.data.corpus, c.data.eval_permille).eval
 
 
-@pytest.mark.parametrize("num_replicas,meshes", [(2, [{"replica": 1, "data": 1}, {"replica": 2, "data": 4}]),
-                                                 (8, [{"replica": 1, "data": 1}, {"replica": 8, "data": 1}])])
+@pytest.mark.parametrize("num_replicas,meshes",
+                         [(2, [{"replica": 1, "data": 1}, {"replica": 2, "data": 4}]),
+                                                 (8,
+                                                  [{"replica": 1, "data": 1},
+                                                   {"replica": 8, "data": 1}])])
 def test_vmap_simulation_equals_device_meshes(tmp_path, num_replicas, meshes):
   finals = []
   for i, mesh in enumerate(meshes):
-    c = diloco_config(num_steps=8, num_replicas=num_replicas, **{f"mesh.{k}": v for k, v in mesh.items()})
+    c = diloco_config(num_steps=8, num_replicas=num_replicas,
+                      **{f"mesh.{k}": v for k, v in mesh.items()})
     devices = jax.devices()[:mesh["replica"] * mesh["data"]]
     t = Trainer(c, tmp_path / str(i), devices=devices)
     t.run()
     finals.append(t.final_state)
   # A mesh sums the gradient's and the outer mean's terms in other orders than vmap on one device:
-  # per step at most the tiny model's longest chain of sums (≈ 2·(4·32 + 16 + 64 + 64) + 32 + a batch
-  # of 4·64 tokens ≈ 1000 terms), over 8 steps, at each leaf's scale.
-  testing.assert_trees_within(finals[0], finals[1],
-                              lambda b: testing.trajectory_error_bound(b, 8, 1000) if np.size(b) else 0)
+  # per step at most the tiny model's longest chain of sums (≈ 2·(4·32 + 16 + 64 + 64) + 32 + a
+  # batch of 4·64 tokens ≈ 1000 terms), over 8 steps, at each leaf's scale.
+  testing.assert_trees_within(
+    finals[0], finals[1], lambda b: testing.trajectory_error_bound(b, 8, 1000) if np.size(b) else 0
+  )
 
 
 def test_bad_input_is_named_before_compute(tmp_path):
@@ -178,3 +195,65 @@ def test_bad_input_is_named_before_compute(tmp_path):
   with pytest.raises(ValueError, match=r"diloco.sync_every \(H\) must be an integer >= 1"):
     lowcomm_jax.diloco(optax.sgd(0.1), sync_every=0)
   assert not any(tmp_path.iterdir())
+
+
+API_REFUSALS = {  # a bad argument of the optax-style API → the start of its one-line refusal
+    "diloco sync_every": (lambda: lowcomm_jax.diloco(optax.sgd(1.0), sync_every=0),
+                          "sync_every (H)"),
+    "fragments": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), fragments=0),
+                  "fragments must"),
+    "overlap_steps": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), sync_every=4,
+                                                          overlap_steps=4), "overlap_steps (τ=4)"),
+    "merge_alpha": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), merge_alpha=2.0),
+                    "merge_alpha (α)"),
+    "error_feedback": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), error_feedback=True),
+                       "error_feedback needs a lossy codec"),
+    "codec_kernels": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), codec="int8",
+                                                          codec_kernels="gpu"),
+                      "codec_kernels must"),
+    "overlap_anchor": (lambda: lowcomm_jax.streaming_diloco(optax.sgd(1.0), overlap_anchor="late"),
+                       "overlap_anchor must"),
+    "group_size": (lambda: lowcomm_jax.noloco(optax.sgd(1.0), 4, group_size=3), "group_size must"),
+    "top_k": (lambda: lowcomm_jax.sparseloco(optax.sgd(1.0), top_k=0), "top_k must"),
+    "bits": (lambda: lowcomm_jax.sparseloco(optax.sgd(1.0), bits=3), "bits must"),
+    # checked when init first sees the parameters
+    "fragment rules": (lambda: lowcomm_jax.streaming_diloco(
+        optax.sgd(1.0), fragments=[("nothing", 0)], sync_every=2).init({"w": jnp.zeros(2)}),
+        "fragments: the rules ['nothing'] match no parameter"),
+}
+
+
+def test_the_python_api_names_its_arguments_not_config_keys():
+  for name, (call, start) in API_REFUSALS.items():
+    with pytest.raises(ValueError, match=None) as error:
+      call()
+    message = str(error.value)
+    assert message.startswith(start), (name, message)
+    assert not re.search(r"\b(diloco|noloco|sparseloco)\.\w", message), (name, message)
+  # The Trainer builds its algorithm through lowcomm_jax.optim, whose refusals name config keys.
+  with pytest.raises(ValueError, match=r"^diloco\.sync_every \(H\)"):
+    lowcomm_jax.optim.diloco(optax.sgd(1.0), sync_every=0)
+
+
+def test_the_global_model_and_the_syncs_as_docs_api_reads_them():
+  """docs/api.md: φ is `state.outer_params` (one copy, not stacked); `tx.phase_at(step).receive`
+  names the fragments merged after inner step `step`, and then every replica holds φ."""
+  params, xs, loss_fn = mlp_problem(replicas=2)
+  tx = lowcomm_jax.diloco(optax.adamw(0.05), sync_every=3)
+  params_r, state = tx.init_replicated(params, num_replicas=2)
+
+  def step(p, s, batch):
+    updates, s = tx.update(jax.grad(loss_fn)(p, batch), s, p)
+    return optax.apply_updates(p, updates), s
+
+  step_r = jax.jit(jax.vmap(step, in_axes=(0, tx.state_axes, 0), out_axes=(0, tx.state_axes),
+                            axis_name="replica"))
+  for s, batch in enumerate(xs[:6], start=1):
+    params_r, state = step_r(params_r, state, batch)
+    phi = state.outer_params
+    assert jax.tree.leaves(phi)[0].shape == jax.tree.leaves(params)[0].shape
+    synced = tx.phase_at(s).receive == (0,)
+    assert synced == (s % 3 == 0)
+    same = all(np.array_equal(np.asarray(r[i]), np.asarray(f))
+               for r, f in zip(jax.tree.leaves(params_r), jax.tree.leaves(phi)) for i in range(2))
+    assert same == synced, s

@@ -5,11 +5,10 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from lowcomm_jax import distributed
+from lowcomm_jax import compat, distributed
 from lowcomm_jax.testing import CONFIGS, ROOT, tiny_config
 from lowcomm_jax.train import Trainer
 
@@ -18,7 +17,8 @@ from lowcomm_jax.train import Trainer
     (("sometimes",), r"--distributed must be auto, on or off, got 'sometimes'"),
     (("auto", "127.0.0.1:1234", None, None), r"--coordinator_address, --num_processes and "
                                              r"--process_id go together"),
-    (("on", "127.0.0.1:1234", 2, 2), r"--process_id must be in \[0, 2\) for --num_processes=2, got 2"),
+    (("on", "127.0.0.1:1234", 2, 2),
+     r"--process_id must be in \[0, 2\) for --num_processes=2, got 2"),
     (("off", "127.0.0.1:1234", 2, 0), r"--distributed=off cannot be combined"),
 ])
 def test_bad_flags_are_named(args, message):
@@ -35,13 +35,15 @@ def test_auto_without_a_cluster_stays_one_process(monkeypatch):
 
 
 def test_timeouts_must_be_positive(tmp_path):
-  with pytest.raises(ValueError, match=r"distributed.timeout_seconds must be >= 1 \(seconds\), got 0"):
+  with pytest.raises(ValueError,
+                     match=r"distributed.timeout_seconds must be >= 1 \(seconds\), got 0"):
     Trainer(tiny_config(**{"distributed.timeout_seconds": 0}), tmp_path / "run")
   assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("address,message", [
-    ("::1", r"--coordinator_address must be host:port .*an IPv6 address goes in brackets, got '::1'"),
+    ("::1",
+     r"--coordinator_address must be host:port .*an IPv6 address goes in brackets, got '::1'"),
     ("::1:1234", r"--coordinator_address .*an IPv6 address goes in brackets"),
     ("localhost", r"--coordinator_address must be host:port with a port in 1\.\.65535"),
     ("127.0.0.1:99999", r"--coordinator_address must be host:port with a port in 1\.\.65535"),
@@ -82,16 +84,21 @@ def _environment(monkeypatch, **variables):
                                    {"SLURM_TASKS_PER_NODE": "1(x4)"},
                                    {"SLURM_NTASKS_PER_NODE": "1"}])
 def test_slurm_one_task_per_node_uses_every_local_device(monkeypatch, tasks):
-  from jax._src import clusters
   _environment(monkeypatch, **_SLURM, **tasks)
   # What JAX's own detection does: this task sees only device SLURM_LOCALID=0 of its node.
-  detected = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, None)
-  assert detected == (f"gpu017:{_SLURM_PORT}", 4, 2, [0])
+  assert compat.jax_detected_distributed_params() == (f"gpu017:{_SLURM_PORT}", 4, 2, [0])
   # Ours: the same coordinator and ids, and JAX's detection off, so every local device is used.
-  assert distributed.initialize_arguments("auto", timeout_seconds=30, init_timeout_seconds=90) == dict(
-      coordinator_address=f"gpu017:{_SLURM_PORT}", num_processes=4, process_id=2,
-      initialization_timeout=90, heartbeat_timeout_seconds=30, cluster_detection_method="deactivate",
-      coordinator_bind_address=None)
+  assert distributed.initialize_arguments(
+    "auto", timeout_seconds=30, init_timeout_seconds=90
+  ) == dict(
+    coordinator_address=f"gpu017:{_SLURM_PORT}",
+    num_processes=4,
+    process_id=2,
+    initialization_timeout=90,
+    heartbeat_timeout_seconds=30,
+    cluster_detection_method="deactivate",
+    coordinator_bind_address=None,
+  )
   # Explicit flags stand, and still no restriction to one device.
   explicit = distributed.initialize_arguments("on", "10.0.0.7:1234", 4, 1)
   assert (explicit["coordinator_address"], explicit["num_processes"], explicit["process_id"],
@@ -101,7 +108,8 @@ def test_slurm_one_task_per_node_uses_every_local_device(monkeypatch, tasks):
 
 
 def test_slurm_several_tasks_per_node_keep_one_device_each(monkeypatch):
-  _environment(monkeypatch, **{**_SLURM, "SLURM_NTASKS": "16"}, SLURM_STEP_TASKS_PER_NODE="4(x3),2,2")
+  _environment(monkeypatch, **{**_SLURM, "SLURM_NTASKS": "16"},
+               SLURM_STEP_TASKS_PER_NODE="4(x3),2,2")
   assert distributed.tasks_per_node("4(x3),2,2") == [4, 4, 4, 2, 2]
   assert distributed.initialize_arguments("auto") == dict(  # JAX's detection: device SLURM_LOCALID
       coordinator_address=None, num_processes=None, process_id=None, initialization_timeout=300,
@@ -125,7 +133,8 @@ def test_tpu_pod_slices_are_detected(monkeypatch):
   assert distributed.tpu_hosts(on_tpu_vm=True) == 8
   monkeypatch.setattr(distributed, "_on_tpu_vm", lambda: True)
   assert distributed.detected_cluster() == "TPU pod slice"
-  assert distributed.initialize_arguments("auto")["coordinator_address"] is None  # JAX reads the pod
+  # JAX reads the pod
+  assert distributed.initialize_arguments("auto")["coordinator_address"] is None
 
 
 def test_a_tpu_vm_of_unknown_size_asks_for_the_flag(monkeypatch):
@@ -134,7 +143,8 @@ def test_a_tpu_vm_of_unknown_size_asks_for_the_flag(monkeypatch):
   def no_answer():
     raise OSError("timed out")
 
-  with pytest.raises(ValueError, match=r"--distributed=auto cannot tell .* set --distributed=on for "
+  with pytest.raises(ValueError,
+                     match=r"--distributed=auto cannot tell .* set --distributed=on for "
                                        r"a pod slice or --distributed=off for one host"):
     distributed.tpu_hosts(on_tpu_vm=True, metadata=no_answer)
 
@@ -145,17 +155,17 @@ def _closed_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.timeout(120)  # it gives up after its 1 s: a wait without an end fails here
 def test_an_unreachable_coordinator_is_named_within_the_timeout(monkeypatch):
   _environment(monkeypatch)
   address = f"127.0.0.1:{_closed_port()}"
-  start = time.monotonic()
   with pytest.raises(RuntimeError, match=re.escape(
       f"no coordinator answered at {address} (--coordinator_address) within "
       "distributed.init_timeout_seconds=1 s")):
     distributed.initialize("on", address, 2, 1, init_timeout_seconds=1)
-  assert time.monotonic() - start < 10
 
 
+@pytest.mark.processes  # starts a binary: not in the fast tier
 @pytest.mark.parametrize("flags,line", [
     (["--coordinator_address=::1", "--num_processes=2", "--process_id=0"],
      "ValueError: --coordinator_address must be host:port with a port in 1..65535 (IPv6 in "
@@ -178,6 +188,8 @@ def test_the_binary_reports_distributed_errors_in_one_line(tmp_path, flags, line
        f"--workdir={tmp_path / 'run'}", *[f.replace("PORT", port) for f in flags]],
       capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1, proc.stderr[-2000:]
-  assert proc.stderr.strip().splitlines()[-1].startswith(line.replace("PORT", port)), proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1].startswith(line.replace("PORT", port)), proc.stderr[
+    -2000:
+  ]
   assert "Traceback" not in proc.stderr and "Check failure" not in proc.stderr
   assert not (tmp_path / "run").exists()

@@ -3,14 +3,14 @@
 import json
 import os
 import pathlib
+import signal
 
 import jax
 import numpy as np
 import pytest
 
 from lowcomm_jax import config as config_lib
-from lowcomm_jax.elastic import faults as faults_lib
-from lowcomm_jax.elastic import options
+from lowcomm_jax.elastic import faults as faults_lib, options
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "experiments" / "configs"
 
@@ -101,8 +101,10 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
   cases = {
       "elastic.min_quorum": (3, "elastic.min_quorum must be an integer in [0, 3)"),
       "elastic.grace_s": (-1.0, "elastic.grace_s must be"),
-      "elastic.faults": ("explode:learner=0:step=3", "elastic.faults: unknown fault kind 'explode'"),
-      "algorithm": ("noloco", "algorithm must be one of diloco, streaming_diloco for an elastic run"),
+      "elastic.faults": ("explode:learner=0:step=3",
+                         "elastic.faults: unknown fault kind 'explode'"),
+      "algorithm": ("noloco",
+                    "algorithm must be one of diloco, streaming_diloco for an elastic run"),
   }
   for key, (value, message) in cases.items():
     workdir = tmp_path / key
@@ -115,9 +117,11 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
 
 
 def test_the_binary_refuses_in_one_line_before_ray_starts(tmp_path):
-  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  import subprocess  # pylint: disable=g-import-not-at-top,multiple-imports
+  import sys
   proc = subprocess.run(
-      [sys.executable, str(CONFIGS.parent / "elastic.py"), f"--config={CONFIGS / 'elastic.py'}:tiny",
+      [sys.executable, str(CONFIGS.parent / "elastic.py"),
+       f"--config={CONFIGS / 'elastic.py'}:tiny",
        f"--workdir={tmp_path / 'run'}", "--config.elastic.faults=kill:learner=7:step=3"],
       cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1, proc.stderr[-2000:]
@@ -175,10 +179,16 @@ def test_a_killed_learner_rejoins_while_the_others_go_on_and_the_syncer_restarts
   lines = [json.loads(l) for l in (work / "metrics.jsonl").read_text().splitlines()]
   rounds = [int(l["round"]) for l in lines if "participation" in l]
   assert rounds == list(range(steps // h))  # each round once, the syncer's restart included
-  # the others never stop: learner 0 waits at most the grace window (and the syncer's save) for a
-  # round, except in the round the syncer died in (Ray restarts it and resends what was in flight)
+  # the others never stop: rounds close while learner 2 is stopped, without it and with learner 0;
+  # learner 0 never waits out the stop (its waits are the grace window and the syncer's save,
+  # whatever the machine's load), except in the round the syncer died in (Ray restarts it and
+  # resends what was in flight)
+  [stop] = [ev for ev in _events(work, 2) if ev["event"] == "stop"]
+  during = [r for r in _round_records(work)
+            if stop["time"] < r["time"] < stop["time"] + stop["seconds"]]
+  assert during and all(0 in r["accepted"] and 2 not in r["contributors"] for r in during), during
   waits = _waits(work, 0)
-  assert len(waits) >= steps // h - 2 and sorted(waits)[-2] <= grace + 1.5, waits
+  assert len(waits) >= steps // h - 2 and sorted(waits)[-2] < stop["seconds"], waits
   assert summary["participation_per_learner"][2] < summary["participation_per_learner"][0]
   assert 0 < summary["goodput"] < 1
   # what the faults cost: learner 2 is silent for most rounds and learner 1 misses some, so about
@@ -192,21 +202,33 @@ def test_a_killed_learner_rejoins_while_the_others_go_on_and_the_syncer_restarts
 
 def test_a_killed_learner_heals_into_the_run_it_left(ray_cluster, tmp_path):
   """3 learners, full quorum, H = 10: learner 1 is killed right after round 0 (step 10) and
-  learners 0 and 2 are stopped (SIGSTOP) for 15 s after step 11, so that learner 1's restart falls
-  inside the run on any machine and no learner's data is lost to the fault. The restarted learner
-  must heal to where it was: φ of round 0, step 10, a peer's inner optimizer state and the data
-  from step 11. What differs from the fault-free run is its Adam moments (the peer's, one step
-  ahead): the eval loss within 2% of the fault-free SPMD run (+0.2% where measured). A heal that
-  kept a fresh inner optimizer state (+8%), or φ_0 and step 0 (+3%), fails it."""
+  learners 0 and 2 are stopped (SIGSTOP) after step 11 until learner 1's restart has joined the
+  syncer again (this test wakes them), so that the heal falls inside round 1 on any machine and no
+  learner's data is lost to the fault. The restarted learner must heal to where it was: φ of
+  round 0, step 10, a peer's inner optimizer state and the data from step 11. What differs from the
+  fault-free run is its Adam moments (the peer's, one step ahead): the eval loss within 2% of the
+  fault-free SPMD run (+0.2% where measured). A heal that kept a fresh inner optimizer state (+8%),
+  or φ_0 and step 0 (+3%), fails it."""
   from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
   steps, h = 30, 10
+  # the stops' own end (600 s) is a fallback: the test wakes them as soon as learner 1 is back
   config = _config(**{"num_steps": steps, "diloco.sync_every": h, "elastic.num_learners": 3,
                       "num_replicas": 3, "elastic.min_quorum": 3, "elastic.grace_s": 1.0,
-                      "elastic.faults": "kill:learner=1:step=10,stop:learner=0:step=11:seconds=15,"
-                                        "stop:learner=2:step=11:seconds=15"})
+                      "elastic.faults": "kill:learner=1:step=10,stop:learner=0:step=11:seconds=600,"
+                                        "stop:learner=2:step=11:seconds=600"})
   work = tmp_path / "elastic"
-  summary = elastic.run(config, work)
+  run = elastic.start(config, work)
+  stopped = lambda i: any(ev["event"] == "stop" for ev in _events(work, i))
+  try:
+    _wait_for(run, lambda: stopped(0) and stopped(2), "learners 0 and 2 stopped")
+    killed_at = [ev["time"] for ev in _events(work, 1) if ev["event"] == "kill"][0]
+    rerun = lambda: any(ev["event"] == "run" and ev["time"] > killed_at for ev in _events(work, 1))
+    _wait_for(run, lambda: rerun() and 1 in run.status()["live"], "learner 1 back in the run")
+  finally:
+    for i in (0, 2):
+      os.kill(_pid(work, i), signal.SIGCONT)
+  summary = run.wait()
   [death] = summary["deaths"]
   assert death["learner"] == 1 and len(summary["rejoin_s"]) == 1
   joined = [ev["step"] for ev in _events(work, 1) if ev["event"] == "joined"]
@@ -221,49 +243,62 @@ def test_a_killed_learner_heals_into_the_run_it_left(ray_cluster, tmp_path):
 
 def test_a_straggler_does_not_hold_the_others_back_beyond_the_grace_window(ray_cluster, tmp_path):
   """2 learners, quorum 1, grace 0.02 s, learner 1 three times slower from its first step: it
-  needs 2 × 20 step times more than learner 0 per round (0.16 s at 4 ms a step on a fast CPU), more
-  than the grace window."""
+  needs 2 × 20 of its own step times more than learner 0 per round, far more than the grace window
+  on any machine. Every round closes with learner 0's Δ before the straggler's has come."""
   from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
   grace = 0.02
   config = _config(**{"num_steps": 60, "diloco.sync_every": 20, "elastic.min_quorum": 1,
                       "elastic.grace_s": grace, "elastic.faults": "slow:learner=1:step=1:factor=3"})
   summary = elastic.run(config, tmp_path / "elastic")
   assert summary["rounds"] == [3] and summary["deaths"] == []
-  waits = _waits(tmp_path / "elastic", 0)
-  assert len(waits) == 3 and max(waits) <= grace + 1.5, waits
+  assert len(_waits(tmp_path / "elastic", 0)) == 3
+  records = _round_records(tmp_path / "elastic")
+  assert [(r["contributors"], r["accepted"]) for r in records] == [([0], [0])] * 3, records
   fast, slow = summary["participation_per_learner"]
   assert fast == 1.0 and slow < 1.0 and summary["goodput"] < 1
 
 
-def _wait_for(condition, what: str, timeout: float = 240.0):
+def _wait_for(run, condition, what: str):
+  """Polls `condition` while `run` goes on (a run that ends first fails the test; a hang is the
+  tier's timeout, tests/conftest.py)."""
   import time  # pylint: disable=g-import-not-at-top
-  deadline = time.time() + timeout
   while not condition():
-    assert time.time() < deadline, f"waited {timeout} s for {what}"
+    try:
+      run.status()
+    except RuntimeError as error:
+      raise AssertionError(f"the run ended before {what}") from error
     time.sleep(0.1)
+
+
+def _pid(work, learner: int) -> int:
+  """The process of learner `learner`'s latest start."""
+  return [ev["pid"] for ev in _events(work, learner) if ev["event"] == "start"][-1]
 
 
 def test_learners_added_and_removed_while_it_runs_and_a_resume_with_another_count(ray_cluster,
                                                                                    tmp_path):
-  """2 learners, quorum 2, H = 5. Learner 1 is stopped (SIGSTOP) for 10 s after step 10, which
-  holds round 3 open (it waits for its quorum): learner 2 is added then, learner 0 removed once
-  learner 2's Δ was merged; the run stops at step 40 (`stop_at_step`) and resumes with
-  `elastic.num_learners=3`: learners 0, 1, 2 to step 60."""
+  """2 learners, quorum 2, H = 5. After round 2 learner 1 is stopped (SIGSTOP) by this test, which
+  holds the open round (it waits for its quorum): learner 2 is added then, learner 0 removed once
+  learner 2's Δ was merged, and learner 1 woken (SIGCONT); the run stops at step 40
+  (`stop_at_step`) and resumes with `elastic.num_learners=3`: learners 0, 1, 2 to step 60."""
   from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   work = tmp_path / "elastic"
-  config = _config(**{"num_steps": 60, "stop_at_step": 40, "elastic.grace_s": 1.0,
-                      "elastic.faults": "stop:learner=1:step=10:seconds=10"})
+  config = _config(**{"num_steps": 60, "stop_at_step": 40, "elastic.grace_s": 1.0})
   run = elastic.start(config, work)
-  _wait_for(lambda: run.status()["rounds"][0] >= 2, "round 2")
-  assert run.add_learner() == 2
-  merged = lambda i: any(ev["event"] == "sync_end" and ev["accepted"] for ev in _events(work, i))
-  _wait_for(lambda: merged(2), "learner 2's first merged Δ")
-  with pytest.raises(ValueError) as error:
-    run.remove_learner(7)
-  assert str(error.value) == ("remove_learner's learner must be one of the run's learners "
-                              "[0, 1, 2], got 7")
-  run.remove_learner(0)
+  _wait_for(run, lambda: run.status()["rounds"][0] >= 2, "round 2")
+  os.kill(_pid(work, 1), signal.SIGSTOP)
+  try:
+    assert run.add_learner() == 2
+    merged = lambda i: any(ev["event"] == "sync_end" and ev["accepted"] for ev in _events(work, i))
+    _wait_for(run, lambda: merged(2), "learner 2's first merged Δ")
+    with pytest.raises(ValueError) as error:
+      run.remove_learner(7)
+    assert str(error.value) == ("remove_learner's learner must be one of the run's learners "
+                                "[0, 1, 2], got 7")
+    run.remove_learner(0)
+  finally:
+    os.kill(_pid(work, 1), signal.SIGCONT)
   stopped = run.wait()
   assert stopped["complete"] is False and stopped["step"] == 40 and stopped["members"] == [1, 2]
   assert workdir_lib.read_summary(work) is None  # not finished: a start resumes it
@@ -327,11 +362,13 @@ def test_the_syncer_stops_waiting_for_an_overdue_learner_with_the_adaptive_windo
   adaptive window closes round 2 once learner 2 is overdue (its interval, plus a quarter, after its
   last Δ); the fixed one waits the whole 3 s."""
   import asyncio  # pylint: disable=g-import-not-at-top
+
   from lowcomm_jax.comm import remote  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.elastic import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.optim import fragments as frag_lib  # pylint: disable=g-import-not-at-top
   cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
-           "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")}
+           "jax_persistent_cache_min_compile_time_secs",
+                                               "jax_persistent_cache_min_entry_size_bytes")}
   waited = {}
   try:
     for adaptive in (True, False):
@@ -360,5 +397,6 @@ def test_the_syncer_stops_waiting_for_an_overdue_learner_with_the_adaptive_windo
     for key, value in cache.items():
       jax.config.update(key, value)
   assert waited[False][2] >= 3.0  # the fixed window: the whole grace_s
-  # adaptive: a quarter of learner 2's interval (0.2 s plus a round's close) past its prediction
-  assert waited[True][2] < 1.5, waited
+  # adaptive: a quarter of learner 2's interval (0.2 s plus a round's close) past its prediction,
+  # so it closes before the whole window however slow the machine makes that interval (up to ~2 s)
+  assert waited[True][2] < 3.0, waited

@@ -11,9 +11,18 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import checks, codecs, hlo, testing
-from lowcomm_jax.testing import (COMPOSED_CASES, ENGINE_CASES, PROCESS_CASES, ROOT, collective_bytes,
-                                 engine_config, launch_script, process_leg_config, read_metrics,
-                                 tree_hash)
+from lowcomm_jax.testing import (
+  COMPOSED_CASES,
+  ENGINE_CASES,
+  PROCESS_CASES,
+  ROOT,
+  collective_bytes,
+  engine_config,
+  launch_script,
+  process_leg_config,
+  read_metrics,
+  tree_hash,
+)
 from lowcomm_jax.train import Trainer, algorithms
 
 CASES = sorted(ENGINE_CASES)
@@ -48,7 +57,8 @@ GOLDEN = {
         3: (5.5184502601623535, 1.534348726272583),
         4: (5.501721382141113, 1.1417150497436523),
     },
-    "skippipe": {1: (5.558516979217529, 1.0339123010635376), 2: (5.544247150421143, 0.6955036520957947)},
+    "skippipe": {1: (5.558516979217529, 1.0339123010635376),
+                 2: (5.544247150421143, 0.6955036520957947)},
     # Until its first merge (after step 3) SparseLoCo's replicas run Streaming DiLoCo's inner steps:
     # steps 1 and 3 are streaming_diloco's goldens. Step 4 (after one sparse merge) was produced by
     # the first run of algorithm=sparseloco (chunks of 64, k = 4, 2 bits, β = 0.95, η = 1).
@@ -79,7 +89,8 @@ def test_golden_metrics_and_resume_mid_round_is_bit_identical(case, tmp_path):
   for step, (loss, grad_norm) in GOLDEN[case].items():
     for name, golden in (("loss", loss), ("grad_norm", grad_norm)):
       testing.assert_within(rows[step][name], golden,
-                            testing.trajectory_error_bound(golden, step, CHAIN_OF_SUMS), f"{name} at step {step}")
+                            testing.trajectory_error_bound(golden, step, CHAIN_OF_SUMS),
+                            f"{name} at step {step}")
 
   # Killed after step 5 (mid-round for every phased case, checkpoints at 2 and 4), then resumed.
   stop = engine_config(case, stop_at_step=5, **{"checkpoint.every": 4})
@@ -98,7 +109,9 @@ def test_golden_metrics_and_resume_mid_round_is_bit_identical(case, tmp_path):
   assert strip(read_metrics(tmp_path / "resumed")) == strip(read_metrics(tmp_path / "whole"))
   on_disk = json.loads((tmp_path / "whole" / "summary.json").read_text(),
                        parse_constant=lambda name: pytest.fail(f"summary.json holds {name}"))
-  assert on_disk["gradients"] == engine_config(case).gradients and on_disk["refused_outer_steps"] == 0
+  assert (
+    on_disk["gradients"] == engine_config(case).gradients and on_disk["refused_outer_steps"] == 0
+  )
 
 
 # One device (M replicas vmapped) against the 8-device mesh (one replica per slice, or data parallel
@@ -117,17 +130,30 @@ MESHES = {
                                                         "mesh.stage": 1}),
     "pipeline_diloco": ({"pipeline.routing": "fixed"}, {"gradients": "replicas", "mesh.replica": 1,
                                                         "mesh.stage": 1}),
-    "pipeline_sparseloco": ({"pipeline.routing": "fixed"}, {"gradients": "replicas", "mesh.replica": 1,
+    "pipeline_sparseloco": ({"pipeline.routing": "fixed"},
+                            {"gradients": "replicas", "mesh.replica": 1,
                                                             "mesh.stage": 1}),
     "skippipe_sparseloco": ({"mesh.replica": 2}, {"gradients": "replicas"}),
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_one_device_equals_the_mesh(case, tmp_path):
+# Beside every case, DiLoCo's replicas on their own mesh axis with the accelerators' attention on
+# 128-token windows: its TPU branch (flash attention) is traced inside the replicas' shard_map and
+# must type its result as the XLA branch (which runs here) does.
+MESH_ROWS = [(case, {}) for case in CASES] + [
+    ("diloco", {"model.attention": "dot_product", "data.seq_len": 128})]
+
+
+@pytest.mark.parametrize("case, extra", MESH_ROWS,
+                         ids=[case + "".join(f",{k}={v}" for k, v in x.items())
+                              for case, x in MESH_ROWS])
+def test_one_device_equals_the_mesh(case, extra, tmp_path):
   on_mesh, alone = MESHES[case]
-  a = Trainer(engine_config(case, num_steps=4, **on_mesh), tmp_path / "mesh")
-  b = Trainer(engine_config(case, num_steps=4, **alone), tmp_path / "one", devices=jax.devices()[:1])
+  a = Trainer(engine_config(case, num_steps=4, **on_mesh, **extra), tmp_path / "mesh")
+  b = Trainer(engine_config(case, num_steps=4, **alone, **extra), tmp_path / "one",
+              devices=jax.devices()[:1])
+  seq_len = a.config.data.seq_len
+  chain = testing.tiny_chain_of_sums(seq_len, a.config.data.batch_size * seq_len)
   sent_a, sent_b = (s["bytes_sent_per_worker"] for s in (a.run(), b.run()))
   # The replicas' exchange moves the same bytes either way; dp's bytes are the data axis's gradient
   # all-reduce, which one device does not run, and the pipeline's ledger counts per device.
@@ -136,19 +162,24 @@ def test_one_device_equals_the_mesh(case, tmp_path):
   # A mesh sums in other orders than one device: within the chain of sums' bound per step run.
   for x, y in zip(ra, rb):
     for name in ("loss", "grad_norm"):
-      testing.assert_within(x[name], y[name], testing.trajectory_error_bound(y[name], y["step"], CHAIN_OF_SUMS),
+      testing.assert_within(x[name], y[name],
+                            testing.trajectory_error_bound(y[name], y["step"], chain),
                             f"{name} at step {y['step']}")
   first = lambda t: jax.tree.leaves(jax.device_get(t.source.eval_params(t.final_state)))[0]
-  testing.assert_within(first(a), first(b), testing.trajectory_error_bound(first(b), 4, CHAIN_OF_SUMS),
+  testing.assert_within(first(a), first(b),
+                        testing.trajectory_error_bound(first(b), 4, chain),
                         "first parameter leaf")
 
 
 # dp and SkipPipe with dp exchange nothing; SkipPipe with SparseLoCo runs the replicas source's
 # program (its bytes equal that source's: test_one_device_equals_the_mesh, case sparseloco here).
-@pytest.mark.parametrize("case", [c for c in CASES if c not in ("dp", "skippipe", "skippipe_sparseloco")])
+@pytest.mark.parametrize("case",
+                         [c for c in CASES if c not in ("dp", "skippipe", "skippipe_sparseloco")])
 def test_ledger_bytes_equal_the_collectives_of_the_compiled_program(case, tmp_path):
   # One replica per device and nothing else on the mesh, so every collective is the engine's.
-  on_mesh = {} if case.startswith("pipeline") else {"mesh.replica": engine_config(case).num_replicas}
+  on_mesh = (
+    {} if case.startswith("pipeline") else {"mesh.replica": engine_config(case).num_replicas}
+  )
   # NoLoCo's outer program holds one exchange per grouping, of which one runs: with one grouping
   # the program's collectives are the step's (test_noloco_trainer checks each branch's against it).
   one_grouping = {"noloco.num_groupings": 1} if case.endswith("noloco") else {}
@@ -198,7 +229,8 @@ BAD = {
                          "pipeline.routing must be random or fixed"),
     "skippipe_paths": ({**ENGINE_CASES["skippipe"]["config"], "skippipe.paths": "0-1-7,0-2-3"},
                        "skippipe.paths=.* micro-batch 0 visits stage 7"),
-    "skippipe_batch": ({**ENGINE_CASES["skippipe"]["config"], "skippipe.paths": "0-1-2,0-2-3,0-3-1"},
+    "skippipe_batch": ({**ENGINE_CASES["skippipe"]["config"],
+                        "skippipe.paths": "0-1-2,0-2-3,0-3-1"},
                        "data.batch_size must be a multiple of the 3 skippipe.paths"),
     "nonfinite": ({"nonfinite": "ignore"}, "nonfinite must be raise or skip"),
 }
@@ -227,7 +259,8 @@ def test_an_algorithm_is_reached_only_through_its_entry(tmp_path, monkeypatch):
 
   monkeypatch.setitem(algorithms.ALGORITHMS, "dp_sgd",
                       algorithms.Algorithm(algorithms.ALGORITHMS["dp"].build, check))
-  with pytest.raises(ValueError, match="optimizer.name must be sgd for algorithm=dp_sgd, got 'adamw'"):
+  with pytest.raises(ValueError,
+                     match="optimizer.name must be sgd for algorithm=dp_sgd, got 'adamw'"):
     Trainer(engine_config("dp", algorithm="dp_sgd"), tmp_path / "refused")
   assert not (tmp_path / "refused").exists()
   finals = []
@@ -245,13 +278,14 @@ def test_two_processes_equal_one(tmp_path):
   across two real processes (jax.distributed, gloo on 127.0.0.1; one replica per process; all four
   in one launch), end with every replica's parameters equal to the one-device run's (dp has one
   replica: nothing to split) and the same bytes in the ledger. Streaming DiLoCo and SparseLoCo
-  (τ = 1) run their fragments' exchange on the overlap thread in both (diloco.overlap_executor=auto).
-  The reference compiles with XLA's expensive passes off, as the launched processes do; still not
-  bit for bit, since one device runs the replicas' matmuls batched under vmap, which rounds
-  differently from one replica per device: measured at most 2.4e-7 (2 float32 ULPs at 1).
-  SparseLoCo's top-k picks the same entries in both (a pick that flipped on a near-tie would move
-  a parameter by a whole kept value, far above the bound): measured 1.2e-7."""
-  proc = launch_script(2, [f"--out={tmp_path}"], script=ROOT / "tests" / "engine_processes_worker.py")
+  (τ = 1) run their fragments' exchange on the overlap thread in both
+  (diloco.overlap_executor=auto). The reference compiles with XLA's expensive passes off, as the
+  launched processes do; still not bit for bit, since one device runs the replicas' matmuls batched
+  under vmap, which rounds differently from one replica per device: measured at most 2.4e-7 (2
+  float32 ULPs at 1). SparseLoCo's top-k picks the same entries in both (a pick that flipped on a
+  near-tie would move a parameter by a whole kept value, far above the bound): measured 1.2e-7."""
+  proc = launch_script(2, [f"--out={tmp_path}"],
+                       script=ROOT / "tests" / "engine_processes_worker.py")
   assert proc.returncode == 0, proc.stderr[-3000:]
   executors = {**{case: "inline" for case in PROCESS_CASES},
                "streaming_diloco": "thread", "sparseloco": "thread"}

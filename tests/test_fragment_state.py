@@ -1,5 +1,6 @@
-"""Fragment state keyed by parameter path: shardings under fsdp, optax.tree_map_params, fragment rules as
-data (callable, table, config), extra arguments for the inner optimizer, injected outer hyperparameters."""
+"""Fragment state keyed by parameter path: shardings under fsdp, optax.tree_map_params, fragment
+rules as data (callable, table, config), extra arguments for the inner optimizer, injected outer
+hyperparameters."""
 
 import jax
 import jax.numpy as jnp
@@ -11,14 +12,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import lowcomm_jax
 from lowcomm_jax import mesh as mesh_lib, testing
 from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
-from lowcomm_jax.train import Trainer
 from lowcomm_jax.testing import layered_problem, tiny_config
+from lowcomm_jax.train import Trainer
 
 is_masked = lambda x: isinstance(x, optax.MaskedNode)
 
 
 def run(tx, params, batches_r, loss_fn, use_phase=True, with_value=False):
-  """`tx` over stacked replicas with vmap; with_value passes the loss as `value=` to `update`."""
+  """`tx` over stacked replicas with vmap, jitted; with_value passes the loss as `value=` to
+  `update`."""
   params_r, state = tx.init_replicated(params, batches_r.shape[1])
 
   def step(p, s, batch, phase):
@@ -27,10 +29,14 @@ def run(tx, params, batches_r, loss_fn, use_phase=True, with_value=False):
     updates, s = tx.update(grads, s, p, phase=phase, **extra)
     return optax.apply_updates(p, updates), s
 
+  programs = {}  # one compiled step per phase (the phase picks what the step program does)
   for i, batch_r in enumerate(batches_r):
     phase = tx.phase_at(i + 1) if use_phase else None
-    params_r, state = jax.vmap(lambda p, s, b, ph=phase: step(p, s, b, ph), in_axes=(0, tx.state_axes, 0),
-                               out_axes=(0, tx.state_axes), axis_name="replica")(params_r, state, batch_r)
+    if phase not in programs:
+      programs[phase] = jax.jit(jax.vmap(
+          lambda p, s, b, ph=phase: step(p, s, b, ph), in_axes=(0, tx.state_axes, 0),
+          out_axes=(0, tx.state_axes), axis_name="replica"))
+    params_r, state = programs[phase](params_r, state, batch_r)
   return params_r, state
 
 
@@ -40,14 +46,16 @@ def assert_trees_equal(a, b):
     np.testing.assert_array_equal(x, y)
 
 
-# -- shardings --------------------------------------------------------------------------------------
+# -- shardings -------------------------------------------------------------------------------------
 
 def param_shaped_fields(opt_state):
-  """(name, sub-tree keyed like the parameters, has a leading replica axis) of every param-shaped part."""
+  """(name, sub-tree keyed like the parameters, has a leading replica axis) of every param-shaped
+  part."""
   if isinstance(opt_state, lowcomm_jax.optim.NoLoCoState):
     return [("slow", opt_state.slow, True), ("momentum", opt_state.momentum, True)]
   fields = [("outer_params", opt_state.outer_params, False)]
-  for p, (trace, _) in enumerate(opt_state.outer_states):  # outer Nesterov: (TraceState, EmptyState)
+  for p, (trace, _) in enumerate(opt_state.outer_states):
+    # outer Nesterov: (TraceState, EmptyState)
     fields.append((f"outer_states[{p}].trace", trace.trace, False))
   fields += [(f"in_flight[{n}]", t, False) for n, t in opt_state.comm.in_flight.items()]
   fields += [(f"residuals[{n}]", t, True) for n, t in opt_state.comm.residuals.items()]
@@ -55,7 +63,9 @@ def param_shaped_fields(opt_state):
 
 
 @pytest.mark.parametrize("algorithm", ["streaming_diloco", "noloco"])
-def test_under_fsdp_every_leaf_of_the_outer_state_is_sharded_like_its_parameter(tmp_path, algorithm):
+def test_under_fsdp_every_leaf_of_the_outer_state_is_sharded_like_its_parameter(
+  tmp_path, algorithm
+):
   changes = {"algorithm": algorithm, "num_replicas": 2, "mesh.replica": 2, "mesh.data": 4,
              "sharding.layout": "fsdp", "noloco.sync_every": 6}
   if algorithm == "streaming_diloco":  # two one-layer block fragments (slices [1, ...]) + non-block
@@ -85,7 +95,8 @@ def test_state_specs_give_a_layer_slice_its_parameters_spec_and_replicate_the_re
   state = {"trace": {"blocks": {"w": jax.ShapeDtypeStruct((2, 8, 2), jnp.float32)},
                      "head": optax.MaskedNode()},
            "count": jax.ShapeDtypeStruct((), jnp.int32),
-           "other": jax.ShapeDtypeStruct((8, 3), jnp.float32),  # a head-like path would need head's shape
+           # a head-like path would need head's shape
+           "other": jax.ShapeDtypeStruct((8, 3), jnp.float32),
            "head": jax.ShapeDtypeStruct((2, 8, 2), jnp.float32)}  # batched: a replica axis in front
   batched = {"trace": False, "count": False, "other": False, "head": True}
   got = lowcomm_jax.sharding.state_specs(state, params, specs, batched)
@@ -93,10 +104,11 @@ def test_state_specs_give_a_layer_slice_its_parameters_spec_and_replicate_the_re
                  "count": P(), "other": P(), "head": P("replica", "data", None)}
   sharded_layers = {"blocks": {"w": P("data", None, None)}, "head": P()}
   assert lowcomm_jax.sharding.state_specs(state["trace"], params, sharded_layers) == {
-      "blocks": {"w": P()}, "head": optax.MaskedNode()}  # a slice of a sharded axis is not that spec
+      # a slice of a sharded axis is not that spec
+      "blocks": {"w": P()}, "head": optax.MaskedNode()}
 
 
-# -- optax.tree_map_params --------------------------------------------------------------------------
+# -- optax.tree_map_params -------------------------------------------------------------------------
 
 def test_tree_map_params_reaches_every_param_shaped_leaf_and_only_those():
   params, xs, loss_fn = layered_problem()
@@ -109,7 +121,8 @@ def test_tree_map_params_reaches_every_param_shaped_leaf_and_only_those():
   plus_one(mapped.comm.in_flight, state.comm.in_flight)
   plus_one(mapped.comm.residuals, state.comm.residuals)
   plus_one([s[0].trace for s in mapped.outer_states], [s[0].trace for s in state.outer_states])
-  plus_one((mapped.inner_state[0].mu, mapped.inner_state[0].nu), (state.inner_state[0].mu, state.inner_state[0].nu))
+  plus_one((mapped.inner_state[0].mu, mapped.inner_state[0].nu),
+           (state.inner_state[0].mu, state.inner_state[0].nu))
   assert_trees_equal((mapped.count, mapped.nonfinite, mapped.inner_state[0].count),
                      (state.count, state.nonfinite, state.inner_state[0].count))
   # With a parameter-shaped argument (here each parameter's path), as for optax.masked: every
@@ -119,10 +132,12 @@ def test_tree_map_params_reaches_every_param_shaped_leaf_and_only_those():
                                    transform_non_params=lambda _: None, is_leaf=is_masked)
   for frag, outer_state in zip(tx.fragments(params), labelled.outer_states):
     assert frag_lib.flatten(outer_state[0].trace) == {p: p for p, _ in frag.leaves}
-  assert labelled.count is None and frag_lib.flatten(labelled.outer_params) == {p: p for p in frag_lib.flatten(names)}
+  assert labelled.count is None and frag_lib.flatten(labelled.outer_params) == {
+    p: p for p in frag_lib.flatten(names)
+  }
 
 
-# -- fragment rules as data -------------------------------------------------------------------------
+# -- fragment rules as data ------------------------------------------------------------------------
 
 def test_a_callable_a_regex_table_and_an_explicit_schedule_give_the_same_run():
   params, xs, loss_fn = layered_problem()
@@ -134,15 +149,20 @@ def test_a_callable_a_regex_table_and_an_explicit_schedule_give_the_same_run():
     by_callable.phase_at(1)
   a = run(by_callable, params, xs, loss_fn)
   assert by_callable.schedule.num_fragments == 3 and by_callable.phase_at(3).send == (0,)  # τ = 1
-  b = run(lowcomm_jax.streaming_diloco(inner, outer, sync_every=6, overlap_steps=1, fragments=rules),
+  b = run(lowcomm_jax.streaming_diloco(inner, outer, sync_every=6, overlap_steps=1,
+                                       fragments=rules),
           params, xs, loss_fn)
   c = run(lowcomm_jax.optim.StreamingDiLoCo(inner, outer, schedule_lib.make_schedule(3, 6, 1),
-                                            lambda p: frag_lib.rule_fragments(p, rules)), params, xs, loss_fn)
+                                            lambda p: frag_lib.rule_fragments(p, rules)), params,
+          xs, loss_fn)
   assert_trees_equal(a, b)
   assert_trees_equal(a, c)
-  with pytest.raises(ValueError, match=r"diloco.sync_every \(H=4\) must be divisible by the number of "
+  with pytest.raises(ValueError,
+                     match=r"^sync_every \(H=4\) must be divisible by the number of "
                      r"fragments \(P=3"):
-    lowcomm_jax.streaming_diloco(inner, outer, sync_every=4, fragments=lambda p: frag_lib.rule_fragments(p, rules)).init(params)
+    lowcomm_jax.streaming_diloco(
+      inner, outer, sync_every=4, fragments=lambda p: frag_lib.rule_fragments(p, rules)
+    ).init(params)
 
 
 def test_a_tree_of_block_leaves_only_asks_for_fold():
@@ -158,14 +178,18 @@ def test_parse_rules():
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"diloco.fragment_rules": "blocks/.*"}, r"diloco.fragment_rules must be comma-separated 'regex:index'"),
-    ({"diloco.fragment_rules": "blocks/.*:0,.*:2"}, r"fragment indices must be 0, 1, ..., F-1 with none skipped"),
-    ({"diloco.fragment_rules": "blocks/(:0,.*:1"}, r"diloco.fragment_rules: 'blocks/\(' is not a regular expression"),
+    ({"diloco.fragment_rules": "blocks/.*"},
+     r"diloco.fragment_rules must be comma-separated 'regex:index'"),
+    ({"diloco.fragment_rules": "blocks/.*:0,.*:2"},
+     r"fragment indices must be 0, 1, ..., F-1 with none skipped"),
+    ({"diloco.fragment_rules": "blocks/(:0,.*:1"},
+     r"diloco.fragment_rules: 'blocks/\(' is not a regular expression"),
     ({"diloco.fragment_rules": "blocks/.*:0,.*:1", "diloco.sync_every": 5},
      r"diloco.sync_every \(H=5\) must be divisible by the number of fragments \(P=2"),
     ({"diloco.fragment_rules": "blocks/.*:0,.*:1", "diloco.num_fragments": 2},
      r"diloco.num_fragments must be 1 when diloco.fragment_rules is set"),
-    ({"diloco.fragment_rules": "attn.*:0,.*:1"}, r"diloco.fragment_rules: the rules \['attn.\*'\] match no parameter"),
+    ({"diloco.fragment_rules": "attn.*:0,.*:1"},
+     r"diloco.fragment_rules: the rules \['attn.\*'\] match no parameter"),
     ({"diloco.fragment_rules": ".*:0", "algorithm": "diloco"}, r"1/0/0/'' for algorithm=diloco"),
 ])
 def test_bad_fragment_rules_are_named_before_compute(tmp_path, changes, message):
@@ -176,31 +200,35 @@ def test_bad_fragment_rules_are_named_before_compute(tmp_path, changes, message)
 
 
 def test_fragment_rules_from_the_config_through_the_trainer(tmp_path):
-  base = {"algorithm": "streaming_diloco", "num_replicas": 2, "num_steps": 6, "diloco.sync_every": 6}
+  base = {"algorithm": "streaming_diloco", "num_replicas": 2, "num_steps": 6,
+          "diloco.sync_every": 6}
   whole = Trainer(tiny_config(**base), tmp_path / "whole")
   whole_summary = whole.run()
   one_rule = Trainer(tiny_config(**base, **{"diloco.fragment_rules": ".*:0"}), tmp_path / "one")
   one_rule.run()
-  assert_trees_equal(whole.final_state, one_rule.final_state)  # one rule matching all = the whole model
-  rules = Trainer(tiny_config(**base, **{"diloco.fragment_rules": "blocks/attn/.*:0,blocks/.*:1,.*:2"}),
+  # one rule matching all = the whole model
+  assert_trees_equal(whole.final_state, one_rule.final_state)
+  rules = Trainer(tiny_config(**base,
+                              **{"diloco.fragment_rules": "blocks/attn/.*:0,blocks/.*:1,.*:2"}),
                   tmp_path / "rules")
   summary = rules.run()
   assert rules.fragment_names == ["rule fragment 0", "rule fragment 1", "rule fragment 2"]
   params = jax.tree.map(lambda x: x[0], rules.final_state.params)
   attn = sum(v.size for p, v in frag_lib.flatten(params).items() if p.startswith("blocks/attn/"))
   sent = summary["bytes_sent_per_worker"]
-  assert sent["total"] == whole_summary["bytes_sent_per_worker"]["total"]  # every parameter once per H
+  # every parameter once per H
+  assert sent["total"] == whole_summary["bytes_sent_per_worker"]["total"]
   assert sent["peak_per_sync"] < whole_summary["bytes_sent_per_worker"]["peak_per_sync"]
   assert any(e.name == "fragment 0" and e.payload_bytes == 4 * attn for e in rules.program(
       rules.algorithm.phase_at(2), rules.final_state)[1])
 
 
-# -- optax fit: extra arguments and injected hyperparameters ----------------------------------------
+# -- optax fit: extra arguments and injected hyperparameters ---------------------------------------
 
 @pytest.mark.parametrize("use_phase", [True, False])
 def test_extra_args_reach_the_inner_optimizer(use_phase):
-  # One replica with outer SGD lr 1 is plain inner training, so DiLoCo around optax.polyak_sgd (whose
-  # step size (f − f*) / ‖g‖² needs the loss as `value=`) must follow plain polyak_sgd.
+  # One replica with outer SGD lr 1 is plain inner training, so DiLoCo around optax.polyak_sgd
+  # (whose step size (f − f*) / ‖g‖² needs the loss as `value=`) must follow plain polyak_sgd.
   params, xs, loss_fn = layered_problem(replicas=1, steps=8)
   inner = optax.polyak_sgd(max_learning_rate=0.5)
   tx = lowcomm_jax.diloco(inner, optax.sgd(1.0), sync_every=3)
@@ -215,11 +243,13 @@ def test_extra_args_reach_the_inner_optimizer(use_phase):
                               testing.trajectory_error_bound(plain, len(xs), 2))
   assert not np.allclose(jax.tree.leaves(params_r)[0][0], jax.tree.leaves(params)[0])
   noloco = lowcomm_jax.noloco(inner, num_replicas=2, sync_every=3)
-  run(noloco, params, jnp.concatenate([xs, xs], 1)[:3], loss_fn, use_phase=use_phase, with_value=True)
+  run(noloco, params, jnp.concatenate([xs, xs], 1)[:3], loss_fn, use_phase=use_phase,
+      with_value=True)
 
 
 def three_parameter_rounds(outer, rounds):
-  """The hand-worked DiLoCo problem of test_diloco: loss_m = ½‖w − y_m‖², inner SGD ½, M = 2, H = 2."""
+  """The hand-worked DiLoCo problem of test_diloco: loss_m = ½‖w − y_m‖², inner SGD ½, M = 2, H =
+  2."""
   targets = jnp.array([[2.0, 0.0, -2.0], [0.0, 4.0, 2.0]])
   batches = jnp.broadcast_to(targets, (2 * rounds, 2, 3))
   tx = lowcomm_jax.diloco(optax.sgd(0.5), outer, sync_every=2)
@@ -239,16 +269,19 @@ def test_injected_outer_learning_rate_and_momentum():
   halved = optax.inject_hyperparams(lowcomm_jax.outer_nesterov)(
       learning_rate=lambda outer_step: jnp.where(outer_step < 1, 0.7, 0.35), momentum=0.9)
   _, state = three_parameter_rounds(halved, 2)
-  # float32 of the hand values: ≤ 16 roundings per round of values ≤ 4 (test_diloco's count), 2 rounds.
+  # float32 of the hand values: ≤ 16 roundings per round of values ≤ 4 (test_diloco's count), 2
+  # rounds.
   round_bound = testing.operation_error_bound(4.0, 16)
   testing.assert_within(state.outer_params, [1.211371875, 2.42274375, 0.0], 2 * round_bound, "φ")
   assert float(state.outer_states[0].hyperparams["learning_rate"]) == np.float32(0.35)
   testing.assert_within(state.outer_states[0].inner_state[0].trace, [-0.676875, -1.35375, 0.0],
                         2 * round_bound, "b")
-  # Traced μ: one jitted function of (η, μ) gives plain SGD's step at μ = 0 and Nesterov's at μ = 0.9.
+  # Traced μ: one jitted function of (η, μ) gives plain SGD's step at μ = 0 and Nesterov's at μ =
+  # 0.9.
   step = jax.jit(lambda lr, mu, g: lowcomm_jax.outer_nesterov(lr, mu).update(
       g, lowcomm_jax.outer_nesterov(lr, mu).init(g))[0])
   g = jnp.array([1.0, -2.0])
   np.testing.assert_array_equal(step(0.5, 0.0, g), -0.5 * g)  # halving is exact in float32
   # g + 0.9·g, times 0.5: 0.9's own rounding and 2 more, at |1.9·g|
-  testing.assert_within(step(0.5, 0.9, g), -0.5 * 1.9 * g, testing.operation_error_bound(np.abs(1.9 * g), 3))
+  testing.assert_within(step(0.5, 0.9, g), -0.5 * 1.9 * g,
+                        testing.operation_error_bound(np.abs(1.9 * g), 3))

@@ -1,19 +1,16 @@
 """HDEE domains: disjoint, deterministic, non-empty splits; chains by difficulty; errors."""
 
-import math
 
 import numpy as np
 import pytest
 
-from lowcomm_jax import testing
-from lowcomm_jax.data import debian
-from lowcomm_jax.data import domains as data_domains
-from lowcomm_jax.data import portable
-from lowcomm_jax.data import tokenizer
-from lowcomm_jax.hdee import domains
-
 # Small Debian domains only (fetched once into the cache folder) plus a portable one.
 from conftest import DEBIAN_TEST_SOURCES as _DEBIAN_DOMAINS  # pylint: disable=g-bad-import-order
+
+from lowcomm_jax import testing
+from lowcomm_jax.data import debian, domains as data_domains, portable, tokenizer
+from lowcomm_jax.hdee import domains
+
 _PORTABLE_DOMAINS = ("licenses",)
 
 
@@ -94,8 +91,11 @@ def test_bigram_difficulty_matches_hand_values():
   # |log p| ≈ 5e-11
   s = 1e-9
   exact = np.log1p(-255 * s / (np.array([5000.0, 4999.0, 5000.0]) + 256 * s))
-  bound = (testing.sum_error_bound(1.0, 256, np.float64) + testing.operation_error_bound(1.0, 3, np.float64)
-           + testing.operation_error_bound(np.abs(exact), 1))
+  bound = (
+    testing.sum_error_bound(1.0, 256, np.float64)
+    + testing.operation_error_bound(1.0, 3, np.float64)
+    + testing.operation_error_bound(np.abs(exact), 1)
+  )
   testing.assert_within(log_probs[0, 1:], exact, bound, "log p")
 
 

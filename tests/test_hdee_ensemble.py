@@ -40,7 +40,8 @@ def test_posterior_weights_with_a_prior():
   # t=1: (0.8*0.5, 0.2*0.25) = (0.4, 0.05); t=2: (0.4*0.25, 0.05*0.5) = (0.1, 0.025).
   expected = np.array([[0.8, 0.4 / 0.45, 0.1 / 0.125],
                        [0.2, 0.05 / 0.45, 0.025 / 0.125]])
-  testing.assert_within(weights, expected, _log_domain_bound(expected, 4), "weights")  # |log 0.2| + 3
+  # |log 0.2| + 3
+  testing.assert_within(weights, expected, _log_domain_bound(expected, 4), "weights")
 
 
 def test_weights_sum_to_one_everywhere():
@@ -51,8 +52,11 @@ def test_weights_sum_to_one_everywhere():
     total = np.exp(ensemble.posterior_log_weights(log_probs, prior)).sum(axis=0)
     # each weight's relative error: one log_softmax over E = 4 (|d − L|·e^d ≤ log E + 1), numpy's
     # exp; then numpy's sum of 4 weights of total 1
-    bound = (testing.logsumexp_error_bound(math.log(4) + 1, 4) + testing.operation_error_bound(1.0, 2)
-             + testing.sum_error_bound(1.0, 4))
+    bound = (
+      testing.logsumexp_error_bound(math.log(4) + 1, 4)
+      + testing.operation_error_bound(1.0, 2)
+      + testing.sum_error_bound(1.0, 4)
+    )
     testing.assert_within(total, np.ones((3, 50)), bound, "Σ weights")
 
 
@@ -71,7 +75,8 @@ def test_identical_experts_equal_one_expert():
   testing.assert_within(ensemble.simple_average_log_probs(three), one[0],
                         testing.operation_error_bound(np.abs(one[0]), 2), "simple average")
   # the experts' totals over T = 40 agree to sum_error_bound; each of the N = 2 folds' log_softmax
-  # doubles its input's gap (×2 again at the end); 2N + 1 passes of magnitude ≤ 2|log 0.3| + log 3 + 1
+  # doubles its input's gap (×2 again at the end); 2N + 1 passes of magnitude ≤ 2|log 0.3| + log 3 +
+  # 1
   totals_gap = testing.sum_error_bound(np.abs(one[0]).sum(axis=1), 40).sum()
   prior_bound = (4 * totals_gap + testing.logsumexp_error_bound(2 * 1.21 + math.log(3) + 1, 3, 5)
                  + testing.operation_error_bound(1.0, 2)) / 3
@@ -101,7 +106,8 @@ def test_cached_prior_equals_hand_computation():
   # logs ≤ 2·|log 0.2| + 1 < 5; ≤ 16 roundings over the two sequences' updates and the softmax
   bound = _log_domain_bound(expected, 5, 16)
   testing.assert_within(got, expected, bound, "prior")
-  testing.assert_within(got.sum(), 1.0, bound.sum() + testing.operation_error_bound(1.0, 1), "prior's sum")
+  testing.assert_within(got.sum(), 1.0, bound.sum() + testing.operation_error_bound(1.0, 1),
+                        "prior's sum")
   assert got[0] > got[1]  # Expert 0 explains the first two sequences better.
 
 
@@ -114,7 +120,8 @@ def test_perplexity_best_expert_and_masks():
                             np.abs(quarter), 1)), "perplexity")
   log_probs = jnp.array([[math.log(0.5), math.log(0.1)]])
   mask = jnp.array([[1, 0]])
-  testing.assert_within(float(ensemble.perplexity(log_probs, mask)), 2.0, testing.perplexity_error_bound(
+  testing.assert_within(float(ensemble.perplexity(log_probs, mask)), 2.0,
+                        testing.perplexity_error_bound(
       2.0, [math.log(0.5)], testing.operation_error_bound(math.log(2), 1)), "masked perplexity")
   assert ensemble.best_expert(LOG_PROBS) == 0  # Geometric means 0.43 vs 0.23.
   scores = ensemble.evaluate_domain(LOG_PROBS, LOG_PROBS)
@@ -125,7 +132,8 @@ def test_perplexity_best_expert_and_masks():
   average = math.exp(-np.mean(np.log(P1) + np.log(P2)) / 2)
   # the experts' mean first: one add and a halving (exact) per token before the tokens' mean
   testing.assert_within(scores["simple_average"], average, testing.perplexity_error_bound(
-      average, LOG_PROBS.mean(axis=0), testing.operation_error_bound(np.abs(LOG_PROBS).max(axis=0), 5)),
+      average, LOG_PROBS.mean(axis=0),
+      testing.operation_error_bound(np.abs(LOG_PROBS).max(axis=0), 5)),
       "simple average")
   assert scores["cached_prior"] <= scores["uniform_prior"]
 

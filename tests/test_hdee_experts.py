@@ -8,7 +8,6 @@ step count compile their programs once.
 """
 
 import json
-import pathlib
 
 import jax
 import numpy as np
@@ -148,7 +147,8 @@ def test_ensemble_of_identical_trained_experts_equals_the_expert(trained):
   # times per parameter, a relative change of every product no larger than the forward's own
   # rounding over its chain of sums (one token's log-softmax over V), so two such forwards' bound.
   averaged = scoring.average_parameters([expert] * 3)
-  testing.assert_within(scoring.token_log_probs(averaged, windows), single_BxT, testing.sum_error_bound(
+  testing.assert_within(scoring.token_log_probs(averaged, windows), single_BxT,
+                        testing.sum_error_bound(
       np.abs(single_BxT).max(), testing.tiny_chain_of_sums(_SETUP.seq_len, 1)), "parameter average")
 
 

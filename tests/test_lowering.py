@@ -1,19 +1,20 @@
 """The lowering battery: the step programs lower for GPU (`cuda`) and TPU (`tpu`).
 
-The cross product is every algorithm × gradient source × codec × executor × layout (`cross_product`);
-the Trainer's constructor decides which combinations are allowed. On this CPU host, with what a GPU
-or TPU host would pick (`diloco.codec_kernels=auto`: the compiled Pallas kernels, on cuda the GPU
-kernel the codecs pick for an H100 with this jax version, Mosaic on tpu; `model.layer_loop=scan`),
-each allowed combination's Trainer gives its step programs (one per distinct phase and routing),
-and with `diloco.overlap_executor=thread` also the programs the thread runs (`comm.fragment_mean`).
-A program is traced and lowered once per key (`programs_of`). A program that sends a
-codec-encoded fragment holds the compiled kernels (their custom calls, by target name, and no other
-GPU kernel's; not the jnp reference) and one that sends nothing holds none. The codec kernels alone
-are lowered for an abstract H100 and A100 in each `diloco.codec_kernels` mode
-(`codec_kernel_rows`). `python tests/test_lowering.py --write-table` rewrites the table in
-docs/accelerators.md from the enumeration (`test_table_in_docs_is_the_enumeration` keeps the two
-equal), `--write-kernel-table` this jax version's rows of the GPU kernel table; `--lower` lowers
-outside pytest. `jax.export` exports the dp and Streaming DiLoCo steps for each platform.
+The cross product is every algorithm × gradient source × codec × executor × layout
+(`cross_product`); the Trainer's constructor decides which combinations are allowed. On this CPU
+host, with what a GPU or TPU host would pick (`diloco.codec_kernels=auto`: the compiled Pallas
+kernels, on cuda the GPU kernel the codecs pick for an H100 with this jax version, Mosaic on tpu;
+`model.layer_loop=scan`), each allowed combination's Trainer gives its step programs (one per
+distinct phase and routing), and with `diloco.overlap_executor=thread` also the programs the thread
+runs (`comm.fragment_mean`). A program is traced and lowered once per key (`programs_of`). A
+program that sends a codec-encoded fragment holds the compiled kernels (their custom calls, by
+target name, and no other GPU kernel's; not the jnp reference) and one that sends nothing holds
+none. The codec kernels alone are lowered for an abstract H100 and A100 in each
+`diloco.codec_kernels` mode (`codec_kernel_rows`). `python tests/test_lowering.py --write-table`
+rewrites the table in docs/accelerators.md from the enumeration
+(`test_table_in_docs_is_the_enumeration` keeps the two equal), `--write-kernel-table` this jax
+version's rows of the GPU kernel table; `--lower` lowers outside pytest. `jax.export` exports the
+dp and Streaming DiLoCo steps for each platform.
 
 Lowering for cuda on a CPU host needs an abstract GPU device from jax 0.11 on (Triton reads the
 target from the abstract mesh), and the codecs pick their GPU kernel by it: the programs are
@@ -28,8 +29,8 @@ import os
 import pathlib
 import re
 import sys
-import time
 import tempfile
+import time
 from typing import NamedTuple
 
 if __name__ == "__main__":  # as the tests run it (tests/conftest.py)
@@ -40,10 +41,7 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
 import pytest
 
-from lowcomm_jax import comm
-from lowcomm_jax import config as config_lib
-from lowcomm_jax import codecs
-from lowcomm_jax import mesh as mesh_lib
+from lowcomm_jax import codecs, comm, config as config_lib, mesh as mesh_lib
 from lowcomm_jax.codecs import kernels
 from lowcomm_jax.optim import fragments as frag_lib
 from lowcomm_jax.train import Trainer, overlap
@@ -103,8 +101,10 @@ def _config(algorithm, gradients="replicas", layout="replicated", codec="none", 
     changes.update({"diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1,
                     "diloco.merge_alpha": 0.5})
   if algorithm == "sparseloco":  # its own wire format (top-k, 2 bits); τ = 1, α = 0.5
-    changes.update({"diloco.codec": "none", "sparseloco.sync_every": 2, "sparseloco.overlap_steps": 1,
-                    "sparseloco.merge_alpha": 0.5, "sparseloco.chunk_size": 64, "sparseloco.top_k": 4,
+    changes.update({"diloco.codec": "none", "sparseloco.sync_every": 2,
+                    "sparseloco.overlap_steps": 1,
+                    "sparseloco.merge_alpha": 0.5, "sparseloco.chunk_size": 64,
+                    "sparseloco.top_k": 4,
                     "diloco.non_block_fragment": "fold"})
   if algorithm == "noloco":  # NoLoCo's own codec (its gossip), diloco's stays none
     changes.update({"diloco.codec": "none", "noloco.codec": codec, "noloco.codec_block_size": 256})
@@ -147,9 +147,15 @@ EXTRAS = (
                 (("diloco.codec_rounding", "stochastic"), ("diloco.error_feedback", True))),
     Combination("streaming_diloco", "replicas", "e3m0", "thread", "fsdp_tensor",
                 (("diloco.codec_rounding", "stochastic"), ("diloco.error_feedback", True))),
-    Combination("dp", "replicas", "none", "inline", "fsdp_tensor", (("model.attention", "dot_product"),)),
-    # A sequence of 128: TPU's flash attention kernel (Mosaic, under a shard_map over data and tensor).
     Combination("dp", "replicas", "none", "inline", "fsdp_tensor",
+                (("model.attention", "dot_product"),)),
+    # A sequence of 128: TPU's flash attention kernel (Mosaic, under a shard_map over data and
+    # tensor).
+    Combination("dp", "replicas", "none", "inline", "fsdp_tensor",
+                (("model.attention", "dot_product"), ("data.seq_len", 128))),
+    # The same with replicas on their own mesh axis (a shard_map over `replica`, the flash kernel's
+    # nested in it): the kernel's results typed as varying over `replica`, as XLA's attention's.
+    Combination("diloco", "replicas", "none", "inline", "fsdp_tensor",
                 (("model.attention", "dot_product"), ("data.seq_len", 128))),
     Combination("dp", "replicas", "none", "inline", "fsdp_tensor", (("model.remat", "dots"),)),
 )
@@ -182,9 +188,12 @@ def _sends(phase) -> bool:
 def _shardings(trainer) -> str:
   """The parameters' partition specs without the mesh axes of size 1 (which shard nothing)."""
   size = trainer.mesh.shape
-  drop = lambda axes: tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if size[a] > 1)
+  drop = lambda axes: tuple(
+    a for a in (axes if isinstance(axes, tuple) else (axes,)) if size[a] > 1
+  )
   return str(jax.tree.map(lambda spec: tuple(drop(axes) if axes else () for axes in spec),
-                          trainer.param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+                          trainer.param_specs,
+                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
 
 
 def programs_of(combination: Combination, trainer) -> list:
@@ -251,7 +260,8 @@ def _target(platform: str, mesh, kind: str = GPU):
 def kernels_expected(combination: Combination, sends: bool, platform: str | None = None) -> bool:
   """Whether a program holds compiled kernels: the codec's where it sends a codec-encoded fragment
   (NoLoCo's gossip encodes with the jnp reference on every platform); for tpu (or any platform,
-  `None`) also TPU flash attention, with `model.attention=dot_product` on a multiple of 128 tokens."""
+  `None`) also TPU flash attention, with `model.attention=dot_product` on a multiple of 128
+  tokens."""
   extra = dict(combination.extra)
   flash = (platform in ("tpu", None) and extra.get("model.attention") == "dot_product"
            and extra.get("data.seq_len", 16) % 128 == 0)
@@ -278,7 +288,8 @@ def lower_programs(combinations) -> dict:
   lowered = {}
   for combination in combinations:
     trainer, _ = trainer_of(combination)
-    todo = [(key, sends) for key, _, sends in programs_of(combination, trainer) if key not in lowered]
+    todo = [(key, sends) for key, _,
+            sends in programs_of(combination, trainer) if key not in lowered]
     if not todo:
       continue
     state = trainer.abstract_state()
@@ -394,9 +405,11 @@ def table() -> str:
       for key, _, sends in programs_of(c, trainer):
         group["keys"].add(key)
         group["kernels"] |= kernels_expected(c, sends, "cuda")
-        group["flash"] = kernels_expected(c, sends, "tpu") and not kernels_expected(c, sends, "cuda")
-  lines = ["| algorithm | gradients | executor | codecs | layouts | combinations | distinct programs "
-           "| cuda and tpu |", "|---" * 8 + "|"]
+        group["flash"] = kernels_expected(c, sends, "tpu") and not kernels_expected(
+          c, sends, "cuda"
+        )
+  lines = ["| algorithm | gradients | executor | codecs | layouts | combinations | distinct "
+           "programs | cuda and tpu |", "|---" * 8 + "|"]
   for (algorithm, gradients, executor, extra, verdict), g in groups.items():
     every_key |= g["keys"]
     setting = "".join(f", `{k}={v}`" for k, v in extra)
@@ -412,8 +425,8 @@ def table() -> str:
   combinations = cross_product()
   refused = sum(trainer_of(c)[0] is None for c in combinations)
   lines.append("")
-  lines.append(f"{len(combinations)} combinations: {len(combinations) - refused} allowed, {refused} "
-               f"refused; {len(every_key)} distinct programs.")
+  lines.append(f"{len(combinations)} combinations: {len(combinations) - refused} "
+               f"allowed, {refused} refused; {len(every_key)} distinct programs.")
   return "\n".join(lines)
 
 
@@ -512,13 +525,14 @@ def kernel_table_rows() -> list[str]:
     gpu, calls = verdict
     return f"{_KERNEL_NAMES[gpu]} ({calls[KERNEL_TARGETS[gpu]]} `{KERNEL_TARGETS[gpu]}` calls)"
   rows = codec_kernel_rows()
-  return [f"| {jax.__version__} | {name} | " + " | ".join(cell(rows[name, mode]) for mode in GPU_MODES)
-          + " |" for name in GPUS]
+  return [f"| {jax.__version__} | {name} | "
+          + " | ".join(cell(rows[name, mode]) for mode in GPU_MODES) + " |" for name in GPUS]
 
 
 def _docs_kernel_table() -> list[str]:
   text = DOCS.read_text()
-  table = text[text.index(KERNEL_TABLE_BEGIN) + len(KERNEL_TABLE_BEGIN):text.index(KERNEL_TABLE_END)]
+  start = text.index(KERNEL_TABLE_BEGIN) + len(KERNEL_TABLE_BEGIN)
+  table = text[start:text.index(KERNEL_TABLE_END)]
   return [line for line in table.strip().splitlines()[2:] if line.startswith("|")]
 
 
@@ -624,7 +638,8 @@ def main(argv) -> int:
     failures = check_lowered(combinations, lowered)
     print(f"jax {jax.__version__}: {len(combinations)} combinations, {len(lowered)} distinct "
           f"programs, {len({id(v) for v in lowered.values()})} distinct jaxprs, lowered for "
-          f"{', '.join(PLATFORMS)} in {time.perf_counter() - start:.0f} s; {len(failures)} failures")
+          f"{', '.join(PLATFORMS)} in {time.perf_counter() - start:.0f} s; {len(failures)} "
+          f"failures")
     print("\n".join(failures))
     return 1 if failures else 0
   return 0

@@ -4,7 +4,6 @@ its checks are in tests/test_lowering.py; two files, so that two test workers lo
 by side."""
 
 import pytest
-
 import test_lowering as battery  # tests/ is on sys.path (pytest's rootdir-relative import)
 
 

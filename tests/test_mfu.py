@@ -54,7 +54,9 @@ def test_accelerator_peak_from_the_table_unless_declared():
   # An unknown chip, or chips of two kinds, fall back to the measured matmul on the wall clock.
   for devices in (_devices("gpu", "Tesla T4"), _devices("gpu", "NVIDIA H100 PCIe", "NVIDIA A100")):
     fallback = mfu.run_peak(0.0, len(devices), devices)
-    assert fallback.clock == "wall" and fallback.flops_per_second == mfu.host_peak().flops_per_second
+    assert (
+      fallback.clock == "wall" and fallback.flops_per_second == mfu.host_peak().flops_per_second
+    )
   cpu = mfu.run_peak(0.0, 8, _devices("cpu", *["cpu"] * 8))  # CPU keeps the CPU-second peak
   assert cpu.clock == "cpu" and cpu.flops_per_cpu_second == mfu.host_peak().flops_per_cpu_second
 
@@ -68,7 +70,8 @@ def test_cpu_mfu_is_flops_per_cpu_second_over_the_matmuls():
 
 def _stalled(fn):
   """fn() while a sibling process stops this one 90% of the time."""
-  staller = subprocess.Popen([sys.executable, "-c", _STALLER, str(os.getpid())], stdout=subprocess.PIPE,
+  staller = subprocess.Popen([sys.executable, "-c", _STALLER, str(os.getpid())],
+                             stdout=subprocess.PIPE,
                              text=True)
   try:
     assert staller.stdout.readline().strip() == "ready"
@@ -79,6 +82,7 @@ def _stalled(fn):
     os.kill(os.getpid(), signal.SIGCONT)  # never left stopped
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_trainer_logs_the_formula_and_a_peak_measured_under_load_keeps_it_at_most_one(tmp_path):
   # The peak is measured while a sibling holds the CPU, the steps run without it: the old MFU
   # (wall-clock rate of the steps over a wall-clock peak measured once at start) divided by a peak
@@ -88,7 +92,8 @@ def test_trainer_logs_the_formula_and_a_peak_measured_under_load_keeps_it_at_mos
   assert measured.flops_per_second < 0.5 * measured.flops_per_cpu_second  # the stall was real
   # ... and it did not change the FLOPs per CPU-second (a wide margin: this machine is shared)
   assert 0.5 < measured.flops_per_cpu_second / mfu.measure_host_peak().flops_per_cpu_second < 2
-  c = tiny_config(num_steps=9, log_every=3, **{"hardware.peak_flops_per_device": 0.0, "mesh.data": 1,
+  c = tiny_config(num_steps=9, log_every=3,
+                  **{"hardware.peak_flops_per_device": 0.0, "mesh.data": 1,
                                                       "data.batch_size": 32})
   summary = Trainer(c, tmp_path).run()
   assert mfu.host_peak() is measured  # the Trainer divided by the peak measured under the stall
@@ -98,7 +103,9 @@ def test_trainer_logs_the_formula_and_a_peak_measured_under_load_keeps_it_at_mos
   assert summary["peak_flops"] == measured.flops_per_cpu_second * mfu.usable_cores()
   rows = [r for r in read_metrics(tmp_path) if "mfu" in r]
   assert [r["step"] for r in rows] == [3, 6, 9]
-  for row in rows + [summary]:  # MFU = tokens per CPU-second · FLOPs per token / matmul FLOPs per CPU-second
-    assert row["mfu"] == pytest.approx(row["tokens_per_cpu_s"] * fpt / measured.flops_per_cpu_second,
-                                       rel=1e-9)
+  for row in rows + [summary]:
+    # MFU = tokens per CPU-second · FLOPs per token / matmul FLOPs per CPU-second
+    assert row["mfu"] == pytest.approx(
+      row["tokens_per_cpu_s"] * fpt / measured.flops_per_cpu_second, rel=1e-9
+    )
     assert 0 < row["mfu"] <= 1

@@ -62,7 +62,8 @@ def test_flops_formula_by_hand_and_against_xla():
 
 def _decoder_bound(cfg, logits, seq_len):
   """float32 bound between two evaluations of the decoder's logits that sum in other orders."""
-  return testing.sum_error_bound(np.max(np.abs(np.asarray(logits))), testing.chain_of_sums(cfg, seq_len))
+  return testing.sum_error_bound(np.max(np.abs(np.asarray(logits))),
+                                 testing.chain_of_sums(cfg, seq_len))
 
 
 def test_default_path_equals_plain_forward(tiny):
@@ -70,8 +71,8 @@ def test_default_path_equals_plain_forward(tiny):
   tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 256)
   plain = model(tokens)
   pathed = model(tokens, path=jnp.arange(cfg.num_layers))
-  # The same blocks in the same order, compiled apart (a gathered layer vs a sliced one): sums may be
-  # blocked otherwise, so within the decoder's chain of sums at the logits' scale.
+  # The same blocks in the same order, compiled apart (a gathered layer vs a sliced one): sums may
+  # be blocked otherwise, so within the decoder's chain of sums at the logits' scale.
   testing.assert_within(pathed, plain, _decoder_bound(cfg, plain, 24))
 
 
@@ -126,7 +127,8 @@ def test_unrolled_layers_equal_scanned_layers(dtype):
   else:
     bound = lambda b: 1e-2 * np.max(np.abs(np.asarray(b, np.float32)))
   testing.assert_within(loss_unroll, loss_scan, bound(loss_scan), "loss")
-  jax.tree.map(lambda a, b: testing.assert_within(np.asarray(a, np.float32), np.asarray(b, np.float32),
+  jax.tree.map(lambda a,
+               b: testing.assert_within(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                   bound(np.asarray(b, np.float32))),
                grads_unroll, grads_scan)
 
@@ -137,7 +139,8 @@ def test_layer_loop_choice_and_bad_value():
   assert not models.get_model_config("small", num_layers=13).unrolls_layers("cpu")
   assert models.get_model_config("small", layer_loop="unroll").unrolls_layers("tpu")
   assert not models.get_model_config("small", layer_loop="scan").unrolls_layers("cpu")
-  with pytest.raises(ValueError, match=r"model.layer_loop must be one of \('auto', 'scan', 'unroll'\)"):
+  with pytest.raises(ValueError,
+                     match=r"model.layer_loop must be one of \('auto', 'scan', 'unroll'\)"):
     models.get_model_config("small", layer_loop="unrolled")
 
 
@@ -190,9 +193,12 @@ def test_rotary_tables_are_constants_of_the_compiled_step():
 
 
 def _rms_norm_formula(x, scale, eps=1e-5):
-  """RMSNorm as written before its hand-written backward: the reference, differentiated by autodiff."""
+  """RMSNorm as written before its hand-written backward: the reference, differentiated by
+  autodiff."""
   x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale).astype(
+    x.dtype
+  )
 
 
 @pytest.mark.parametrize("dtype, rtol", [(jnp.float32, None), (jnp.bfloat16, 1e-2)])
@@ -251,7 +257,10 @@ def test_swiglu_with_one_gate_up_matmul_equals_separate_matmuls():
 
 
 def test_gated_silu_backward_equals_autodiff():
-  gate_up, d_hidden = jax.random.normal(jax.random.key(7), (3, 5, 2, 8)), jax.random.normal(jax.random.key(8), (3, 5, 8))
+  gate_up, d_hidden = (
+    jax.random.normal(jax.random.key(7), (3, 5, 2, 8)),
+    jax.random.normal(jax.random.key(8), (3, 5, 8)),
+  )
   autodiff = lambda a: jax.nn.silu(a[..., 0, :]) * a[..., 1, :]
   a, b, d = (np.asarray(x, np.float64) for x in (gate_up[..., 0, :], gate_up[..., 1, :], d_hidden))
   sigmoid = 1 / (1 + np.exp(-a))
@@ -274,13 +283,17 @@ def test_gated_silu_backward_equals_autodiff():
     ("btd,dhk->bhtk", (2, 16, 8), (8, 2, 4)),  # q, k, v
 ])
 def test_project_equals_einsum_with_its_gradients(spec, x_shape, w_shape):
-  x, w = jax.random.normal(jax.random.key(1), x_shape), jax.random.normal(jax.random.key(2), w_shape)
+  x, w = (
+    jax.random.normal(jax.random.key(1), x_shape),
+    jax.random.normal(jax.random.key(2), w_shape),
+  )
   out, vjp_hand = jax.vjp(lambda x, w: llama.project(spec, x, w), x, w)
   expected, vjp_auto = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)
   np.testing.assert_array_equal(out, expected)
   d_out = jax.random.normal(jax.random.key(3), out.shape)
   # The two sum the same products in other orders (which order differs between CPUs): each gradient
-  # within the float32 bound of its own contraction, dx = einsum(out, w -> x), dw = einsum(x, out -> w).
+  # within the float32 bound of its own contraction, dx = einsum(out, w -> x), dw = einsum(x, out ->
+  # w).
   x_in, w_in, out_letters = *spec.split("->")[0].split(","), spec.split("->")[1]
   bounds = (testing.einsum_error_bound(f"{out_letters},{w_in}->{x_in}", d_out, w),
             testing.einsum_error_bound(f"{x_in},{out_letters}->{w_in}", x, d_out))

@@ -1,19 +1,26 @@
 """Real multi-process runs of the train.py binary through jax.distributed (gloo on 127.0.0.1) equal
 the single-process simulation: DiLoCo with 4 processes (one replica each). Two processes for every
-algorithm, in one launch, are the battery's leg (tests/test_engine.py::test_two_processes_equal_one);
-Streaming DiLoCo's 2-process binary run is checked in test_multiprocess_faults.py, next to its
-kill-restart twin."""
+algorithm, in one launch, are the battery's leg
+(tests/test_engine.py::test_two_processes_equal_one); Streaming DiLoCo's 2-process binary run is
+checked in test_multiprocess_faults.py, next to its kill-restart twin."""
 
 import json
 
 import pytest
 
-from lowcomm_jax.testing import (TOLERANCE, launch, max_abs_diff, multiprocess_changes, restored,
-                                 single_process)
+from lowcomm_jax.testing import (
+  TOLERANCE,
+  launch,
+  max_abs_diff,
+  multiprocess_changes,
+  restored,
+  single_process,
+)
 
 
 @pytest.mark.parametrize("config_file,num_processes,changes", [("diloco.py", 4, {})])
-def test_processes_match_the_single_process_simulation(tmp_path, config_file, num_processes, changes):
+def test_processes_match_the_single_process_simulation(tmp_path, config_file, num_processes,
+                                                       changes):
   proc = launch(num_processes, tmp_path / "multi", multiprocess_changes(num_processes, changes),
                 config_file=config_file)
   assert proc.returncode == 0, proc.stderr[-3000:]

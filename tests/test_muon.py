@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from optax import contrib
 
@@ -34,7 +35,8 @@ def _tiny_shapes():
 def _normal(tree, seed: int, scale: float = 1.0):
   """float32 normal values in the shapes of `tree`."""
   rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda x: jnp.asarray(scale * rng.standard_normal(x.shape), jnp.float32), tree)
+  return jax.tree.map(lambda x: jnp.asarray(scale * rng.standard_normal(x.shape), jnp.float32),
+                      tree)
 
 
 def _run(tx, params, grads_list):
@@ -64,7 +66,8 @@ def test_each_block_matrix_steps_as_optax_muon_on_that_matrix_and_the_rest_as_ad
   ours = _run(inner.make_optimizer(opt, 10), params, grads)
   lr = inner.learning_rate_schedule(opt, 10)
   muon = contrib.muon(lr, beta=opt.b1, weight_decay=opt.weight_decay,
-                      consistent_rms=inner.MUON_CONSISTENT_RMS)  # its default: every 2-D leaf is Muon's
+                      # its default: every 2-D leaf is Muon's
+                      consistent_rms=inner.MUON_CONSISTENT_RMS)
   d, ff = params["blocks"]["mlp"]["w_up"].shape[1:]
   # rows: the reduction side of x @ W (d_model in, or heads · head_dim = d_model, or d_ff)
   for section, name, layer, rows in (("attn", "wq", 1, d), ("attn", "wo", 0, d),
@@ -74,8 +77,10 @@ def test_each_block_matrix_steps_as_optax_muon_on_that_matrix_and_the_rest_as_ad
     for step in range(2):
       got = matrix(ours[step])
       np.testing.assert_allclose(got, expected[step], rtol=0,
-                                 atol=_bound(expected[step], max(got.shape)), err_msg=f"{name} {step}")
-  adamw = optax.adamw(lr, b1=opt.b1, b2=opt.b2, eps=1e-8, weight_decay=opt.weight_decay, nesterov=True)
+                                 atol=_bound(expected[step], max(got.shape)),
+                                 err_msg=f"{name} {step}")
+  adamw = optax.adamw(lr, b1=opt.b1, b2=opt.b2, eps=1e-8, weight_decay=opt.weight_decay,
+                      nesterov=True)
   for path in (("embed",), ("blocks", "mlp_norm", "scale")):
     take = lambda t, p=path: t[p[0]] if len(p) == 1 else t[p[0]][p[1]][p[2]]
     expected = _run(adamw, take(params), [take(g) for g in grads])
@@ -85,12 +90,15 @@ def test_each_block_matrix_steps_as_optax_muon_on_that_matrix_and_the_rest_as_ad
 
 
 def test_in_diloco_each_replica_steps_its_matrices_by_muon_until_the_sync():
-  """`lowcomm_jax.diloco` with the config's Muon as its inner optimizer, 2 simulated replicas: before
-  the first sync each replica's step on a block matrix is optax's muon on that replica's gradient."""
+  """`lowcomm_jax.diloco` with the config's Muon as its inner optimizer, 2 simulated replicas:
+  before the first sync each replica's step on a block matrix is optax's muon on that replica's
+  gradient."""
   params = _normal(_tiny_shapes(), seed=0, scale=0.1)
   opt = _muon_options()
   tx = lowcomm_jax.diloco(inner.make_optimizer(opt, 10), sync_every=3)
-  grads_r = [_normal(jax.tree.map(lambda x: np.stack([x, x]), params), seed=3 + k) for k in range(2)]
+  grads_r = [
+    _normal(jax.tree.map(lambda x: np.stack([x, x]), params), seed=3 + k) for k in range(2)
+  ]
 
   def step(p, state, g):
     u, state = tx.update(g, state, p)
@@ -114,6 +122,7 @@ def test_in_diloco_each_replica_steps_its_matrices_by_muon_until_the_sync():
                                  atol=_bound(expected[step_index], max(got.shape)))
 
 
+@pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_muon_trains_the_tiny_model_as_diloco_inner_optimizer(tmp_path):
   c = tiny_config(**{"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 5,
                      "num_steps": 10, "optimizer.name": "muon", "optimizer.warmup_steps": 2,

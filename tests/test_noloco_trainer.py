@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax import codecs, config as config_lib, hlo, testing
-from lowcomm_jax.train import Trainer, validation
+from lowcomm_jax import codecs, hlo, testing
 from lowcomm_jax.testing import collective_bytes, read_metrics, tiny_config
+from lowcomm_jax.train import Trainer, validation
 
 M, H = 4, 5
 
@@ -18,7 +18,9 @@ def noloco_config(**changes):
 
 
 def collective_kinds(compiled) -> set:
-  return {line.split("=")[1].split("(")[0].split()[-1] for line in hlo.collectives(compiled.as_text())}
+  return {
+    line.split("=")[1].split("(")[0].split()[-1] for line in hlo.collectives(compiled.as_text())
+  }
 
 
 def test_replica_per_device_equals_simulated_replicas_and_logs_spread_and_replica_losses(tmp_path):
@@ -31,19 +33,25 @@ def test_replica_per_device_equals_simulated_replicas_and_logs_spread_and_replic
   # Devices sum the gossip means and gradients in other orders than vmap: within the tiny model's
   # chain-of-sums bound per step (4·H steps), each leaf at its own scale.
   chain = testing.tiny_chain_of_sums(32, 4 * 32)
-  testing.assert_trees_within(on_devices.final_state, simulated.final_state,
-                              lambda y: testing.trajectory_error_bound(y, 4 * H, chain) if np.size(y) else 0)
+  testing.assert_trees_within(
+    on_devices.final_state,
+    simulated.final_state,
+    lambda y: testing.trajectory_error_bound(y, 4 * H, chain) if np.size(y) else 0,
+  )
   testing.assert_within(a["final_eval_loss_replicas"], b["final_eval_loss_replicas"],
                         testing.trajectory_error_bound(b["final_eval_loss_replicas"], 4 * H, chain))
 
-  # The replicas differ (no global average), and the logged spread is the RMS distance from the mean.
+  # The replicas differ (no global average), and the logged spread is the RMS distance from the
+  # mean.
   slow = [np.asarray(x) for x in jax.tree.leaves(on_devices.final_state.opt_state.slow)]
   expected = np.sqrt(sum(((x - x.mean(0)) ** 2).sum() for x in slow) / sum(x.size for x in slow))
   assert expected > 0
   # Sums of n squares in other orders (the program's vs numpy's): within γ_n of Σ squares each, the
   # square root halving that; the mean over M replicas and ≤ 4 elementwise roundings on top.
   n = sum(x.size for x in slow)
-  spread_bound = expected * (testing.sum_error_bound(1.0, n + M) / 2 + testing.operation_error_bound(1.0, 4))
+  spread_bound = expected * (
+    testing.sum_error_bound(1.0, n + M) / 2 + testing.operation_error_bound(1.0, 4)
+  )
   testing.assert_within(a["final_weight_spread"], expected, spread_bound, "final spread")
   metrics = read_metrics(tmp_path / "devices")
   assert [m["step"] for m in metrics if "weight_spread" in m] == [H, 2 * H, 3 * H, 4 * H]
@@ -70,7 +78,8 @@ def _pairs(lines) -> set:
 
 def test_one_outer_program_runs_only_its_groupings_permutations(tmp_path):
   groupings = 3
-  trainer = Trainer(noloco_config(**{"mesh.replica": M, "noloco.num_groupings": groupings}), tmp_path,
+  trainer = Trainer(noloco_config(**{"mesh.replica": M, "noloco.num_groupings": groupings}),
+                    tmp_path,
                     devices=jax.devices()[:M])
   state = trainer.init_state()
   local, _ = trainer.program(trainer.algorithm.phase_at(1), state)
@@ -80,7 +89,8 @@ def test_one_outer_program_runs_only_its_groupings_permutations(tmp_path):
   sync, entries = trainer.program(trainer.algorithm.phase_at(H), state)
   text = sync.as_text()
   # No collective runs on every outer step (no all-reduce over the replicas, nor any other): all are
-  # inside one conditional with a branch per grouping, each branch exchanging within its groups only.
+  # inside one conditional with a branch per grouping, each branch exchanging within its groups
+  # only.
   assert hlo.collectives_outside_conditionals(text) == []
   [branches] = [b for b in hlo.conditional_branch_collectives(text) if any(b)]
   assert len(branches) == groupings
@@ -91,7 +101,8 @@ def test_one_outer_program_runs_only_its_groupings_permutations(tmp_path):
     # The ledger records the bytes of one branch, which are every branch's.
     assert sum(map(collective_bytes, lines)) == sum(e.payload_bytes for e in entries)
   assert [(e.name, e.sent_bytes) for e in entries] == [
-      ("noloco slow weights", 4 * trainer.num_params), ("noloco outer gradient", 4 * trainer.num_params)]
+      ("noloco slow weights", 4 * trainer.num_params),
+      ("noloco outer gradient", 4 * trainer.num_params)]
   # The virtual clock sees one pairwise exchange of both tensors per outer step, blocking the next
   # step (the last one, after step 3H, holds back the end of the run).
   events = trainer.comm_events(3 * H, state)
@@ -101,7 +112,8 @@ def test_one_outer_program_runs_only_its_groupings_permutations(tmp_path):
 
 
 def test_codec_sends_encoded_outer_gradients(tmp_path):
-  trainer = Trainer(noloco_config(**{"noloco.codec": "e3m0", "noloco.codec_block_size": 256}), tmp_path)
+  trainer = Trainer(noloco_config(**{"noloco.codec": "e3m0", "noloco.codec_block_size": 256}),
+                    tmp_path)
   state = trainer.init_state()
   entries = trainer.phase_entries(trainer.algorithm.phase_at(H), state)
   codec = codecs.get_codec("e3m0", 256)
@@ -111,7 +123,8 @@ def test_codec_sends_encoded_outer_gradients(tmp_path):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"noloco.group_size": 3}, "noloco.group_size must be >= 2 and a divisor of num_replicas=4, got 3"),
+    ({"noloco.group_size": 3},
+     "noloco.group_size must be >= 2 and a divisor of num_replicas=4, got 3"),
     ({"noloco.group_size": 1}, "noloco.group_size must be >= 2"),
     ({"mesh.replica": 2}, "mesh.replica must be 1 .* or num_replicas=4"),
     ({"num_replicas": 1, "noloco.group_size": 1}, "num_replicas must be >= 2 for algorithm=noloco"),

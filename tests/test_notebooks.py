@@ -1,4 +1,5 @@
-"""Every notebook in colabs/ runs top to bottom without error (each sized to stay under a minute)."""
+"""Every notebook in colabs/ runs top to bottom without error (each sized to stay under a
+minute)."""
 
 import pathlib
 

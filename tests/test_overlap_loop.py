@@ -6,13 +6,13 @@ error buffers on the thread) at τ = 1 on the mesh (vmapped: tests/test_sparselo
 thread's programs hold no cross-replica collective; a resume with a fragment in flight is
 bit-identical.
 
-Tolerance `testing.trajectory_error_bound` per leaf of the parameters and state: with the thread the merge step's program
-runs its inner step only and a program of its own applies the outer step and the merge once the
-mean arrived (so the step's compute overlaps the all-reduce); inline the merge is fused into the
-step (with the inner update, the step's θ + (merged − θ) and at τ = 1 the mean's 1/M scaling), so
-the two round differently at the ulp scale. Measured: τ = 1 7.5e-9 (vmap) and 3.0e-8 (mesh), τ = 2
-3.7e-9 and 7.5e-9; SparseLoCo τ = 1 on the mesh 7.5e-9. A resume with a fragment in flight merges
-through the same merge program: bit-identical to the uninterrupted thread run.
+Tolerance `testing.trajectory_error_bound` per leaf of the parameters and state: with the thread the
+merge step's program runs its inner step only and a program of its own applies the outer step and
+the merge once the mean arrived (so the step's compute overlaps the all-reduce); inline the merge is
+fused into the step (with the inner update, the step's θ + (merged − θ) and at τ = 1 the mean's 1/M
+scaling), so the two round differently at the ulp scale. Measured: τ = 1 7.5e-9 (vmap) and 3.0e-8
+(mesh), τ = 2 3.7e-9 and 7.5e-9; SparseLoCo τ = 1 on the mesh 7.5e-9. A resume with a fragment in
+flight merges through the same merge program: bit-identical to the uninterrupted thread run.
 """
 
 import re
@@ -42,7 +42,8 @@ ALGORITHMS = {
     "streaming_diloco": ({}, "diloco.overlap_steps"),
     "sparseloco": ({"algorithm": "sparseloco", "sparseloco.num_fragments": 2,
                     "sparseloco.sync_every": 6, "sparseloco.merge_alpha": 0.5,
-                    "sparseloco.chunk_size": 64, "sparseloco.top_k": 4}, "sparseloco.overlap_steps"),
+                    "sparseloco.chunk_size": 64, "sparseloco.top_k": 4},
+                   "sparseloco.overlap_steps"),
 }
 
 _runs: dict = {}
@@ -86,7 +87,9 @@ def test_thread_equals_inline(tmp_path_factory, layout, tau, algorithm):
   _assert_close(inline.final_state, threaded.final_state)
   # Not vacuous: the replicas trained apart and both outer steps moved φ.
   params, outer = inline.final_state.params, inline.final_state.opt_state.outer_params
-  assert all(not np.array_equal(np.asarray(x[0]), np.asarray(x[1])) for x in jax.tree.leaves(params))
+  assert all(
+    not np.array_equal(np.asarray(x[0]), np.asarray(x[1])) for x in jax.tree.leaves(params)
+  )
   assert inline.final_state.opt_state.nonfinite.tolist() == [0, 0]
   start = inline.init_params()
   assert all(not np.array_equal(np.asarray(a), np.asarray(b))
@@ -97,7 +100,8 @@ def _cross_replica(line: str, replica_of) -> bool:
   """Whether an HLO collective's device groups span two replica slots."""
   match = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
   if match:
-    groups = [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", match.group(1))]
+    groups = [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}",
+                                                                      match.group(1))]
   else:  # iota form: replica_groups=[G,S]<=[dims]T(perm)
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     assert iota, line
@@ -129,13 +133,20 @@ def test_thread_step_programs_hold_no_cross_replica_collective(tmp_path_factory)
     return found
 
   threaded_found, inline_found = crossing(threaded), crossing(inline)
-  assert list(threaded_found) == [Phase((), ())] and not any(threaded_found.values()), threaded_found
+  assert list(threaded_found) == [Phase((), ())] and not any(threaded_found.values()), (
+    threaded_found
+  )
   state = threaded.final_state
   merges = overlap.Threaded(threaded.algorithm.tx, threaded.mesh)
   try:
     for p in (0, 1):
       phase, due = Phase((), (p,)), (f"fragment {p}",)
-      text = merges._apply_program(phase, due, state).lower(state.params, state.opt_state).compile().as_text()  # pylint: disable=protected-access
+      text = (
+        merges._apply_program(phase, due, state)
+        .lower(state.params, state.opt_state)
+        .compile()
+        .as_text()
+      )  # pylint: disable=protected-access
       assert "fusion" in text and not any(f" {op}(" in text for op in hlo.COLLECTIVE_OPS), due
   finally:
     merges.close()
@@ -212,7 +223,8 @@ def test_two_processes_thread_equals_inline(tmp_path, run):
 
 def test_overlap_executor_is_validated_before_compute(tmp_path):
   bad = testing.tiny_config(**{**CASE, "diloco.overlap_executor": "threads"})
-  with pytest.raises(ValueError, match=r"diloco.overlap_executor must be one of auto, thread, inline"):
+  with pytest.raises(ValueError,
+                     match=r"diloco.overlap_executor must be one of auto, thread, inline"):
     Trainer(bad, tmp_path / "bad", devices=jax.devices()[:1])
   no_overlap = testing.tiny_config(**{**CASE, "diloco.overlap_steps": 0,
                                       "diloco.overlap_executor": "thread"})

@@ -17,7 +17,7 @@ from lowcomm_jax.models import get_model_config, llama
 from lowcomm_jax.parallel import bubble, routing, stages, ticks
 from lowcomm_jax.parallel.executor import PipelineExecutor, transfer_patterns
 from lowcomm_jax.skippipe import paths, scheduler, topology
-from lowcomm_jax.train import sources
+from lowcomm_jax.train import Trainer, sources
 
 SEQ, MB_SIZE = 8, 2
 
@@ -36,7 +36,8 @@ def skippipe_routes():
   topo = topology.random_heterogeneous(1, (num_replicas,) * num_stages, layers_per_stage=1)
   placement = bubble.grid_placement(num_stages, num_replicas)
   config = paths.SkipConfig(path_length=3, microbatches_per_data_node=3, paths_per_data_node=3)
-  return routing.routes_from_skippipe(scheduler.skippipe_schedule(topo, placement, config), placement)
+  return routing.routes_from_skippipe(scheduler.skippipe_schedule(topo, placement, config),
+                                      placement)
 
 
 CASES = {
@@ -62,7 +63,8 @@ def test_gradients_equal_sequential_paths_and_bubble_equals_simulator(name):
   # reference: the decoder's chain of sums over all micro-batches' tokens (backward: twice), at the
   # compared values' scale.
   chain = testing.chain_of_sums(cfg, SEQ, len(routes) * MB_SIZE * SEQ)
-  testing.assert_within(got.loss, want_loss, testing.sum_error_bound(abs(float(want_loss)), chain), "loss")
+  testing.assert_within(got.loss, want_loss, testing.sum_error_bound(abs(float(want_loss)), chain),
+                        "loss")
   got_grads = stages.from_grid(got.grads)
   testing.assert_trees_within(got_grads, want_grads, lambda w: testing.sum_error_bound(
       np.max(np.abs(np.asarray(w))), 2 * chain), "gradient")
@@ -90,7 +92,8 @@ def test_gradients_equal_sequential_paths_and_bubble_equals_simulator(name):
     _, fixed = stages.sequential_loss_and_grads(
         graphdef, params_R, batch, routing.full_pipeline_routes(2, 2, 4), num_stages,
         executor.loss_scale)
-    assert not np.allclose(jax.tree.leaves(fixed["blocks"])[0], jax.tree.leaves(want_grads["blocks"])[0])
+    assert not np.allclose(jax.tree.leaves(fixed["blocks"])[0],
+                           jax.tree.leaves(want_grads["blocks"])[0])
 
 
 def test_ledger_counts_every_tick_of_every_transfer():
@@ -112,7 +115,8 @@ def test_ledger_counts_every_tick_of_every_transfer():
   assert ledger.sent_bytes == pytest.approx(messages * message_bytes / table.num_devices, rel=1e-12)
 
 
-@pytest.mark.parametrize("order,routes_name", [("gpipe", "full"), ("1f1b", "full"), ("gpipe", "random"),
+@pytest.mark.parametrize("order,routes_name",
+                         [("gpipe", "full"), ("1f1b", "full"), ("gpipe", "random"),
                                                ("1f1b", "random"), ("gpipe", "skippipe")])
 def test_planned_idle_ticks_equal_simulator_with_unit_costs(order, routes_name):
   routes, (s, r) = {"full": (routing.full_pipeline_routes(6, 4, 2), (4, 2)),
@@ -150,7 +154,8 @@ def _colliding_table():
   # replica 0 of stage 1 in tick 0: device 1 would receive two activations at once.
   routes = (routing.Route((0, 1), (0, 0)), routing.Route((0, 1), (1, 0)))
   F, L, B, I = ticks.FORWARD, ticks.LOSS, ticks.BACKWARD, ticks.IDLE
-  op = np.array([[F, I, F, I], [I, F, I, I], [L, F, I, I], [I, B, L, I], [B, B, I, I], [I, I, B, I]])
+  op = np.array([[F, I, F, I], [I, F, I, I], [L, F, I, I], [I, B, L, I], [B, B, I, I],
+                 [I, I, B, I]])
   mb = np.array([[0, -1, 1, -1], [-1, 0, -1, -1], [0, 1, -1, -1], [-1, 0, 1, -1], [0, 1, -1, -1],
                  [-1, -1, 1, -1]])
   send = np.array([[1, -1, 1, -1], [-1, 0, -1, -1], [1, 2, -1, -1], [-1, 0, 1, -1], [-1, 2, -1, -1],
@@ -159,7 +164,8 @@ def _colliding_table():
 
 
 def test_two_microbatches_to_one_device_in_one_tick_is_rejected_before_compilation():
-  message = r"at tick 0, device 1 \(stage 1, replica 0\) would receive the activations of micro-batches \[0, 1\]"
+  message = (r"at tick 0, device 1 \(stage 1, replica 0\) would receive the activations of "
+             r"micro-batches \[0, 1\]")
   with pytest.raises(ValueError, match=message):
     ticks.validate(_colliding_table())
   cfg, _, _ = _model(2, 2)
@@ -178,7 +184,8 @@ def test_two_microbatches_to_one_device_in_one_tick_is_rejected_before_compilati
   send[0, 2], send[3, 2] = 3, 3  # F1 now goes to device 3 and L1 sends its gradient back there
   op[:, 3] = np.where(ticks_with_mb1, op[:, 3], ticks.IDLE)
   ticks.validate(dataclasses.replace(fixed, routes=fixed_routes, op=op, microbatch=mb, send=send))
-  # compile_ticks refuses a routing that is not a permutation when asked to keep the simulator's policy.
+  # compile_ticks refuses a routing that is not a permutation when asked to keep the simulator's
+  # policy.
   with pytest.raises(ValueError, match="micro-batches \\[0, 1\\]"):
     ticks.compile_ticks(_colliding_table().routes, 2, 2, on_collision="raise")
 
@@ -228,31 +235,28 @@ def test_grid_optimizer_noloco_pairs_replicas_within_each_stage():
                               lambda w: testing.trajectory_error_bound(w, 1, 2 + 8))
 
 
-@pytest.mark.parametrize("platform,cached", [("cpu", False), ("gpu", True), ("tpu", True)])
-def test_the_pipeline_bypasses_the_persistent_compilation_cache_only_on_cpu(tmp_path, platform, cached):
-  """The CPU workaround (a cached pipeline program segfaults when loaded back on XLA:CPU) must not
-  cost accelerators their compilation cache: there the program is written to it."""
-  from jax._src import compilation_cache
-  before = {name: getattr(jax.config, name) for name in (
-      "jax_compilation_cache_dir", "jax_enable_compilation_cache",
-      "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")}
-  cache = tmp_path / "cache"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile, from the cache or not
+
+
+def test_a_pipeline_program_loaded_back_from_the_persistent_cache_runs_as_compiled(tmp_path):
+  """The Trainer's pipeline step programs go through the persistent compilation cache (on for the
+  test session, tests/conftest.py) like every other: a second run of one config (pipeline permutes
+  and NoLoCo's permutes in one program, its sync step included) compiles nothing, every program
+  loaded back from the cache, runs, and logs the first run's losses bit for bit."""
+  config = testing.engine_config("pipeline_noloco", num_steps=3)
+  Trainer(config, tmp_path / "first").run()
+  events, compiles = [], []  # JAX's monitoring events: each compile request, each cache hit
+  on_event = lambda event, **_: events.append(event)
+  on_compile = lambda event, _, **__: compiles.append(event) if event == COMPILE_EVENT else None
+  jax.monitoring.register_event_listener(on_event)
+  jax.monitoring.register_event_duration_secs_listener(on_compile)
   try:
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    compilation_cache.reset_cache()
-    source = types.SimpleNamespace(mesh=types.SimpleNamespace(
-        devices=np.array([types.SimpleNamespace(platform=platform)])))
-    lowered = jax.jit(lambda x: x * 3.0 + float(len(platform))).lower(jnp.ones(7))  # a new program
-    entries = lambda: set(cache.iterdir()) if cache.exists() else set()
-    before_compile = entries()
-    compiled = sources.PipelineGradients.compile(source, lowered)
-    assert bool(entries() - before_compile) == cached
-    assert compilation_cache.is_persistent_cache_enabled()  # left as it was
-    np.testing.assert_array_equal(compiled(np.ones(7, np.float32)), np.full(7, 3.0 + len(platform)))
+    Trainer(config, tmp_path / "again").run()
   finally:
-    for name, value in before.items():
-      jax.config.update(name, value)
-    compilation_cache.reset_cache()
+    jax.monitoring.unregister_event_listener(on_event)
+    jax.monitoring.unregister_event_duration_listener(on_compile)
+  assert compiles and events.count("/jax/compilation_cache/cache_hits") == len(compiles), (
+      len(compiles), events)
+  losses = lambda run: [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("eval_loss"))
+                        for r in testing.read_metrics(tmp_path / run)]
+  assert losses("again") == losses("first") and len(losses("first")) == 3

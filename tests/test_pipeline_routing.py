@@ -1,4 +1,5 @@
-"""NoLoCo's random routing: a permutation at every boundary, reproducible from the seed, fixed at eval."""
+"""NoLoCo's random routing: a permutation at every boundary, reproducible from the seed, fixed at
+eval."""
 
 import os
 import pathlib
@@ -43,7 +44,8 @@ def test_random_routing_ticks_receive_one_microbatch_per_device_per_tick():
   table = ticks.compile_ticks(routing.random_routes(6, 3, 4, seed=0), 3, 4, on_collision="raise")
   received = table.received("act")
   for t in range(table.num_ticks):
-    # lock step: in a tick, the replicas of a receiving stage each get one micro-batch, all of one slot
+    # lock step: in a tick, the replicas of a receiving stage each get one micro-batch, all of one
+    # slot
     for s in range(3):
       got = received[t, [r * 3 + s for r in range(4)]]
       assert (got >= 0).all() or (got < 0).all()
@@ -62,9 +64,11 @@ def _run_pipeline_binary(*flags):
       [sys.executable, str(root / "experiments" / "train.py"),
        f"--config={root / 'experiments' / 'configs' / 'noloco_pipeline.py'}:quick", *flags],
       capture_output=True, text=True, timeout=120,
-      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+      env=dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8"))
 
 
+@pytest.mark.processes  # starts a binary: not in the fast tier
 def test_pipeline_binary_refuses_bad_input_and_an_existing_run_before_writing(tmp_path):
   bad = _run_pipeline_binary(f"--workdir={tmp_path / 'new'}", "--config.pipeline.routing=bogus")
   assert bad.returncode != 0 and "pipeline.routing must be" in bad.stderr

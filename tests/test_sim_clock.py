@@ -2,8 +2,7 @@
 
 import pytest
 
-from lowcomm_jax.sim import clock
-from lowcomm_jax.sim import network as net_lib
+from lowcomm_jax.sim import clock, network as net_lib
 
 # 1 Gbit/s, no latency: an all-reduce of S bytes between 2 workers (ring
 # factor 2(M-1)/M = 1) takes 8S / 1e9 seconds, so 125e6 bytes take 1 s.

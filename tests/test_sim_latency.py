@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-from lowcomm_jax.sim import latency
-from lowcomm_jax.sim import network as net_lib
+from lowcomm_jax.sim import latency, network as net_lib
 
 
 def test_param_counts_from_the_shapes():
@@ -65,6 +64,7 @@ def test_table_rows():
   assert row["speedup_vs_tree"] == pytest.approx(expected.tree / expected.pairwise)
 
 
+@pytest.mark.processes  # starts a binary: not in the fast tier
 def test_benchmark_prints_headline_and_writes_json(tmp_path):
   import json
   import os

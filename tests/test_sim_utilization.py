@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-from lowcomm_jax.sim import network as net_lib
-from lowcomm_jax.sim import utilization as util
+from lowcomm_jax.sim import network as net_lib, utilization as util
 
 WORKLOAD_1B = util.PAPER_WORKLOADS["1B"]
 
@@ -142,6 +141,7 @@ def test_table1_hours_at_one_gbit():
   assert fp4_hours == pytest.approx(0.88, rel=0.05)
 
 
+@pytest.mark.processes  # starts a binary: not in the fast tier
 def test_simulate_binary_writes_table_and_plot(tmp_path):
   import json
   import os

@@ -5,14 +5,16 @@ import dataclasses
 import numpy as np
 import pytest
 
-from lowcomm_jax.skippipe import baselines
-from lowcomm_jax.skippipe import constraints
-from lowcomm_jax.skippipe import inputs
-from lowcomm_jax.skippipe import paths
-from lowcomm_jax.skippipe import placement as placement_lib
-from lowcomm_jax.skippipe import scheduler
-from lowcomm_jax.skippipe import simulator
-from lowcomm_jax.skippipe import topology as topology_lib
+from lowcomm_jax.skippipe import (
+  baselines,
+  constraints,
+  inputs,
+  paths,
+  placement as placement_lib,
+  scheduler,
+  simulator,
+  topology as topology_lib,
+)
 
 SMALL_BUDGET = scheduler.SearchBudget(max_cbs_nodes=60, max_solutions=2,
                                       root_orderings=2,

@@ -5,10 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from lowcomm_jax.skippipe import gantt
-from lowcomm_jax.skippipe import paths
-from lowcomm_jax.skippipe import simulator
-from lowcomm_jax.skippipe import topology as topology_lib
+from lowcomm_jax.skippipe import gantt, paths, simulator, topology as topology_lib
 
 
 def _two_nodes(memory=3):

@@ -1,4 +1,5 @@
-"""Training along SkipPipe paths: zero gradients for skipped stages, swapped blocks, summed micro-batches."""
+"""Training along SkipPipe paths: zero gradients for skipped stages, swapped blocks, summed
+micro-batches."""
 
 import jax
 import jax.numpy as jnp
@@ -6,16 +7,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lowcomm_jax.models import get_model_config, llama
-from lowcomm_jax.skippipe import training
 from lowcomm_jax import config as config_lib, testing
+from lowcomm_jax.models import get_model_config, llama
 from lowcomm_jax.models.loss import cross_entropy, lm_loss
 from lowcomm_jax.optim.inner import make_optimizer
+from lowcomm_jax.skippipe import training
 
 # 3 stages of 2 layers each, so a stage's block has an inner order to keep.
 STAGES, LPS = 3, 2
 
-# Jitted once per module: eager scans compile their bodies on every call, which dominates the run time.
+# Jitted once per module: eager scans compile their bodies on every call, which dominates the run
+# time.
 _summed_grads = jax.jit(training.summed_microbatch_grads, static_argnums=0)
 _loss_and_grad = jax.jit(jax.value_and_grad(lm_loss, argnums=1), static_argnums=0)
 _loss = jax.jit(lm_loss, static_argnums=0)
@@ -36,7 +38,8 @@ def setup():
 
 
 def test_layer_order_runs_each_stage_block_in_path_order():
-  np.testing.assert_array_equal(training.layer_order(np.array([[0, 2, 1]]), 2), [[0, 1, 4, 5, 2, 3]])
+  np.testing.assert_array_equal(training.layer_order(np.array([[0, 2, 1]]), 2),
+                                [[0, 1, 4, 5, 2, 3]])
   np.testing.assert_array_equal(training.layer_order(jnp.array([[0, 1]]), 3), [[0, 1, 2, 3, 4, 5]])
 
 
@@ -54,7 +57,8 @@ def test_step_with_a_path_skipping_a_stage_leaves_its_layers_untouched(setup):
     assert np.all(leaf[2:4] == 0)
     assert np.all(np.abs(leaf[4:6]).reshape(2, -1).max(axis=1) > 0)
   new_state, metrics = step(state, batch, paths)
-  for old, new in zip(jax.tree.leaves(before["blocks"]), jax.tree.leaves(new_state.params["blocks"])):
+  for old, new in zip(jax.tree.leaves(before["blocks"]),
+                      jax.tree.leaves(new_state.params["blocks"])):
     np.testing.assert_array_equal(new[2:4], old[2:4])  # zero gradient, zero Adam moments: no update
     assert not np.array_equal(new[4:6], old[4:6])
   assert metrics["mb_losses"].shape == (3,) and np.isfinite(float(metrics["loss"]))
@@ -70,7 +74,8 @@ def _loss_bound(cfg, loss):
 
 def test_swapped_path_loss_equals_blocks_run_by_hand(setup):
   cfg, _, graphdef, params, batch = setup
-  # Every micro-batch on the swapped path: the mean of the three path losses, checked per micro-batch.
+  # Every micro-batch on the swapped path: the mean of the three path losses, checked per
+  # micro-batch.
   mb_losses = _summed_grads(graphdef, params, batch,
                             training.layer_order(np.array([[0, 2, 1]] * 3), LPS))[2]
   loss, mb = mb_losses[0], batch[:1]
@@ -84,7 +89,8 @@ def test_swapped_path_loss_equals_blocks_run_by_hand(setup):
   by_hand = cross_entropy(model.final_norm(x) @ model.head[...], targets)
   testing.assert_within(float(loss), float(by_hand), _loss_bound(cfg, by_hand), "loss")
   in_order = _loss(graphdef, params, mb[0], None)
-  assert abs(float(in_order) - float(by_hand)) > 10 * _loss_bound(cfg, by_hand)  # the bound tells orders apart
+  # the bound tells orders apart
+  assert abs(float(in_order) - float(by_hand)) > 10 * _loss_bound(cfg, by_hand)
 
 
 def test_summed_gradient_equals_sum_of_per_microbatch_gradients(setup):
@@ -99,7 +105,8 @@ def test_summed_gradient_equals_sum_of_per_microbatch_gradients(setup):
       np.max(np.abs(np.asarray(want))), 2 * testing.chain_of_sums(cfg, 16, 2 * 16) + 3), "gradient")
   for got, (want, _) in zip(mb_losses, separate):
     testing.assert_within(float(got), float(want), _loss_bound(cfg, want), "micro-batch loss")
-  testing.assert_within(float(loss), np.mean(mb_losses), testing.sum_error_bound(np.mean(np.abs(mb_losses)), 3),
+  testing.assert_within(float(loss), np.mean(mb_losses),
+                        testing.sum_error_bound(np.mean(np.abs(mb_losses)), 3),
                         "mean of 3")
 
 
@@ -111,7 +118,8 @@ def test_eval_with_stages_removed_runs_the_kept_stages_in_order(setup):
   kept = float(_loss(graphdef, params, batch[0], jnp.array([0, 1, 4, 5])))
   testing.assert_within(removed[(0, 2)], kept, _loss_bound(cfg, kept), "stage 1 removed")
   whole = float(_loss(graphdef, params, batch[0], None))
-  testing.assert_within(training.evaluate(graphdef, params, evals), whole, _loss_bound(cfg, whole), "all stages")
+  testing.assert_within(training.evaluate(graphdef, params, evals), whole, _loss_bound(cfg, whole),
+                        "all stages")
 
 
 @pytest.mark.parametrize("paths, message", [

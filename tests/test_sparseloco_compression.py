@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from lowcomm_jax import codecs, comm, hlo
 from lowcomm_jax.codecs import packing
@@ -257,7 +256,8 @@ def test_ledger_bytes_equal_the_compiled_all_gathers():
   compressor = codecs.TopKCompressor(64, 8, 2)
   x_R, e_R = _tree_R(seed=0)
   mesh = _mesh()
-  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("replica")))
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                        sharding=NamedSharding(mesh, P("replica")))
   with comm.Ledger().recording() as ledger:
     lowered = _on_mesh(compressor, mesh).lower(jax.tree.map(spec, x_R), jax.tree.map(spec, e_R))
   lines = hlo.collectives(lowered.compile().as_text())
@@ -284,7 +284,8 @@ def test_lowers_for_accelerators(platform):
   compressor = codecs.TopKCompressor(64, 8, 2)
   x_R, e_R = _tree_R(seed=0)
   mesh = _mesh()
-  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("replica")))
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                        sharding=NamedSharding(mesh, P("replica")))
   text = _on_mesh(compressor, mesh).trace(jax.tree.map(spec, x_R), jax.tree.map(spec, e_R)).lower(
       lowering_platforms=(platform,)).as_text()
   assert text.count('"stablehlo.all_gather"') == 3 and "all_reduce" not in text

@@ -9,17 +9,25 @@ import pytest
 import lowcomm_jax
 from lowcomm_jax import comm, hlo, testing
 from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
+from lowcomm_jax.testing import (
+  layered_problem,
+  read_metrics,
+  run_replicas,
+  streaming_config,
+  tiny_config,
+)
 from lowcomm_jax.train import Trainer
-from lowcomm_jax.testing import layered_problem, read_metrics, run_replicas, streaming_config, tiny_config
 
 
 def test_fragment_patterns_cover_every_parameter_once():
   params, _, _ = layered_problem(layers=6)
   strided = frag_lib.layer_fragments(params, 3, "strided")
-  assert [f.name for f in strided] == ["blocks strided 0", "blocks strided 1", "blocks strided 2", "non-block"]
+  assert [f.name for f in strided] == ["blocks strided 0", "blocks strided 1", "blocks strided 2",
+                                       "non-block"]
   assert dict(strided[1].leaves)["blocks/w"] == (1, 6, 3)  # layers 1 and 4
   by_path = lambda f: frag_lib.flatten(frag_lib.extract(f, params))  # the fragment's sub-tree
-  np.testing.assert_array_equal(by_path(strided[1])["blocks/w"], params["blocks"]["w"][np.array([1, 4])])
+  np.testing.assert_array_equal(by_path(strided[1])["blocks/w"],
+                                params["blocks"]["w"][np.array([1, 4])])
   sequential = frag_lib.layer_fragments(params, 3, "sequential", non_block="fold")
   assert len(sequential) == 3 and ("head", None) in sequential[0].leaves
   np.testing.assert_array_equal(by_path(sequential[2])["blocks/w"], params["blocks"]["w"][4:6])
@@ -27,7 +35,8 @@ def test_fragment_patterns_cover_every_parameter_once():
     frag_lib.check_cover(frags, params)
     rebuilt = params
     for f in frags:
-      rebuilt = frag_lib.insert(f, rebuilt, jax.tree.map(lambda v: v + 1, frag_lib.extract(f, params)))
+      rebuilt = frag_lib.insert(f, rebuilt,
+                                jax.tree.map(lambda v: v + 1, frag_lib.extract(f, params)))
     for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(params)):
       np.testing.assert_array_equal(a, b + 1)
   with pytest.raises(ValueError, match=r"uncovered: \['head'\]"):
@@ -65,11 +74,12 @@ def test_two_fragments_tau1_alpha_half_by_hand():
   # P = 2 (offsets 2 and 4), τ = 1, α = ½, outer SGD lr 1. loss_m = ½‖w − y_m‖², inner SGD lr ½:
   # w ← ½w + ½y_m, with y_0 = (2, 0), y_1 = (0, 4), w₀ = φ₀ = 0.
   # a: after step 2 replica 0 has 1.5, replica 1 has 0: step 3 sends mean Δ = −0.75 from the
-  #   parameters entering it, trains (1.75 and 0), then applies: φ_a = 0.75 and the replicas merge to
-  #   ½·1.75 + ½·0.75 = 1.25 and ½·0 + ½·0.75 = 0.375. Steps 4–6: 1.625, 1.8125, 1.90625 and
+  #   parameters entering it, trains (1.75 and 0), then applies: φ_a = 0.75 and the replicas merge
+  #   to ½·1.75 + ½·0.75 = 1.25 and ½·0 + ½·0.75 = 0.375. Steps 4–6: 1.625, 1.8125, 1.90625 and
   #   0.1875, 0.09375, 0.046875.
   # b: replica 0 stays 0; replica 1 reaches 2, 3, 3.5, 3.75 by step 4; step 5 sends mean Δ = −1.875,
-  #   trains (0 and 3.875), applies φ_b = 1.875 and merges to 0.9375 and 2.875; step 6: 0.46875, 3.4375.
+  #   trains (0 and 3.875), applies φ_b = 1.875 and merges to 0.9375 and 2.875; step 6: 0.46875,
+  #   3.4375.
   targets = jnp.broadcast_to(jnp.array([[2.0, 0.0], [0.0, 4.0]]), (6, 2, 2))
   params = {"blocks": {"w": jnp.zeros(2)}}
   loss_fn = lambda p, y: 0.5 * jnp.sum((p["blocks"]["w"] - y) ** 2)
@@ -89,7 +99,8 @@ def test_hlo_overlap_and_only_the_due_fragment_moves(tmp_path):
   state = trainer.init_state()
   params = jax.tree.map(lambda x: x[0], state.params)
   frags = trainer.algorithm.tx.fragments(params)
-  # tiny: 2 layers -> fragments: layer 0, layer 1, non-block (embedding, final norm, head); offsets 2, 4, 6.
+  # tiny: 2 layers -> fragments: layer 0, layer 1, non-block (embedding, final norm, head); offsets
+  # 2, 4, 6.
   sizes = [f.num_elements(params) for f in frags]
   assert sum(sizes) == trainer.num_params
   quiet, _ = trainer.program(trainer.algorithm.phase_at(2), state)
@@ -110,7 +121,8 @@ def test_hlo_overlap_and_only_the_due_fragment_moves(tmp_path):
     peak = max(peak, entries[0].sent_bytes)
   # With τ = 0 the outer gradient is taken after this step's update: the collective waits for it.
   blocking = Trainer(streaming_config(num_replicas=8, **{"mesh.replica": 8, "mesh.data": 1,
-                                                          "diloco.overlap_steps": 0}), tmp_path / "b")
+                                                          "diloco.overlap_steps": 0}),
+                     tmp_path / "b")
   program, _ = blocking.program(blocking.algorithm.phase_at(2), blocking.init_state())
   assert all(hlo.collective_depends_on_compute(program.as_text()))
   assert peak == pytest.approx(comm.ring_factor(8) * 4 * max(sizes))
@@ -119,8 +131,10 @@ def test_hlo_overlap_and_only_the_due_fragment_moves(tmp_path):
 def test_run_reports_peak_bytes_about_one_over_p_of_diloco(tmp_path):
   s = Trainer(streaming_config(num_steps=12, **{"diloco.overlap_steps": 0}), tmp_path / "s").run()[
       "bytes_sent_per_worker"]
-  d = Trainer(tiny_config(algorithm="diloco", num_replicas=2, num_steps=12,
-                          **{"diloco.sync_every": 6}), tmp_path / "d").run()["bytes_sent_per_worker"]
+  d = Trainer(
+    tiny_config(algorithm="diloco", num_replicas=2, num_steps=12, **{"diloco.sync_every": 6}),
+    tmp_path / "d",
+  ).run()["bytes_sent_per_worker"]
   assert d["total"] == pytest.approx(s["total"], rel=1e-9)  # every parameter once per H either way
   assert s["peak_per_sync"] < 0.6 * d["peak_per_sync"]
 
@@ -132,21 +146,29 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path):
   full = Trainer(c, tmp_path / "full")
   full.run()
   first = streaming_config(num_steps=12, stop_at_step=5, **{"diloco.sync_every": 12,
-                                                            "diloco.overlap_steps": 2, "checkpoint.every": 5})
+                                                            "diloco.overlap_steps": 2,
+                                                            "checkpoint.every": 5})
   Trainer(first, tmp_path / "r").run()
   resumed = Trainer(c, tmp_path / "r")
-  assert resumed.algorithm.phase_at(5).send == (0,) and resumed.algorithm.phase_at(6).receive == (0,)
+  assert resumed.algorithm.phase_at(5).send == (0,) and resumed.algorithm.phase_at(6).receive == (
+    0,
+  )
   resumed.run()
   for a, b in zip(jax.tree.leaves(full.final_state), jax.tree.leaves(resumed.final_state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert [m["loss"] for m in read_metrics(tmp_path / "full")] == [m["loss"] for m in read_metrics(tmp_path / "r")]
+  assert [m["loss"] for m in read_metrics(tmp_path / "full")] == [
+    m["loss"] for m in read_metrics(tmp_path / "r")
+  ]
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"diloco.sync_every": 7}, r"diloco.sync_every \(H=7\) must be divisible by the number of fragments \(P=3"),
-    ({"diloco.overlap_steps": 2}, r"diloco.overlap_steps \(τ=2\) must be >= 0 and smaller than H/P = 2"),
+    ({"diloco.sync_every": 7},
+     r"diloco.sync_every \(H=7\) must be divisible by the number of fragments \(P=3"),
+    ({"diloco.overlap_steps": 2},
+     r"diloco.overlap_steps \(τ=2\) must be >= 0 and smaller than H/P = 2"),
     ({"diloco.merge_alpha": 1.5}, r"diloco.merge_alpha \(α\) must be in \[0, 1\]"),
-    ({"diloco.num_fragments": 3, "diloco.sync_every": 8}, r"diloco.num_fragments=3 must divide the model's 2 layers"),
+    ({"diloco.num_fragments": 3, "diloco.sync_every": 8},
+     r"diloco.num_fragments=3 must divide the model's 2 layers"),
     ({"diloco.codec": "fp5"}, r"diloco.codec must be none or one of"),
 ])
 def test_bad_input_is_named_before_compute(tmp_path, changes, message):
@@ -175,7 +197,8 @@ def test_e3m0_codec_sends_about_an_eighth_of_the_bits(tmp_path):
                  for f in trainer.algorithm.tx.fragments(params))  # each fragment once in 6 steps
   sent = summary["bytes_sent_per_worker"]
   assert sent["total"] == expected
-  fp32_bits = 32 * comm.ring_factor(2) / 6  # a float32 ring all-reduce of everything once per 6 steps
+  # a float32 ring all-reduce of everything once per 6 steps
+  fp32_bits = 32 * comm.ring_factor(2) / 6
   assert 0.12 < sent["bits_per_param_per_step"] / fp32_bits < 0.135
 
 
@@ -188,17 +211,20 @@ def test_nonfinite_outer_gradient_never_reaches_the_global_params(tmp_path):
   for g in jax.tree.leaves(state.outer_params):
     assert np.isfinite(g).all()
   # The refused round restarts every replica from φ, which still holds the initial parameters.
-  for g, p, r in zip(jax.tree.leaves(state.outer_params), jax.tree.leaves(params), jax.tree.leaves(params_r)):
+  for g, p, r in zip(jax.tree.leaves(state.outer_params), jax.tree.leaves(params),
+                     jax.tree.leaves(params_r)):
     np.testing.assert_array_equal(g, p)
     # θ + (φ − θ): two roundings of values within twice the leaf's scale
     testing.assert_within(r, np.broadcast_to(p, r.shape),
                           testing.operation_error_bound(2 * np.max(np.abs(np.asarray(p))), 2))
   _, state = run_replicas(tx, params, poisoned, loss_fn)  # the next round is clean and applied
   assert int(state.nonfinite[0]) == 1
-  assert any(not np.array_equal(g, p) for g, p in zip(jax.tree.leaves(state.outer_params), jax.tree.leaves(params)))
+  assert any(not np.array_equal(g, p) for g,
+             p in zip(jax.tree.leaves(state.outer_params), jax.tree.leaves(params)))
   c = streaming_config(num_steps=6, **{"optimizer.learning_rate": 1e30, "optimizer.grad_clip": 0.0,
                                        "diloco.overlap_steps": 0})
-  with pytest.raises(lowcomm_jax.codecs.NonFiniteError, match=r"by step \d+: the averaged outer gradient of "
+  with pytest.raises(lowcomm_jax.codecs.NonFiniteError,
+                     match=r"by step \d+: the averaged outer gradient of "
                      r"fragment \d \(blocks strided \d\) held NaN or inf"):
     Trainer(c, tmp_path / "raise").run()
 
@@ -209,9 +235,13 @@ def test_regex_fragment_table():
   frags = frag_lib.rule_fragments(params, rules)
   assert [dict(f.leaves) for f in frags] == [{"blocks/w": None}, {"blocks/b": None}, {"head": None}]
   tx = lowcomm_jax.optim.StreamingDiLoCo(optax.sgd(0.1), optax.sgd(1.0),
-                                         schedule_lib.make_schedule(3, 6), lambda p: frag_lib.rule_fragments(p, rules))
+                                         schedule_lib.make_schedule(3, 6),
+                                         lambda p: frag_lib.rule_fragments(p, rules))
   run_replicas(tx, params, xs, loss_fn)
-  with pytest.raises(ValueError, match=r"diloco.fragment_rules: the rules \['emb.*'\] match no parameter"):
+  with pytest.raises(ValueError,
+                     match=r"diloco.fragment_rules: the rules \['emb.*'\] match no parameter"):
     frag_lib.rule_fragments(params, [("emb.*", 0), (".*", 1)])
-  with pytest.raises(ValueError, match=r"diloco.fragment_rules must cover every parameter, these match no rule: \['head'\]"):
+  with pytest.raises(ValueError,
+                     match=r"diloco.fragment_rules must cover every parameter, these match no "
+                           r"rule: \['head'\]"):
     frag_lib.rule_fragments(params, [("blocks/.*", 0)])

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax import config as config_lib, testing
+from lowcomm_jax import testing
 from lowcomm_jax.data import pipeline, stats
 from lowcomm_jax.testing import read_metrics, tiny_config, tree_hash  # pylint: disable=unused-import
 from lowcomm_jax.train import Trainer
@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_tiny_run_learns_real_text_below_the_unigram_entropy(tmp_path):
-  c = tiny_config(num_steps=300, log_every=50, **{"eval.num_batches": 16, "optimizer.learning_rate": 1e-2,
+  c = tiny_config(num_steps=300, log_every=50,
+                  **{"eval.num_batches": 16, "optimizer.learning_rate": 1e-2,
                                                    "data.batch_size": 16})
   summary = Trainer(c, tmp_path).run()
   splits = pipeline.load_splits("stdlib", c.data.eval_permille)
@@ -54,7 +55,8 @@ def test_eight_devices_match_one_device_and_shardings_follow_the_rules(tmp_path,
   # 8 devices sum in other orders than one: each step's loss within the chain-of-sums bound.
   chain = testing.tiny_chain_of_sums(64, 8 * 64)
   for m, o in zip(read_metrics(tmp_path / "many"), one_device_metrics, strict=True):
-    testing.assert_within(m["loss"], o["loss"], testing.trajectory_error_bound(o["loss"], o["step"], chain),
+    testing.assert_within(m["loss"], o["loss"],
+                          testing.trajectory_error_bound(o["loss"], o["step"], chain),
                           f"loss at step {o['step']}")
   # The compiled step's parameter shardings are the ones the rules ask for.
   compiled, _ = many.program(None, many.init_state())
@@ -79,7 +81,8 @@ def test_mesh_larger_than_devices_is_refused_before_anything_is_written(tmp_path
 
 def test_batch_not_divisible_over_data_axis(tmp_path):
   c = tiny_config(**{"mesh.data": 8, "data.batch_size": 12})
-  with pytest.raises(ValueError, match=r"data.batch_size=12 is not divisible by the mesh's data axis \(8\)"):
+  with pytest.raises(ValueError,
+                     match=r"data.batch_size=12 is not divisible by the mesh's data axis \(8\)"):
     Trainer(c, tmp_path / "run")
   assert not (tmp_path / "run").exists()
 
@@ -141,7 +144,8 @@ def test_a_throughput_window_after_an_evaluation_holds_only_the_steps_it_timed()
 def test_metrics_one_step_behind_fetch_after_the_next_dispatch():
   from lowcomm_jax.train import metrics  # pylint: disable=g-import-not-at-top
   fetched, ticks = [], iter([10.0, 20.0])
-  behind = metrics.OneStepBehind(lambda tree: fetched.append(dict(tree)) or tree, clock=lambda: next(ticks))
+  behind = metrics.OneStepBehind(lambda tree: fetched.append(dict(tree)) or tree,
+                                 clock=lambda: next(ticks))
   assert behind.ready() is None  # nothing held: no fetch at all
   behind.hold(5, {"loss": np.asarray([1.0, 3.0])}, {"tokens_per_s": 7.0})
   assert not fetched  # holding does not touch the device values
@@ -149,3 +153,47 @@ def test_metrics_one_step_behind_fetch_after_the_next_dispatch():
     behind.hold(6, {"loss": np.asarray(0.0)})
   assert behind.ready() == (5, {"loss": 2.0, "tokens_per_s": 7.0}, 10.0)
   assert len(fetched) == 1 and behind.ready() is None
+
+
+def _tensorboard_events(workdir) -> list[list]:
+  """Each events file's (step, scalar tags, purge step or None) in order, read from the TFRecord
+  framing (length, its CRC, the Event, its CRC)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  files = []
+  for path in sorted((pathlib.Path(workdir) / "tensorboard").iterdir()):
+    data, offset, events = path.read_bytes(), 0, []
+    while offset < len(data):
+      length = int.from_bytes(data[offset:offset + 8], "little")
+      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      offset += 12 + length + 4
+      purge = event.step if event.session_log.status == event_pb2.SessionLog.START else None
+      events.append((event.step, {v.tag for v in event.summary.value}, purge))
+    files.append(events)
+  return files
+
+
+def test_a_resumed_run_reports_the_whole_run_and_keeps_the_resume_steps_scalars(tmp_path):
+  """Stopped after step 3 (its checkpoint), resumed to step 4: summary.json's wall_time_s and
+  tokens_per_s are the whole run's (the earlier start's figures as its checkpoint recorded them,
+  plus this start's), this start's own beside them (`this_start`); TensorBoard keeps step 3's
+  scalars, purging from step 4 on, which the resumed start logs."""
+  changes = {"num_steps": 4, "checkpoint.every": 2, "log_every": 1}
+  Trainer(tiny_config(stop_at_step=3, **changes), tmp_path).run()
+  timing = json.loads((tmp_path / "checkpoints" / "3" / "data" / "metadata").read_text())["timing"]
+  summary = Trainer(tiny_config(**changes), tmp_path).run()
+  this = summary["this_start"]
+  assert this["first_step"] == 4
+  assert summary["wall_time_s"] == timing["wall_time_s"] + this["wall_time_s"]
+  # Steps 2 and 3 were timed (step 1's window compiles); step 4, this start's first, compiles.
+  earlier, tokens_per_step = timing["throughput"], 8 * 64
+  assert earlier["steps"] == 2 and this["tokens_per_s"] is None
+  assert summary["tokens_per_s"] == earlier["steps"] * tokens_per_step / earlier["seconds"]
+  on_disk = json.loads((tmp_path / "summary.json").read_text())
+  assert on_disk["tokens_per_s"] == summary["tokens_per_s"]
+  assert on_disk["this_start"]["first_step"] == 4
+  assert on_disk["null_reasons"] == {"this_start.tokens_per_s": "no timed step: every step of this "
+                                     "start was in the window that compiles"}
+  first, resumed = _tensorboard_events(tmp_path)
+  assert {step for step, tags, _ in first if "loss" in tags} == {1, 2, 3}
+  assert [purge for _, _, purge in resumed if purge is not None] == [4]
+  assert {step for step, tags, _ in resumed if "loss" in tags} == {4}

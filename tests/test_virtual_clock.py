@@ -1,10 +1,11 @@
-"""The virtual clock of a real run: the ledger's bytes and the algorithm's overlap, priced on a network."""
+"""The virtual clock of a real run: the ledger's bytes and the algorithm's overlap, priced on a
+network."""
 
 import jax
 import pytest
 
-from lowcomm_jax.train import Trainer
 from lowcomm_jax.testing import engine_config, streaming_config, tiny_config
+from lowcomm_jax.train import Trainer
 
 BANDWIDTH, LATENCY = 100e6, 0.030  # "100Mbit,30ms"
 
@@ -31,11 +32,14 @@ def test_streaming_overlap_hides_what_fits_and_stalls_for_the_rest(tmp_path):
   trainer = Trainer(c, tmp_path)
   state = trainer.init_state()
   params = jax.tree.map(lambda x: x[0], state.params)
-  seconds = [ring_seconds(4 * f.num_elements(params)) for f in trainer.algorithm.tx.fragments(params)]
+  seconds = [
+    ring_seconds(4 * f.num_elements(params)) for f in trainer.algorithm.tx.fragments(params)
+  ]
   events = trainer.comm_events(12, state)
   # Fragments 0, 1, 2, 0, 1 are sent in steps 3, 5, 7, 9, 11 (from the parameters entering them),
   # each ready when the step before ends and needed one step later.
-  assert [(e.issued_step, e.consumed_step) for e in events] == [(1, 3), (3, 5), (5, 7), (7, 9), (9, 11)]
+  assert [(e.issued_step, e.consumed_step) for e in events] == [(1, 3), (3, 5), (5, 7), (7, 9),
+                                                                (9, 11)]
   # Slow compute: every transfer hides under one step.
   slow = max(seconds) * 1.01
   assert trainer.simulated_wall_time(12, slow, state) == pytest.approx(12 * slow, rel=1e-9)
@@ -54,10 +58,11 @@ def test_bad_network_is_named(tmp_path):
 def test_the_pipelines_stage_to_stage_messages_are_on_the_clock(tmp_path):
   """NoLoCo over a 2-stage pipeline (2 replicas, 2 slots, gpipe; lowcomm_jax.testing's
   pipeline_noloco): every step has 6 ticks; ticks 0-2 send activations and ticks 2-4 gradients
-  to the other stage, 6 blocking messages of one micro-batch's [2, 32, 32] float32 = 8192 bytes each.
-  NoLoCo's gossip after steps 3 and 6 sends the slow weights and the outer gradient (106,880 bytes
-  each) to the pair's other replica; the one after the last step holds back the end of the run, as
-  DiLoCo's last all-reduce does. Without the pipeline's messages the clock says 3.1542016 s."""
+  to the other stage, 6 blocking messages of one micro-batch's [2, 32, 32] float32 = 8192 bytes
+  each. NoLoCo's gossip after steps 3 and 6 sends the slow weights and the outer gradient (106,880
+  bytes each) to the pair's other replica; the one after the last step holds back the end of the
+  run, as DiLoCo's last all-reduce does. Without the pipeline's messages the clock says 3.1542016
+  s."""
   trainer = Trainer(engine_config("pipeline_noloco", network="100Mbit,30ms"), tmp_path)
   state = trainer.init_state()
   events = trainer.comm_events(6, state)

@@ -57,9 +57,9 @@ def main():
   _STDOUT, sys.stdout = sys.stdout, sys.stderr
 
   import jax  # pylint: disable=g-import-not-at-top
+  import maxtext  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from flax.core.spmd import logical_axis_rules  # pylint: disable=g-import-not-at-top
-  import maxtext  # pylint: disable=g-import-not-at-top
   from maxtext.trainers.pre_train import train as mt_train  # pylint: disable=g-import-not-at-top
   from maxtext.utils import sharding, train_utils  # pylint: disable=g-import-not-at-top
 
@@ -74,7 +74,8 @@ def main():
       f"base_num_kv_heads={a.num_heads}", f"head_dim={a.d_model // a.num_heads}",
       f"base_mlp_dim={a.d_ff}", f"base_num_decoder_layers={a.num_layers}",
       f"max_target_length={a.seq_len}", f"per_device_batch_size={a.per_device_batch}",
-      f"dtype={a.dtype}", "weight_dtype=float32", "ici_data_parallelism=-1", "ici_fsdp_parallelism=1",
+      f"dtype={a.dtype}", "weight_dtype=float32", "ici_data_parallelism=-1",
+      "ici_fsdp_parallelism=1",
   ])
   (_, _, state_mesh_shardings, _, mesh, _, _, data_loader, rampup_manager, _,
    state) = train_utils.setup_train_loop(config, recorder)
@@ -84,7 +85,8 @@ def main():
   p_train_step, _ = train_utils.jit_train_and_eval_step(
       config, jit_model, mesh, state, state_mesh_shardings, mt_train.train_step, mt_train.eval_step,
       None, params_shardings)
-  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.merge(jit_model, state).model, nnx.Param)))
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.merge(jit_model, state).model,
+                                                         nnx.Param)))
 
   with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
     batch = data_loader.load_next_batch(rampup_manager=rampup_manager)

@@ -7,7 +7,8 @@ experiments/launch_local.py does): K processes, each with one CPU device and pin
 core (so XLA's thread pool has one thread, as each torchft replica has one torch thread), the mesh's
 `replica` axis across the processes, the outer all-reduce through gloo.
 
-  python benchmarks/peers/ours_diloco_processes.py --config_json='{...}' --replicas=2 --sync_every=10
+  python benchmarks/peers/ours_diloco_processes.py --config_json='{...}' --replicas=2 \
+      --sync_every=10
 
 The driver (this script without --process_id) starts the K processes and speaks step_speed's peer
 protocol (one JSON object per line): {"ready": ...} after one warm-up window of H inner steps, then
@@ -50,6 +51,7 @@ def process_main(a):
   import jax  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train import Trainer  # pylint: disable=g-import-not-at-top
 

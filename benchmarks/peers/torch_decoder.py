@@ -1,12 +1,12 @@
 """Our Llama-style decoder written in PyTorch, for timing torch-based peers on the same model.
 
 Runs in a peer's own virtual environment (torch, no JAX): the shape comes from the command line of
-the peer script, which step_speed.py fills from `lowcomm_jax.models.ModelConfig`, so both sides build
-the same model. The architecture is lowcomm_jax/models/llama.py's: token embedding, `num_layers`
-pre-norm blocks (RMSNorm in float32 with a learned scale; causal multi-head attention with rotary
-positions on (first half, second half) of each head's features; SwiGLU down(silu(gate(x)) · up(x))),
-a final RMSNorm and an untied output head; no biases. Attention is torch's
-`scaled_dot_product_attention(is_causal=True)`, what a torch user writes.
+the peer script, which step_speed.py fills from `lowcomm_jax.models.ModelConfig`, so both sides
+build the same model. The architecture is lowcomm_jax/models/llama.py's: token embedding,
+`num_layers` pre-norm blocks (RMSNorm in float32 with a learned scale; causal multi-head attention
+with rotary positions on (first half, second half) of each head's features; SwiGLU
+down(silu(gate(x)) · up(x))), a final RMSNorm and an untied output head; no biases. Attention is
+torch's `scaled_dot_product_attention(is_causal=True)`, what a torch user writes.
 
 `training_flops_per_token` counts the matmul FLOPs of one forward + backward with torch's own
 `FlopCounterMode`, so the peer reports what torch executes, to be compared with
@@ -47,7 +47,9 @@ class RMSNorm(nn.Module):
 
   def forward(self, x):
     x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(x.dtype)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(
+      x.dtype
+    )
 
 
 def _rotate(x, cos, sin):
@@ -69,7 +71,8 @@ class Block(nn.Module):
     self.w_down = nn.Linear(f, d, bias=False)
     for lin in (self.wq, self.wk, self.wv, self.w_gate, self.w_up):
       nn.init.normal_(lin.weight, std=0.02)
-    for lin in (self.wo, self.w_down):  # as llama.py: the residual stream keeps its scale with depth
+    for lin in (self.wo, self.w_down):
+      # as llama.py: the residual stream keeps its scale with depth
       nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * s.num_layers))
 
   def forward(self, x, cos, sin):

@@ -1,6 +1,8 @@
-"""One torch replica's inner step on our decoder (torch_decoder.py), no torchft, timed in CPU-seconds.
+"""One torch replica's inner step on our decoder (torch_decoder.py), no torchft, timed in
+CPU-seconds.
 
-Runs in the torchft virtual environment (torch only is used), driven by benchmarks/step_breakdown.py:
+Runs in the torchft virtual environment (torch only is used), driven by
+benchmarks/step_breakdown.py:
 
   python benchmarks/peers/torch_step.py --vocab_size=256 --d_model=128 --num_layers=6 \
       --num_heads=4 --d_ff=384 --seq_len=128 --batch=8 --threads=1 [--no_attention]
@@ -47,7 +49,8 @@ def main():
   torch.manual_seed(0)
   model = torch_decoder.Decoder(torch_decoder.shape_from_args(a))
   optimizer = torch_decoder.inner_optimizer(model)
-  batch = torch.randint(0, a.vocab_size, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(1))
+  batch = torch.randint(0, a.vocab_size, (a.batch, a.seq_len + 1),
+                        generator=torch.Generator().manual_seed(1))
   torch_decoder.inner_steps(model, optimizer, batch, a.warmup)
   _say({"ready": True, "torch": torch.__version__, "threads": a.threads,
         "tokens_per_step": a.batch * a.seq_len, "no_attention": a.no_attention})

@@ -76,14 +76,16 @@ def replica_main(a):
   timeout = timedelta(seconds=120)
   manager = Manager(
       pg=ProcessGroupGloo(timeout=timeout), min_replica_size=a.replicas, use_async_quorum=False,
-      load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
+      load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
+                                  inner.load_state_dict(sd["inner"])),
       state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
       replica_id=f"replica_{a.replica_id}", store_addr="localhost", store_port=store.port, rank=0,
       world_size=1, lighthouse_addr=a.lighthouse, port=0, timeout=timeout, quorum_timeout=timeout,
       connect_timeout=timeout)
 
   try:
-    with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu"),
+    with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every,
+                backup_device=torch.device("cpu"),
                 pin_memory=False):
       torch_decoder.inner_steps(model, inner, batch, a.warmup)
       _say({"replica": a.replica_id, "ready": True})
@@ -127,7 +129,8 @@ def driver_main(a):
   try:
     read_all()
     shape = torch_decoder.shape_from_args(a)
-    _say({"ready": True, "torch": torch.__version__, "torchft": importlib.metadata.version("torchft"),
+    _say({"ready": True, "torch": torch.__version__,
+          "torchft": importlib.metadata.version("torchft"),
           "params": torch_decoder.param_count(torch_decoder.Decoder(shape)),
           "flops_per_token": torch_decoder.training_flops_per_token(shape, a.seq_len),
           "tokens_per_step": a.replicas * a.batch * a.seq_len,
@@ -137,7 +140,8 @@ def driver_main(a):
       if not cmd or cmd[0] == "quit":
         break
       if cmd[0] != "run" or int(cmd[1]) % a.sync_every:
-        sys.exit(f"unknown command {line.strip()!r}: expected 'run N' with N a multiple of H or 'quit'")
+        sys.exit(f"unknown command {line.strip()!r}: expected 'run N' with N a multiple of H or "
+                 f"'quit'")
       cpu = time.process_time()
       for p in procs:
         p.stdin.write(line)

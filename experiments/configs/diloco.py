@@ -1,4 +1,5 @@
-"""DiLoCo: M replicas train alone for H steps, then an outer Nesterov step on the averaged outer gradient.
+"""DiLoCo: M replicas train alone for H steps, then an outer Nesterov step on the averaged outer
+gradient.
 
   python experiments/train.py --config=experiments/configs/diloco.py --workdir=runs/diloco
 

@@ -1,4 +1,5 @@
-"""NoLoCo: no all-reduce; every H steps random pairs of replicas average slow weights (docs/algorithms.md §2.3).
+"""NoLoCo: no all-reduce; every H steps random pairs of replicas average slow weights
+(docs/algorithms.md §2.3).
 
   python experiments/train.py --config=experiments/configs/noloco.py --workdir=runs/noloco
 
@@ -43,5 +44,6 @@ def get_config(variant: str = ""):
     config_lib.override(c, config_lib.RUN_SIZES["tiny"])
     c.noloco.sync_every = 10
   else:
-    raise ValueError(f"config variant must be '', 'default', 'small', 'fp4' or 'tiny', got {variant!r}")
+    raise ValueError(f"config variant must be '', 'default', 'small', 'fp4' or 'tiny', "
+                     f"got {variant!r}")
   return c

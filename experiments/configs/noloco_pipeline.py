@@ -1,4 +1,5 @@
-"""NoLoCo with a 2-stage pipeline inside, 4 replicas per stage, on 8 fake CPU devices (docs/algorithms.md §2).
+"""NoLoCo with a 2-stage pipeline inside, 4 replicas per stage, on 8 fake CPU devices
+(docs/algorithms.md §2).
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
       python experiments/train.py --config=experiments/configs/noloco_pipeline.py --workdir=runs/nlp
@@ -37,7 +38,8 @@ def get_config(variant: str = ""):
       "optimizer.b2": 0.95, "optimizer.grad_clip": 0.0,
       "noloco.sync_every": 50, "noloco.outer_momentum": 0.5, "noloco.outer_learning_rate": 0.7,
       "noloco.gamma": 0.7, "noloco.num_groupings": 4,
-      "diloco.sync_every": 100, "outer_optimizer.learning_rate": 0.7, "outer_optimizer.momentum": 0.3,
+      "diloco.sync_every": 100, "outer_optimizer.learning_rate": 0.7,
+      "outer_optimizer.momentum": 0.3,
       "eval.every": 100, "eval.batch_size": 8, "eval.num_batches": 4, "checkpoint.every": 100,
   })
   if variant in ("", "default"):

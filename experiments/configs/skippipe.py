@@ -41,11 +41,13 @@ def get_config(variant: str = ""):
       "eval.every": 20, "eval.batch_size": 16, "eval.num_batches": 8, "checkpoint.every": 100,
   })
   if variant.startswith("quick"):
-    config_lib.override(c, {"num_steps": 12, "optimizer.warmup_steps": 1, "data.batch_size": NUM_MICROBATCHES * 2,
+    config_lib.override(c,
+                        {"num_steps": 12, "optimizer.warmup_steps": 1,
+                         "data.batch_size": NUM_MICROBATCHES * 2,
                             "eval.every": 6, "eval.num_batches": 2, "checkpoint.every": 6})
   if variant in ("full", "quick_full"):
     c.skippipe.paths = full_paths()
   elif variant not in ("", "default", "skip", "quick"):
-    raise ValueError("config variant must be '', 'default', 'skip', 'full', 'quick' or 'quick_full', "
-                     f"got {variant!r}")
+    raise ValueError("config variant must be '', 'default', 'skip', 'full', 'quick' or "
+                     f"'quick_full', got {variant!r}")
   return c

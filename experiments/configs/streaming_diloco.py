@@ -2,13 +2,14 @@
 
   python experiments/train.py --config=experiments/configs/streaming_diloco.py --workdir=runs/sdl
 
-The model's stacked blocks are split into P strided fragments (blocks p, p+P, ...) plus one fragment of
-the non-block parameters (embedding, final norm, head). Fragment p syncs every H steps at offset
-(p+1)·H/(P+1); its all-reduce is issued from the parameters entering the step after, overlaps τ inner
-steps, and is merged as θ ← α·θ_local + (1−α)·θ_global. Peak bytes per sync are about 1/(P+1) of
-DiLoCo's; total bytes are the same. Other fragments as data, whole parameters by a regex table over
-their paths (first full match wins): `--config.diloco.fragment_rules="blocks/attn/.*:0,blocks/.*:1,.*:2"`
-(with num_fragments left at 1; H must be divisible by the number of fragments).
+The model's stacked blocks are split into P strided fragments (blocks p, p+P, ...) plus one fragment
+of the non-block parameters (embedding, final norm, head). Fragment p syncs every H steps at offset
+(p+1)·H/(P+1); its all-reduce is issued from the parameters entering the step after, overlaps τ
+inner steps, and is merged as θ ← α·θ_local + (1−α)·θ_global. Peak bytes per sync are about 1/(P+1)
+of DiLoCo's; total bytes are the same. Other fragments as data, whole parameters by a regex table
+over their paths (first full match wins):
+`--config.diloco.fragment_rules="blocks/attn/.*:0,blocks/.*:1,.*:2"` (with num_fragments left at 1;
+H must be divisible by the number of fragments).
 
 Variants (`--config=experiments/configs/streaming_diloco.py:<variant>`):
 - default / small: the `small` model (6 layers), M = 2, H = 60, P = 3 (+1 non-block fragment),
@@ -43,5 +44,6 @@ def get_config(variant: str = ""):
     c.diloco.sync_every = 12
     c.diloco.num_fragments = 2
   else:
-    raise ValueError(f"config variant must be '', 'default', 'small', 'fp4' or 'tiny', got {variant!r}")
+    raise ValueError(f"config variant must be '', 'default', 'small', 'fp4' or 'tiny', "
+                     f"got {variant!r}")
   return c

@@ -13,10 +13,10 @@ Example:
 """
 
 from lowcomm_jax.codecs.base import (
+    KERNEL_MODES,
     Codec,
     EncodedTensor,
     NonFiniteError,
-    KERNEL_MODES,
     all_finite,
     check_finite,
     kernel_choice,

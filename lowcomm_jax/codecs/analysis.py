@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowcomm_jax.codecs import base
-from lowcomm_jax.codecs import registry
+from lowcomm_jax.codecs import base, registry
 
 __all__ = [
     "relative_rms_error",

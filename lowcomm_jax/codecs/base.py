@@ -230,7 +230,11 @@ class Codec(abc.ABC):
   single_block: ClassVar[bool] = False
 
   def __post_init__(self):
-    if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
+    if (
+      isinstance(self.block_size, bool)
+      or not isinstance(self.block_size, int)
+      or self.block_size < 2
+    ):
       raise ValueError(
           f"block_size: must be an integer >= 2 (values per scale), got {self.block_size!r}")
     if self.rounding not in ROUNDING_MODES:

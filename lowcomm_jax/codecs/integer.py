@@ -17,8 +17,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from lowcomm_jax.codecs import base
-from lowcomm_jax.codecs import fourbit
+from lowcomm_jax.codecs import base, fourbit
 
 __all__ = ["INT4", "INT8", "INT4_GRID", "INT8_MAX"]
 

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
+from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax.codecs import packing
 
 __all__ = ["COMPILED_PLATFORMS", "GPU_KERNELS", "MAX_COMPILED_COLUMNS", "TILE_VALUES",
@@ -181,12 +182,6 @@ def compiled_supported(codec, block_len: int | None = None) -> bool:
           and _columns(codec, block_len) <= MAX_COMPILED_COLUMNS)
 
 
-def _varying(a) -> set:
-  """The manual mesh axes ``a`` varies over (empty outside ``shard_map``)."""
-  manual_axis_type = getattr(jax.typeof(a), "manual_axis_type", None)
-  return set(manual_axis_type.varying) if manual_axis_type is not None else set()
-
-
 def on_every_axis(fn: Callable) -> Callable:
   """``fn`` under ``jax.shard_map`` manual over every axis of the current mesh not already
   manual, operands and results replicated over them; ``fn`` itself without a mesh.
@@ -204,13 +199,7 @@ def on_every_axis(fn: Callable) -> Callable:
       return fn(*args)
     outputs = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=free,
                             check_vma=False)(*args)
-    varying = set().union(*(_varying(a) for a in jax.tree.leaves(args)))
-
-    def vary(out):
-      missing = tuple(sorted(varying - _varying(out)))
-      return jax.lax.pcast(out, missing, to="varying") if missing else out
-
-    return jax.tree.map(vary, outputs)
+    return jax.tree.map(lambda out: mesh_lib.vary_like(out, *jax.tree.leaves(args)), outputs)
   return wrapped
 
 

@@ -46,7 +46,8 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
 
 
 def packed_bytes(count: int, width: int) -> int:
-  """Bytes :func:`pack_bits` gives for ``count`` codes of ``width`` bits: ``ceil(count·width / 8)``."""
+  """Bytes :func:`pack_bits` gives for ``count`` codes of ``width`` bits: ``ceil(count·width /
+  8)``."""
   return -(-count * width // 8)
 
 

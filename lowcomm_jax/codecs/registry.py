@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from lowcomm_jax.codecs import base
-from lowcomm_jax.codecs import float4
-from lowcomm_jax.codecs import integer
-from lowcomm_jax.codecs import passthrough
+from lowcomm_jax.codecs import base, float4, integer, passthrough
 
 __all__ = ["CODECS", "get_codec"]
 

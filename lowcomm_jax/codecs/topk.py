@@ -127,7 +127,9 @@ class TopKCompressor:
     """
     n = x.size
     c, chunk_len, k, index_bits = self.layout(n)
-    chunks = jnp.pad(x.reshape(-1).astype(jnp.float32), (0, c * chunk_len - n)).reshape(c, chunk_len)
+    chunks = jnp.pad(x.reshape(-1).astype(jnp.float32), (0, c * chunk_len - n)).reshape(
+      c, chunk_len
+    )
     real = (jnp.arange(c * chunk_len) < n).reshape(c, chunk_len)
     # Padding ranks below every real magnitude (|x| ≥ 0), so it is kept only where a short last
     # chunk has fewer than k real values; it is then left out of the levels and never decoded.

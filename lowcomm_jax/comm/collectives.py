@@ -1,4 +1,5 @@
-"""Cross-replica and cross-stage collectives over named axes (the ONLY place lowcomm_jax calls them).
+"""Cross-replica and cross-stage collectives over named axes (the ONLY place lowcomm_jax calls
+them).
 
 The compressed mean (all_to_all + all_gather of codec-encoded chunks) is in `compressed_mean.py`.
 
@@ -25,7 +26,8 @@ def axis_size(axis_name: str) -> int:
 
 
 def mean(tree, axis_name: str, name: str = "mean"):
-  """All-reduce mean of every leaf over `axis_name` (a ring: each worker sends 2(M−1)/M × payload)."""
+  """All-reduce mean of every leaf over `axis_name` (a ring: each worker sends 2(M−1)/M ×
+  payload)."""
   m = axis_size(axis_name)
   payload = tree_bytes(tree)
   ledger.record(name, "all_reduce", payload, ledger.ring_factor(m) * payload, m)

@@ -128,7 +128,8 @@ def compressed_mean(tree: Any, axis_name, codec: codecs.Codec, name: str = "comp
   """
   m = lax.axis_size(axis_name)
   payload = sum(codec.wire_bytes(x.size) for x in jax.tree.leaves(tree))
-  ledger.record(name, "all_to_all+all_gather", payload, compressed_mean_wire_bytes(tree, codec, m), m)
+  ledger.record(name, "all_to_all+all_gather", payload, compressed_mean_wire_bytes(tree, codec, m),
+                m)
   kernel_options = codecs.kernel_options(kernels)
 
   def send(values):

@@ -1,4 +1,5 @@
-"""The outer-communication executor: one thread issues every cross-process collective of the outer loop.
+"""The outer-communication executor: one thread issues every cross-process collective of the outer
+loop.
 
 Why a thread: on XLA:CPU (and with NCCL on one stream) a collective dispatched from the training
 thread holds back the compute dispatched after it until every peer has joined. Measured with two
@@ -13,7 +14,8 @@ thread.
 How it is used (the train loop's side of Streaming DiLoCo with τ ≥ 1):
 
   executor = OuterCommExecutor()
-  future = executor.submit(step, name, delta_R, plan=plan)  # when plan `name` is due: every replica's tree
+  # when plan `name` is due: every replica's tree
+  future = executor.submit(step, name, delta_R, plan=plan)
   ...                                                  # τ inner steps, no collective in them
   mean_R = future.result()                             # at the merge (step + τ): waits on this only
   executor.close()
@@ -23,17 +25,17 @@ Trainer's per-replica state: stacked on one device (replicas simulated with vmap
 the mesh axis `replica` (one slot per process or per device group). Each plan gets its own
 jitted program, `comm.dispatch.over_replicas`: `comm.carry` vmapped over that leading axis,
 compiled once per input layout, the same computation as the inline carry inside the step's
-program, and its result is bit-identical to it (`tests/test_comm_executor.py`, on two processes). A step
-program that holds the mean and the outer update together may round the update differently from
+program, and its result is bit-identical to it (`tests/test_comm_executor.py`, on two processes). A
+step program that holds the mean and the outer update together may round the update differently from
 one that receives the mean as an input: Streaming DiLoCo with τ = 1 and the float32 mean ends within
 6.0e-8 of the inline run (18 steps, M = 4); with τ = 2 or a codec it is bit-identical.
 
 Order: the thread runs submissions one at a time in the order they were submitted, and refuses a
-submission for an earlier step than the last, or a name submitted twice in one step. Every process submits in schedule order, so
-every process issues the same collectives in the same order and none can deadlock on another.
-Cross-process collectives issued by the training thread (metric gathers, barriers, checkpoints)
-are a second ordered stream beside this one; whether gloo keeps two streams between the same
-processes apart has not been checked here, so call `drain()` before them.
+submission for an earlier step than the last, or a name submitted twice in one step. Every process
+submits in schedule order, so every process issues the same collectives in the same order and none
+can deadlock on another. Cross-process collectives issued by the training thread (metric gathers,
+barriers, checkpoints) are a second ordered stream beside this one; whether gloo keeps two streams
+between the same processes apart has not been checked here, so call `drain()` before them.
 
 Ledger: each plan's program records its collectives once, when it is traced (in the
 executor's thread); `entries(name)` gives them and `sent_bytes` adds them up for every submission.
@@ -52,8 +54,7 @@ from typing import Any
 import jax
 
 from lowcomm_jax import codecs, mesh as mesh_lib
-from lowcomm_jax.comm import dispatch
-from lowcomm_jax.comm import ledger as ledger_lib
+from lowcomm_jax.comm import dispatch, ledger as ledger_lib
 from lowcomm_jax.comm.plan import Plan
 
 __all__ = ["OuterCommExecutor", "Issued", "check_layout", "fragment_mean"]
@@ -118,7 +119,8 @@ class OuterCommExecutor:
                mesh=None):
     if mesh is not None:
       check_layout(mesh)
-    codecs.kernel_options(kernels, codec)  # a mode that cannot run is refused before the thread starts
+    # a mode that cannot run is refused before the thread starts
+    codecs.kernel_options(kernels, codec)
     self.codec, self.kernels, self.axis_name, self.mesh = codec, kernels, axis_name, mesh
     self.issued: list[Issued] = []  # in the order the thread ran them
     self._programs: dict[tuple, Any] = {}  # (name, input layout) -> compiled program

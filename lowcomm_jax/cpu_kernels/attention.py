@@ -3,8 +3,8 @@
 XLA:CPU runs `llama.causal_attention` as batched dots with the softmax between them, and writes the
 whole [B, H, T, S] probability tensor (and its gradient) to memory between them, with transposed
 copies of k and v for the dots; on the `small` model that is a large share of a training step's CPU
-time, more than torch's fused CPU attention costs (docs/performance.md, "Fifth pass"). This
-module runs the same function as two custom calls (XLA FFI, `attention.cc`), forward and
+time, more than torch's fused CPU attention costs (benchmarks/results/README.md, 2026-11-24, pass
+5). This module runs the same function as two custom calls (XLA FFI, `attention.cc`), forward and
 backward, each working one (batch, head) slice at a time in cache:
 
   forward   S = q·kᵀ/√K (causal), O = softmax(S)·v, and the log-sum-exp L of each row of S
@@ -36,6 +36,7 @@ from jax import custom_batching
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax.cpu_kernels import build
 
 _SOURCE = pathlib.Path(__file__).with_name("attention.cc")
@@ -50,31 +51,21 @@ def load() -> pathlib.Path:
   """Builds (once per host and jaxlib) and registers the kernel with XLA; returns the library."""
   library = build.build(_SOURCE, _OPTION)
   handle = ctypes.cdll.LoadLibrary(str(library))
-  jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(handle.LowcommAttentionForward), platform="cpu")
-  jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(handle.LowcommAttentionBackward), platform="cpu")
+  jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(handle.LowcommAttentionForward),
+                              platform="cpu")
+  jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(handle.LowcommAttentionBackward),
+                              platform="cpu")
   return library
 
 
 def check(dtype, head_dim: int) -> None:
   """Raises ValueError unless the kernel supports this compute dtype and head width."""
   if jnp.dtype(dtype) != jnp.float32:
-    raise ValueError(f"model.attention='cpu_kernel' computes in float32 only; model.dtype is {dtype!r} "
-                     "(use model.attention='xla' for bfloat16)")
+    raise ValueError(f"model.attention='cpu_kernel' computes in float32 only; model.dtype "
+                     f"is {dtype!r} (use model.attention='xla' for bfloat16)")
   if head_dim not in HEAD_DIMS:
     raise ValueError(f"model.attention='cpu_kernel' supports head_dim (d_model // num_heads) in "
                      f"{HEAD_DIMS}, got {head_dim} (use model.attention='xla')")
-
-
-def _varying(x) -> frozenset:
-  aval = jax.typeof(x)
-  return frozenset(aval.mat.varying if hasattr(aval, "mat") else getattr(aval, "vma", ()))
-
-
-def _vary_like(x, like):
-  """x marked varying over the manual mesh axes `like` varies over: a custom call's results carry
-  none, and under `jax.shard_map` custom_vjp requires the gradients' types to match the inputs'."""
-  missing = tuple(sorted(_varying(like) - _varying(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _pad_time(x, t_padded: int):
@@ -137,7 +128,8 @@ def _partitioned(name: str):
 
   @batchable.def_vmap
   def _(axis_size, in_batched, *args):
-    args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+    args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a,
+            b in zip(args, in_batched)]
     out = call(*args)
     return out, tuple(True for _ in out)
 
@@ -148,8 +140,8 @@ _PARTITIONED = {name: _partitioned(name) for name in (_FORWARD, _BACKWARD)}
 
 
 def _run(name: str, *args):
-  # Inside `jax.shard_map` (manual mesh axes: the Trainer's one replica per device slice) the call is
-  # already per device, and custom_partitioning does not apply there; a mesh axis left automatic
+  # Inside `jax.shard_map` (manual mesh axes: the Trainer's one replica per device slice) the call
+  # is already per device, and custom_partitioning does not apply there; a mesh axis left automatic
   # inside it (mesh.data > 1 beside mesh.replica > 1) then sees its slices gathered to every device.
   if jax.sharding.get_abstract_mesh().manual_axes:
     return _ffi(name, *args)
@@ -174,7 +166,7 @@ def _forward(q, k, v):
   # cut from the output and get a zero cotangent.
   t_padded = -(-t // _ROWS) * _ROWS
   q, k, v = (_pad_time(x, t_padded) for x in (q, k, v))
-  out, lse = (_vary_like(x, q) for x in _run(_FORWARD, q, k, v))
+  out, lse = (mesh_lib.vary_like(x, q) for x in _run(_FORWARD, q, k, v))
   return out[..., :t, :, :], (q, k, v, out, lse)
 
 
@@ -183,7 +175,7 @@ def _backward(saved, d_out):
   t = d_out.shape[-3]
   d_out = _pad_time(d_out, q.shape[-3])
   grads = _run(_BACKWARD, q, k, v, out, lse, d_out)
-  return tuple(_vary_like(g[..., :t, :, :], x) for g, x in zip(grads, (q, k, v)))
+  return tuple(mesh_lib.vary_like(g[..., :t, :, :], x) for g, x in zip(grads, (q, k, v)))
 
 
 causal_attention.defvjp(_forward, _backward)

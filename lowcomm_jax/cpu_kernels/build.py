@@ -30,7 +30,8 @@ import tempfile
 
 import jax
 
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-shared",
+         "-fPIC", "-w")
 LIBRARIES = ("-lmvec",)  # glibc's vector math (the kernels' vector expf)
 
 
@@ -71,8 +72,9 @@ def compiler(option: str) -> str:
 def _check_private(path: pathlib.Path, st: os.stat_result, what: str) -> None:
   """Refuses `path` unless the current user owns it and neither group nor others may write it."""
   if st.st_uid != os.geteuid():
-    raise KernelCacheError(f"kernel cache: {what} {path} belongs to uid {st.st_uid}, not to this user "
-                           f"(uid {os.geteuid()}); set LOWCOMM_JAX_CACHE to a folder of your own")
+    raise KernelCacheError(f"kernel cache: {what} {path} belongs to uid {st.st_uid}, not to this "
+                           f"user (uid {os.geteuid()}); set LOWCOMM_JAX_CACHE to a folder of your "
+                           f"own")
   if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
     raise KernelCacheError(f"kernel cache: {what} {path} is writable by group or others (mode "
                            f"{stat.S_IMODE(st.st_mode):o}); make it private (chmod go-w) or set "
@@ -91,7 +93,8 @@ def _digest_file(path: pathlib.Path) -> pathlib.Path:
 
 
 def _verified(library: pathlib.Path) -> None:
-  """Checks owner, mode and the recorded SHA-256 of a cached library, read through one descriptor."""
+  """Checks owner, mode and the recorded SHA-256 of a cached library, read through one
+  descriptor."""
   with open(library, "rb") as f:
     _check_private(library, os.fstat(f.fileno()), "library")
     digest = hashlib.sha256(f.read()).hexdigest()
@@ -109,8 +112,16 @@ def _verified(library: pathlib.Path) -> None:
 
 def library_path(source: pathlib.Path) -> pathlib.Path:
   """Where `source`'s library is cached: keyed by the source, the flags, jaxlib and the host CPU."""
-  key = hashlib.sha256(b"\0".join([source.read_bytes(), jax.lib.__version__.encode(),
-                                   cpu_identity().encode(), " ".join(FLAGS + LIBRARIES).encode()])).hexdigest()[:16]
+  key = hashlib.sha256(
+    b"\0".join(
+      [
+        source.read_bytes(),
+        jax.lib.__version__.encode(),
+        cpu_identity().encode(),
+        " ".join(FLAGS + LIBRARIES).encode(),
+      ]
+    )
+  ).hexdigest()[:16]
   return cache_dir() / f"{source.stem}-{key}.so"
 
 
@@ -130,7 +141,8 @@ def build(source: pathlib.Path, option: str) -> pathlib.Path:
   # (the same compiler, source and flags), and each rename is atomic.
   with tempfile.TemporaryDirectory(dir=folder) as tmp:
     built = pathlib.Path(tmp) / library.name
-    command = [command_compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), *LIBRARIES, "-o",
+    command = [command_compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), *LIBRARIES,
+               "-o",
                str(built)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode:

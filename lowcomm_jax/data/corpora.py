@@ -13,17 +13,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import pathlib
 import zlib
 
-from lowcomm_jax.data import debian, domains, files, portable
-from lowcomm_jax.data import tokenizer as tokenizer_lib
+from lowcomm_jax.data import debian, domains, files, portable, tokenizer as tokenizer_lib
 from lowcomm_jax.data.portable import CORPORA, Document
 
 
 def load_documents(name: str) -> tuple[Document, ...]:
-  """Documents of a named corpus: one of CORPORA, `debian:<source>` once fetched, `domain_mix:<a>+<b>`,
-  or the user's files (read each time: they may change)."""
+  """Documents of a named corpus: one of CORPORA, `debian:<source>` once fetched,
+  `domain_mix:<a>+<b>`, or the user's files (read each time: they may change)."""
   if files.is_file_corpus(name):
     return tuple(files.documents(name))
   return _named_documents(name)

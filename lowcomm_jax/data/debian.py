@@ -53,20 +53,20 @@ import tempfile
 from typing import Callable, Mapping, Sequence
 
 from lowcomm_jax.data.debian_readers import (
-    FetchError,
-    run_command,
-    read_austen,
-    read_bible,
-    read_dictd,
-    read_fortunes,
-    read_info,
-    read_jargon,
-    read_man_pages,
-    read_python_docs,
-    read_wordnet,
-    render_austen,
-    render_bible,
-    render_man_pages,
+  FetchError,
+  read_austen,
+  read_bible,
+  read_dictd,
+  read_fortunes,
+  read_info,
+  read_jargon,
+  read_man_pages,
+  read_python_docs,
+  read_wordnet,
+  render_austen,
+  render_bible,
+  render_man_pages,
+  run_command,
 )
 
 Documents = list[tuple[str, str]]
@@ -333,7 +333,8 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
             "GPL-3+", "GNU Octave",
             lambda src: read_info(src, ("octave.info*", "liboctave.info*"))),
     _source("r_manuals", ["r-doc-info"],
-            "R 4.2 manuals (intro, language, extensions, admin, data, FAQ), one info node per document",
+            "R 4.2 manuals (intro, language, extensions, admin, data, FAQ), one info node per "
+            "document",
             "GPL-2", "R Core Team",
             lambda src: read_info(src, ("R-*.info*",))),
     _source("maxima_manual", ["maxima-doc"],
@@ -345,7 +346,8 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
             "Linux man-pages copyleft, GPL-2+, BSD (per page)",
             "Linux man-pages project 6.03", read_man_pages, render_man_pages),
     _source("man_pages_dev", ["manpages-dev"],
-            "Linux system-call and C library man pages (sections 2, 3), one page (roff stripped) per document",
+            "Linux system-call and C library man pages (sections 2, 3), one page (roff stripped) "
+            "per document",
             "Linux man-pages copyleft, GPL-2+, BSD (per page)",
             "Linux man-pages project 6.03", read_man_pages, render_man_pages),
 ]}

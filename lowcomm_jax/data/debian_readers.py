@@ -1,4 +1,5 @@
-"""Readers that turn the extracted Debian packages into documents (used by `lowcomm_jax.data.debian`).
+"""Readers that turn the extracted Debian packages into documents (used by
+`lowcomm_jax.data.debian`).
 
 Each reader takes the folder a package was extracted into and returns `(doc_id, text)` pairs in a
 deterministic order; a `render_*` step, where a source has one, turns the package's own format

@@ -15,19 +15,19 @@ the standard library); licence texts and fortunes are far from all.
 | stdlib | train | Python standard library source (`portable`) | PSF-2.0 |
 | python_docs | train | Python 3.11 docs, reST (`python3.11-doc`) | PSF-2.0 |
 | octave_manual | train | GNU Octave manual, info (`octave-doc`) | GPL-3+ |
-| man_pages_dev | train | Linux man pages 2 and 3 (`manpages-dev`) | man-pages copyleft, GPL-2+, BSD |
+| man_pages_dev | train | man pages 2 and 3 (`manpages-dev`) | man-pages copyleft, GPL-2+, BSD |
 | foldoc | train | Free On-line Dictionary of Computing (`dict-foldoc`) | GFDL-1.1+ |
 | gcide | train | GNU Collaborative Intl. Dictionary of English (`dict-gcide`) | GPL-2+ |
 | wordnet | train | WordNet 3.0 glosses (`wordnet-base`) | WordNet 3.0 licence |
 | austen | train | Jane Austen's six novels (`r-cran-janeaustenr`) | public domain (R package MIT) |
 | bible_kjv | train | King James Bible (`bible-kjv-text`) | public domain |
 | docstrings | held out | numpy and scipy docstrings (`portable`) | BSD-3-Clause |
-| licenses | held out | SPDX licence texts (`licenseclassifier`) | each its own; collection Apache-2.0 |
+| licenses | held out | SPDX licence texts (`licenseclassifier`) | each its own; all: Apache-2.0 |
 | jargon | held out | The Jargon File 4.4.7 (`jargon-text`) | public domain |
 | fortunes | held out | BSD fortune cookies (`fortunes`) | BSD (fortune-mod) |
 | r_manuals | held out | R 4.2 manuals, info (`r-doc-info`) | GPL-2 |
 | maxima_manual | held out | Maxima 5.46 manual, info (`maxima-doc`) | GPL-2 |
-| man_pages | held out | Linux man pages 1, 4, 5, 7, 8 (`manpages`) | man-pages copyleft, GPL-2+, BSD |
+| man_pages | held out | man pages 1, 4, 5, 7, 8 (`manpages`) | man-pages copyleft, GPL-2+, BSD |
 
 Splits are by document: a document goes to train, validation or test by a
 hash of ``domain/doc_id`` (80/10/10), which is deterministic, disjoint, and
@@ -51,9 +51,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lowcomm_jax.data import debian
-from lowcomm_jax.data import portable
-from lowcomm_jax.data import tokenizer as tokenizer_lib
+from lowcomm_jax.data import debian, portable, tokenizer as tokenizer_lib
 
 SPLITS = ("train", "validation", "test")
 # Cumulative fractions of train and train+validation (the paper's 80/10/10).
@@ -230,7 +228,9 @@ def _domain_bytes(name: str, split: str, cache_key: str) -> np.ndarray:
   return stream
 
 
-def split_sizes(name: str, cache_dir: str | os.PathLike | None = None) -> dict[str, tuple[int, int]]:
+def split_sizes(
+  name: str, cache_dir: str | os.PathLike | None = None
+) -> dict[str, tuple[int, int]]:
   """``{split: (num_documents, num_bytes)}`` of one domain."""
   return {split: (len(docs), sum(len(t.encode("utf-8")) + 1 for _, t in docs))
           for split, docs in zip(SPLITS, _splits(get_domain(name).name, _cache_key(cache_dir)))}

@@ -1,4 +1,5 @@
-"""Deterministic grain pipelines over a token stream: train batches per replica shard, fixed eval batches.
+"""Deterministic grain pipelines over a token stream: train batches per replica shard, fixed eval
+batches.
 
 The token stream is cut into non-overlapping windows of `seq_len + 1` tokens
 (inputs and shifted targets). Replica r of R owns the contiguous windows
@@ -17,10 +18,7 @@ import math
 import grain
 import numpy as np
 
-from lowcomm_jax.data import corpora
-from lowcomm_jax.data import domains
-from lowcomm_jax.data import files
-from lowcomm_jax.data import tokenizer as tokenizer_lib
+from lowcomm_jax.data import corpora, domains, files, tokenizer as tokenizer_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +77,14 @@ def load_splits(corpus: str, eval_permille: int = 20, tokenizer: str = "bytes",
     train, held = tail_split(ids, eval_permille)
   else:
     docs = list(files.cut(corpora.load_documents(corpus), doc_separator, doc_chars))
-    train = tok.encode_documents(t for d, t in docs if not corpora.is_eval_document(d, eval_permille))
+    train = tok.encode_documents(t for d,
+                                 t in docs if not corpora.is_eval_document(d, eval_permille))
     held = tok.encode_documents(t for d, t in docs if corpora.is_eval_document(d, eval_permille))
     if not len(held) or not len(train):  # too few documents for a split by documents
       train, held = tail_split(tok.encode_documents(t for _, t in docs), eval_permille)
   counted = held[:BYTES_COUNTED_TOKENS]
-  _SPLITS_CACHE[key] = TokenSplits(corpus, train, held, tok.count_bytes(counted) / max(len(counted), 1))
+  _SPLITS_CACHE[key] = TokenSplits(corpus, train, held,
+                                   tok.count_bytes(counted) / max(len(counted), 1))
   return _SPLITS_CACHE[key]
 
 
@@ -96,12 +96,21 @@ def tail_split(stream: np.ndarray, eval_permille: int) -> tuple[np.ndarray, np.n
 
 
 def check_token_vocab(corpus: str, meta: dict, tok) -> None:
-  """Pre-tokenized ids must come from a vocabulary no larger than `data.tokenizer`'s."""
+  """Pre-tokenized ids must come from `data.tokenizer`: the tokenizer their metadata names by
+  SHA-256 (prepare_data.py records it), or, in metadata without one, a vocabulary no larger."""
+  recorded = meta.get("tokenizer_sha256")
+  if recorded and recorded != tokenizer_lib.sha256_of(tok):
+    spec = getattr(tok, "spec", tok)
+    raise ValueError(f"data.corpus={corpus!r} was tokenized by {meta.get('tokenizer', '?')!r} "
+                     f"(sha256 {recorded[:12]}), but data.tokenizer={spec!r} is another "
+                     f"tokenizer (sha256 {tokenizer_lib.sha256_of(tok)[:12]}); set "
+                     "data.tokenizer to the one that prepared it, or prepare the corpus again")
   if int(meta["vocab_size"]) > tok.vocab_size:
-    raise ValueError(f"data.tokenizer={getattr(tok, 'spec', tok)!r} has {tok.vocab_size} tokens but "
-                     f"data.corpus={corpus!r} holds ids of a vocabulary of {meta['vocab_size']} (its "
-                     f"metadata names tokenizer {meta.get('tokenizer', '?')!r}); set data.tokenizer "
-                     "to that tokenizer")
+    raise ValueError(f"data.tokenizer={getattr(tok, 'spec', tok)!r} has {tok.vocab_size} tokens "
+                     f"but data.corpus={corpus!r} holds ids of a vocabulary "
+                     f"of {meta['vocab_size']} (its metadata names "
+                     f"tokenizer {meta.get('tokenizer', '?')!r}); set data.tokenizer to that "
+                     f"tokenizer")
 
 
 class _Windows:
@@ -123,7 +132,8 @@ def num_windows(tokens: np.ndarray, seq_len: int) -> int:
 
 
 def shard_range(total: int, shard_index: int, num_shards: int) -> tuple[int, int]:
-  """[first, last) windows of a shard: contiguous, disjoint, covering all but a remainder < num_shards."""
+  """[first, last) windows of a shard: contiguous, disjoint, covering all but a remainder <
+  num_shards."""
   per_shard = total // num_shards
   return shard_index * per_shard, (shard_index + 1) * per_shard
 
@@ -133,17 +143,19 @@ def train_dataset(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
   """Infinite, shuffled batches [batch_size, seq_len + 1] of one shard."""
   first, last = shard_range(num_windows(tokens, seq_len), shard_index, num_shards)
   if last - first < batch_size:
-    raise ValueError(f"data.batch_size={batch_size} with data.seq_len={seq_len}: shard {shard_index} "
-                     f"of {num_shards} has only {last - first} windows of {seq_len + 1} tokens; "
-                     f"data.batch_size must be <= {last - first}, or data.seq_len at most "
-                     f"{max((len(tokens) - 1) // (num_shards * batch_size), 1)}")
+    raise ValueError(f"data.batch_size={batch_size} with data.seq_len={seq_len}: "
+                     f"shard {shard_index} of {num_shards} has only {last - first} windows "
+                     f"of {seq_len + 1} tokens; data.batch_size must be <= {last - first}, or "
+                     f"data.seq_len at "
+                     f"most {max((len(tokens) - 1) // (num_shards * batch_size), 1)}")
   source = _Windows(tokens, seq_len, first, last - first)
   ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
   return ds.batch(batch_size, drop_remainder=True, batch_fn=np.stack)
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int) -> np.ndarray:
-  """Up to `max_batches` batches of held-out windows spread evenly over the eval text: [n, B, T + 1]."""
+  """Up to `max_batches` batches of held-out windows spread evenly over the eval text: [n, B, T +
+  1]."""
   total = num_windows(tokens, seq_len)
   n = min(total // batch_size, max_batches)
   if n < 1:

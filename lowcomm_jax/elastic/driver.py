@@ -30,12 +30,10 @@ import warnings
 
 import ml_collections
 
-from lowcomm_jax import checks
-from lowcomm_jax import config as config_lib
+from lowcomm_jax import checks, config as config_lib
 from lowcomm_jax.data import corpora
-from lowcomm_jax.elastic import faults as faults_lib
-from lowcomm_jax.elastic import options
-from lowcomm_jax.train import workdir as workdir_lib
+from lowcomm_jax.elastic import faults as faults_lib, options
+from lowcomm_jax.train import run_inputs, workdir as workdir_lib
 
 
 def start_ray(address: str, num_cpus: float, temp_dir: str | None = None):
@@ -70,15 +68,17 @@ def start(config: ml_collections.ConfigDict, workdir) -> "ElasticRun":
   options.check(config)
   work = workdir_lib.check_path(workdir)
   identity = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
+  inputs = run_inputs.describe(config)
   state = workdir_lib.check_workdir(work, config_lib.fingerprint(config),
-                                    config_lib.fingerprint(config_lib.default_config()), identity)
+                                    config_lib.fingerprint(config_lib.default_config()), identity,
+                                    inputs, kind="elastic")
   if state == workdir_lib.COMPLETE:
     return ElasticRun(config, work, None, complete=True)
   lock = workdir_lib.lock_run(work)
   try:
     if state == workdir_lib.NEW:
       workdir_lib.write_config(work, json.loads(config.to_json_best_effort()),
-                               config_lib.fingerprint(config), identity)
+                               config_lib.fingerprint(config), identity, inputs, kind="elastic")
     return ElasticRun(config, work, lock)
   except BaseException:
     if lock is not None:
@@ -115,9 +115,18 @@ class ElasticRun:
       self._namespace = options.namespace(work)
       self._config_json = config.to_json_best_effort()
       self.began = time.time()
-      self.syncer = self._ray.remote(Syncer).options(
-          name="syncer", namespace=self._namespace, max_restarts=e.max_restarts,
-          max_task_retries=-1, num_cpus=0, max_concurrency=1000).remote(self._config_json, str(work))
+      self.syncer = (
+        self._ray.remote(Syncer)
+        .options(
+          name="syncer",
+          namespace=self._namespace,
+          max_restarts=e.max_restarts,
+          max_task_retries=-1,
+          num_cpus=0,
+          max_concurrency=1000,
+        )
+        .remote(self._config_json, str(work))
+      )
       self._ray.get(self.syncer.begin.remote())
       for i in self._ray.get(self.syncer.status.remote())["members"]:  # resumed: as saved
         self._start_learner(i)
@@ -255,7 +264,8 @@ class ElasticRun:
       while kills and time.time() - self.began >= kills[0][0]:
         _, victim = kills.pop(0)
         if victim in runs and victim not in removed:
-          faults_lib.fire_once(work, faults_lib.Fault("kill", learner=victim, step=-len(deaths) - 1))
+          faults_lib.fire_once(work,
+                               faults_lib.Fault("kill", learner=victim, step=-len(deaths) - 1))
           ray.kill(self.learners[victim], no_restart=False)
     status = ray.get(self.syncer.status.remote())
     if not status["done"]:  # stop_at_step: the learners ended before the last round

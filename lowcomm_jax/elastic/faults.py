@@ -53,7 +53,8 @@ def parse(spec: str, num_learners: int) -> tuple[Fault, ...]:
   for item in (s.strip() for s in spec.split(",") if s.strip()):
     kind, *fields = item.split(":")
     if kind not in KINDS:
-      raise ValueError(f"elastic.faults: unknown fault kind {kind!r} in {item!r}; allowed: {_SYNTAX}")
+      raise ValueError(f"elastic.faults: unknown fault kind {kind!r} in {item!r}; "
+                       f"allowed: {_SYNTAX}")
     values = {}
     for field in fields:
       key, _, value = field.partition("=")
@@ -63,7 +64,8 @@ def parse(spec: str, num_learners: int) -> tuple[Fault, ...]:
       try:
         values[key] = float(value) if key in ("seconds", "factor") else int(value)
       except ValueError:
-        raise ValueError(f"elastic.faults: {item!r}: {key} must be a number, got {value!r}") from None
+        raise ValueError(f"elastic.faults: {item!r}: {key} must be a number, "
+                         f"got {value!r}") from None
     missing = [k for k in KINDS[kind] if k not in values]
     if missing:
       raise ValueError(f"elastic.faults: {item!r} lacks {', '.join(missing)} ({_SYNTAX})")

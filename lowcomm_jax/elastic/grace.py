@@ -37,7 +37,8 @@ HISTORY = 4
 
 
 class Arrivals:
-  """When each learner's Δ_p arrived, per fragment; predicts the next arrival (see the module doc)."""
+  """When each learner's Δ_p arrived, per fragment; predicts the next arrival (see the module
+  doc)."""
 
   def __init__(self):
     self._times = collections.defaultdict(lambda: collections.deque(maxlen=HISTORY + 1))

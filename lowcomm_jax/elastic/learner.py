@@ -1,4 +1,5 @@
-"""One learner of an elastic run: an independent training program that syncs fragments with a syncer.
+"""One learner of an elastic run: an independent training program that syncs fragments with a
+syncer.
 
 A Ray actor (`ray.remote(Learner)`) owning its devices. Inside it the Trainer's machinery builds one
 replica (`options.learner_config`: the inner optimizer alone, compiled for its own mesh) and learner
@@ -23,6 +24,7 @@ progress.json (tokens computed and bytes sent and received, summed over its rest
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -36,10 +38,8 @@ import numpy as np
 
 from lowcomm_jax import comm
 from lowcomm_jax.comm import remote
-from lowcomm_jax.elastic import faults as faults_lib
-from lowcomm_jax.elastic import options
-from lowcomm_jax.optim import fragments as frag_lib
-from lowcomm_jax.optim import schedule as schedule_lib
+from lowcomm_jax.elastic import faults as faults_lib, options
+from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
 
 
 class Learner:
@@ -47,6 +47,7 @@ class Learner:
 
   def __init__(self, config_json: str, run_dir: str, learner: int):
     import ray  # pylint: disable=g-import-not-at-top
+
     from lowcomm_jax.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
     self.started = time.time()
     self.config = c = ml_collections.ConfigDict(json.loads(config_json))
@@ -54,7 +55,7 @@ class Learner:
     self.index = learner
     self.dir = self.run_dir / "learners" / str(learner)
     self.dir.mkdir(parents=True, exist_ok=True)
-    self._event("start")
+    self._event("start", pid=os.getpid())  # the process (a restart is another)
     options.use_compilation_cache(self.run_dir)  # a restarted learner compiles nothing again
     self.syncer = ray.get_actor("syncer", namespace=options.namespace(self.run_dir))
     self.trainer = Trainer(options.learner_config(c), self.dir / "model")
@@ -106,6 +107,7 @@ class Learner:
   def run(self) -> dict:
     """Trains until the last step or the last round; returns this start's counts."""
     import ray  # pylint: disable=g-import-not-at-top
+
     from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
     from lowcomm_jax.train import metrics  # pylint: disable=g-import-not-at-top
     c, tr = self.config, self.trainer
@@ -169,10 +171,12 @@ class Learner:
         delta = jax.device_get(delta_fns[p](phi, state.params))
         ledger = comm.Ledger()
         with ledger.recording():
-          payload, residuals[p] = remote.encode(self.plans[p], self.tx.plan_name(p), delta, residuals[p])
+          payload, residuals[p] = remote.encode(self.plans[p], self.tx.plan_name(p), delta,
+                                                residuals[p])
         self.progress["bytes_sent"] += ledger.sent_bytes
         pending[p] = self.syncer.exchange.remote(self.index, p, base_round[p], payload,
-                                                 tokens_since[p], step, float(np.mean(losses_since[p])))
+                                                 tokens_since[p], step,
+                                                 float(np.mean(losses_since[p])))
         tokens_since[p], losses_since[p] = 0, []
       for p in phase.receive:
         if p not in pending:  # sent before this learner (re)joined
@@ -245,9 +249,13 @@ class Learner:
         self._event(fault.kind, step=step, seconds=fault.seconds)
         if fault.kind == "kill":
           os._exit(1)  # pylint: disable=protected-access
-        # SIGSTOP from another process, which wakes this one D seconds later
-        subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {fault.seconds}; "
-                          f"kill -CONT {os.getpid()}"], start_new_session=True)
+        # SIGSTOP from another process, which wakes this one D seconds later; it looks every
+        # 0.1 s and ends at once when something else woke or ended this process first, so it
+        # never outlives the stop nor signals a process id that was used again
+        pid, ticks = os.getpid(), max(1, math.ceil(fault.seconds * 10))
+        subprocess.Popen(["sh", "-c", f"kill -STOP {pid}; i=0; while [ $i -lt {ticks} ]; do "
+                          f"sleep 0.1; i=$((i+1)); grep -q '^State:.*stopped' /proc/{pid}/status "
+                          f"2>/dev/null || exit 0; done; kill -CONT {pid}"], start_new_session=True)
         time.sleep(0.05)
     return slow
 

@@ -26,7 +26,9 @@ ALGORITHMS = ("diloco", "streaming_diloco")
 
 def namespace(run_dir) -> str:
   """The Ray namespace of the run in `run_dir` (two runs on one cluster never share actors)."""
-  return "lowcomm-" + hashlib.sha256(str(pathlib.Path(run_dir).absolute()).encode()).hexdigest()[:16]
+  return (
+    "lowcomm-" + hashlib.sha256(str(pathlib.Path(run_dir).absolute()).encode()).hexdigest()[:16]
+  )
 
 
 def learner_name(learner: int) -> str:
@@ -61,7 +63,8 @@ def quorum(config) -> int:
 
 
 def spmd_config(config) -> ml_collections.ConfigDict:
-  """The SPMD run an elastic run equals when nothing fails: num_replicas = N, one replica per slot."""
+  """The SPMD run an elastic run equals when nothing fails: num_replicas = N, one replica per
+  slot."""
   c = copy.deepcopy(config)
   with c.unlocked():
     c.num_replicas = num_learners(config)

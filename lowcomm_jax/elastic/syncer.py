@@ -36,11 +36,8 @@ import ml_collections
 import numpy as np
 
 from lowcomm_jax.comm import remote
-from lowcomm_jax.elastic import faults as faults_lib
-from lowcomm_jax.elastic import grace as grace_lib
-from lowcomm_jax.elastic import options
-from lowcomm_jax.optim import fragments as frag_lib
-from lowcomm_jax.optim import schedule as schedule_lib
+from lowcomm_jax.elastic import faults as faults_lib, grace as grace_lib, options
+from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
 
 
 def host(tree):
@@ -69,7 +66,9 @@ class Syncer:
                          for p in range(self.num_fragments)]
     self.quorum = options.quorum(c)
     self.phi = jax.tree.map(lambda x: x.astype(np.float32), self.params)
-    self.outer_states = [host(self.tx.outer.init(frag_lib.extract(f, self.phi))) for f in self.frags]
+    self.outer_states = [
+      host(self.tx.outer.init(frag_lib.extract(f, self.phi))) for f in self.frags
+    ]
     self.rounds = [0] * self.num_fragments
     self.step = 0  # the latest step a closed round merged
     self.live: set[int] = set()
@@ -138,7 +137,8 @@ class Syncer:
 
   def add(self) -> int:
     """A learner added while the run goes on: its index (a member from now on, live once it
-    joins; it starts from φ and the step of the latest closed round, as a rejoining learner does)."""
+    joins; it starts from φ and the step of the latest closed round, as a rejoining learner
+    does)."""
     learner = self._next_index
     self._next_index += 1
     self.members.add(learner)
@@ -207,7 +207,8 @@ class Syncer:
       return {"phi": frag_lib.extract(self.frags[p], self.phi), "round": r, "done": False,
               "accepted": False, "step": self.step}
     self._open[p][learner] = dict(delta=remote.decode(self.plans[p], payload), weight=weight,
-                                  tokens=int(tokens), step=int(step), loss=float(loss), behind=behind)
+                                  tokens=int(tokens), step=int(step), loss=float(loss),
+                                  behind=behind)
     event = self._closed.setdefault((p, r), asyncio.Event())
     self._check_close(p)
     await event.wait()
@@ -222,7 +223,12 @@ class Syncer:
     accepted = sum(1 for x in contributions.values() if x["weight"] > 0)
     need = max(min(self.quorum, len(self.live)), 1)
     for fault in self._faults:  # the syncer dies with a quorum in hand, before closing
-      if p == 0 and r == fault.round and accepted >= need and faults_lib.fire_once(self.run_dir, fault):
+      if (
+        p == 0
+        and r == fault.round
+        and accepted >= need
+        and faults_lib.fire_once(self.run_dir, fault)
+      ):
         os._exit(1)  # pylint: disable=protected-access
     if self.live <= set(contributions):
       self._close(p)

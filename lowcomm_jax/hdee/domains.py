@@ -1,4 +1,5 @@
-"""HDEE's chains: the training domains grouped by measured difficulty, and byte-bigram stand-in experts.
+"""HDEE's chains: the training domains grouped by measured difficulty, and byte-bigram stand-in
+experts.
 
 HDEE (docs/algorithms.md §4.1) trains three expert chains, each over three
 domains in turn, and groups the chains by difficulty (hard, moderate, easy).
@@ -25,9 +26,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from lowcomm_jax.data import debian
-from lowcomm_jax.data import domains as domains_lib
-from lowcomm_jax.data import tokenizer as tokenizer_lib
+from lowcomm_jax.data import debian, domains as domains_lib, tokenizer as tokenizer_lib
 from lowcomm_jax.data.domains import SPLITS, TRAIN_DOMAINS
 
 CHAIN_NAMES = ("hard", "moderate", "easy")
@@ -208,7 +207,8 @@ def bigram_expert_tables(chains: Mapping[str, Sequence[str]],
   """One byte-bigram "expert" per chain, counted on its domains' training splits."""
   return {chain: bigram_log_prob_table(np.concatenate(
       [_evenly_spaced_sample(domains_lib.domain_bytes(name, "train", cache_dir),
-                             max_bytes_per_domain) for name in names])) for chain, names in chains.items()}
+                             max_bytes_per_domain) for name in names])) for chain,
+          names in chains.items()}
 
 
 def bigram_expert_log_probs(tables: Sequence[np.ndarray], tokens_BxT: np.ndarray) -> np.ndarray:

@@ -27,11 +27,13 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from lowcomm_jax.data import domains as domains_lib
-from lowcomm_jax.hdee import domains as chains_lib
-from lowcomm_jax.hdee import ensemble
-from lowcomm_jax.hdee import experts as experts_lib
-from lowcomm_jax.hdee import scoring
-from lowcomm_jax.hdee import plan as plan_lib
+from lowcomm_jax.hdee import (
+  domains as chains_lib,
+  ensemble,
+  experts as experts_lib,
+  plan as plan_lib,
+  scoring,
+)
 
 COMPUTE_TOLERANCE = 0.02
 # Ensemble and baseline columns of the table, in order.
@@ -238,11 +240,13 @@ def plot_results(results: Mapping, path: pathlib.Path) -> None:
   for i, s in enumerate(settings):
     values = np.array([results["domains"][n][s][WIN_METHOD] for n in names])
     base = np.array([results["domains"][n]["homogeneous"][WIN_METHOD] for n in names])
-    top.bar(x + (i - 1) * width, values, width, label=f"{s} ({results['settings'][s]['paper_name']})")
+    top.bar(x + (i - 1) * width, values, width,
+            label=f"{s} ({results['settings'][s]['paper_name']})")
     bottom.bar(x + (i - 1) * width, 100 * (values / base - 1), width)
   best_single = np.array([min(results["domains"][n][s]["best_expert"] for s in settings)
                           for n in names])
-  top.scatter(x, best_single, marker="_", color="k", s=200, label="best single expert (any setting)")
+  top.scatter(x, best_single, marker="_", color="k", s=200,
+              label="best single expert (any setting)")
   top.set_yscale("log")
   top.set_ylabel("test perplexity (cached prior)")
   top.legend(fontsize=8)

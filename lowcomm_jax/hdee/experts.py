@@ -43,7 +43,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import pathlib
 from typing import Mapping, Sequence

@@ -268,8 +268,11 @@ def make_plans(budget_flops: float, flops_per_token: Callable[[str], float],
 def format_plans(plans: Mapping[str, Plan]) -> str:
   """A Markdown table: per setting, each chain's size, steps and FLOPs, and the total."""
   chain_names = chains_lib.CHAIN_NAMES
-  header = ("| setting | " + " | ".join(f"{c} chain: size, steps/domain, FLOPs" for c in chain_names)
-            + " | total FLOPs | vs homogeneous |")
+  header = (
+    "| setting | "
+    + " | ".join(f"{c} chain: size, steps/domain, FLOPs" for c in chain_names)
+    + " | total FLOPs | vs homogeneous |"
+  )
   lines = [header, "|---" * (len(chain_names) + 3) + "|"]
   reference = plans["homogeneous"].flops if "homogeneous" in plans else None
   for setting, plan in plans.items():

@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lowcomm_jax.data import domains as domains_lib
-from lowcomm_jax.data import pipeline
+from lowcomm_jax.data import domains as domains_lib, pipeline
 from lowcomm_jax.models import llama
 from lowcomm_jax.train import checkpoint
 
@@ -87,7 +86,8 @@ def token_log_probs(expert: Expert, windows_BxT1: np.ndarray, batch_size: int = 
 
 
 def document_log_probs(expert: Expert, tokens: np.ndarray, window: int) -> np.ndarray:
-  """Per-token log-probs [len(tokens) - 1] of a long 1-D token stream, read `window` tokens at a time.
+  """Per-token log-probs [len(tokens) - 1] of a long 1-D token stream, read `window` tokens at a
+  time.
 
   Consecutive windows overlap by one token, so every token after the first is
   scored once; the context restarts at each window (the model's positions are
@@ -103,7 +103,8 @@ def document_log_probs(expert: Expert, tokens: np.ndarray, window: int) -> np.nd
 
 
 def domain_windows(name: str, split: str, seq_len: int, count: int) -> np.ndarray:
-  """`count` windows [count, seq_len + 1] spread evenly over one split of a domain, in text order."""
+  """`count` windows [count, seq_len + 1] spread evenly over one split of a domain, in text
+  order."""
   if count < 1:
     raise ValueError(f"count must be >= 1, got {count}")
   tokens = np.asarray(domains_lib.domain_bytes(name, split))
@@ -139,7 +140,8 @@ def load_log_probs(path: pathlib.Path) -> dict[str, dict[str, np.ndarray]]:
 def cached_log_probs(path: pathlib.Path, make_expert: Callable[[], Expert], names: Sequence[str],
                      seq_len: int, validation_count: int, test_count: int
                      ) -> dict[str, dict[str, np.ndarray]]:
-  """`expert_log_probs`, read from `path` when an earlier run already wrote them for these windows."""
+  """`expert_log_probs`, read from `path` when an earlier run already wrote them for these
+  windows."""
   if path.exists():
     cached = load_log_probs(path)
     if set(names) <= set(cached) and all(

@@ -4,16 +4,15 @@
 presets are the Streaming DiLoCo paper's C4 scaling models (docs/algorithms.md §1.4:
 layers L = 6/9/12/15/18/24/36, heads 8..48, d = 64·heads, vocabulary V = 32k) in bfloat16, for
 accelerators. The papers name a model by 12·d²·L + V·d (attention 4d², a 4d-wide MLP 8d², one
-embedding); here the MLP is a SwiGLU (three d × d_ff matrices) with d_ff = 8d/3 rounded to a multiple
-of 64, so the blocks hold the papers' 12·d²·L (within 2%), and the untied output head adds one more
-V·d. `param_count` gives the exact count; docs/accelerators.md lists each preset's parameters, state
-bytes per device and the mesh it needs.
+embedding); here the MLP is a SwiGLU (three d × d_ff matrices) with d_ff = 8d/3 rounded to a
+multiple of 64, so the blocks hold the papers' 12·d²·L (within 2%), and the untied output head adds
+one more V·d. `param_count` gives the exact count; docs/accelerators.md lists each preset's
+parameters, state bytes per device and the mesh it needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 
 LAYER_LOOPS = ("auto", "scan", "unroll")
 ATTENTIONS = ("xla", "dot_product", "cpu_kernel")

@@ -1,4 +1,5 @@
-"""Autoregressive sampling from the Llama-style decoder with a key/value cache, in one jitted program.
+"""Autoregressive sampling from the Llama-style decoder with a key/value cache, in one jitted
+program.
 
 The decoder's own modules (`llama.Decoder`: embedding, RMSNorms, SwiGLU, head, rotary tables) run
 unchanged; only attention is written here, because with a cache a query at position p attends to
@@ -69,7 +70,8 @@ def sample(logits_BxV, sampling: Sampling, key) -> jax.Array:
     # A token is kept when the probability of the tokens ranked above it is still below p, so the
     # most likely token is always kept; the cut-off is the smallest logit kept.
     before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff = jnp.min(jnp.where(before < sampling.top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    cutoff = jnp.min(jnp.where(before < sampling.top_p, sorted_desc, jnp.inf), axis=-1,
+                     keepdims=True)
     logits = jnp.where(logits < cutoff, -jnp.inf, logits)
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
@@ -94,8 +96,10 @@ def _cached_attention(attn: llama.Attention, x_BxTxD, cos, sin, k_BxSxHxK, v_BxS
   project = lambda w: jnp.einsum("btd,dhk->bthk", x_BxTxD, w[...].astype(dt))
   q = llama.apply_rotary(project(attn.wq), cos, sin)
   k_new = llama.apply_rotary(project(attn.wk), cos, sin)
-  k_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(k_BxSxHxK, k_new.astype(k_BxSxHxK.dtype), start, 1)
-  v_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(v_BxSxHxK, project(attn.wv).astype(v_BxSxHxK.dtype),
+  k_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(k_BxSxHxK, k_new.astype(k_BxSxHxK.dtype), start,
+                                                  1)
+  v_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(v_BxSxHxK,
+                                                  project(attn.wv).astype(v_BxSxHxK.dtype),
                                                  start, 1)
   scores = jnp.einsum("bthk,bshk->bhts", q, k_BxSxHxK).astype(jnp.float32) / q.shape[-1] ** 0.5
   t, s = scores.shape[-2:]

@@ -52,13 +52,15 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x_BxTxD):
-    return cpu_tuned(functools.partial(rms_norm, self.eps), functools.partial(_rms_norm_plain, self.eps))(
-        x_BxTxD, self.scale[...])
+    return cpu_tuned(
+      functools.partial(rms_norm, self.eps), functools.partial(_rms_norm_plain, self.eps)
+    )(x_BxTxD, self.scale[...])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def rms_norm(eps: float, x, scale):
-  """x · r · scale with r = 1 / √(mean(x²) + eps) over the last axis, in float32, cast back to x's dtype.
+  """x · r · scale with r = 1 / √(mean(x²) + eps) over the last axis, in float32, cast back to x's
+  dtype.
 
   The backward is written by hand so that no [tokens, D] array is written for it in the forward
   and one in the backward: autodiff saved the normalised x̂ = x · r (one [tokens, D] write per norm
@@ -104,7 +106,8 @@ def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, 
   Computed when the step is traced, so they enter the compiled program as constants: traced, XLA
   fused the cos and sin into every rotary fusion and evaluated them once per element of q and k
   (B·H times per table entry, in the forward and again in the backward), a visible share of the
-  `small` model's step (docs/performance.md). Same XLA ops, so the same values.
+  `small` model's step (benchmarks/results/README.md, 2026-11-23, pass 2). Same XLA ops, so the same
+  values.
   """
   with jax.ensure_compile_time_eval():
     inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
@@ -223,7 +226,8 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
-    out_std = _INIT_STD / (2 * cfg.num_layers) ** 0.5  # keeps the residual stream's scale with depth
+    # keeps the residual stream's scale with depth
+    out_std = _INIT_STD / (2 * cfg.num_layers) ** 0.5
     self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
     self.wk = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
     self.wv = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), _INIT_STD)
@@ -239,7 +243,9 @@ class Attention(nnx.Module):
     # and jax.nn.dot_product_attention read the projections' own [B, T, H, K].
     heads = "bthk" if time_first else "bhtk"
     project_heads = lambda w: projection(f"btd,dhk->{heads}", x_BxTxD, w[...].astype(dt))
-    cos, sin = (cos[None, :, None], sin[None, :, None]) if time_first else (cos[None, None], sin[None, None])
+    cos, sin = (
+      (cos[None, :, None], sin[None, :, None]) if time_first else (cos[None, None], sin[None, None])
+    )
     q = apply_rotary(project_heads(self.wq), cos, sin)
     k = apply_rotary(project_heads(self.wk), cos, sin)
     if self.attention == "cpu_kernel":
@@ -294,7 +300,8 @@ class SwiGLU(nnx.Module):
   gate and up are one matmul against the two weights stacked on a new axis ([D, 2, F]: the same
   sharding along F as each weight): one [B·T, 2F] product and, in the backward, one input-gradient
   matmul and one weight-gradient matmul for both, instead of two each and a sum: fewer, larger
-  matmuls, cheaper on CPU (docs/performance.md); the same arithmetic per output element.
+  matmuls, cheaper on CPU (benchmarks/results/README.md, 2026-11-23, pass 2); the same arithmetic
+  per output element.
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -396,7 +403,8 @@ class Decoder(nnx.Module):
     else:
       run = block_fn(graphdef, cfg.remat, scanned=True)
       def run_indexed(x, layer_index):
-        # Gathering one layer's slice: a skipped layer's slice is never read, so it gets no gradient.
+        # Gathering one layer's slice: a skipped layer's slice is never read, so it gets no
+        # gradient.
         layer_state = jax.tree.map(lambda a: a[layer_index], blocks_state)
         return run(layer_state, x, cos, sin), None
       x_BxTxD, _ = jax.lax.scan(run_indexed, x_BxTxD, jnp.asarray(path, jnp.int32))
@@ -426,7 +434,8 @@ def logical_axes(model: Decoder) -> dict[str, tuple[str, ...]]:
     if path[0] == "blocks":
       axes = ("layers",) + axes
     if len(axes) != len(variable.get_value().shape):
-      raise ValueError(f"parameter {name} has {len(variable.get_value().shape)} dims but logical axes {axes}")
+      raise ValueError(f"parameter {name} has {len(variable.get_value().shape)} dims but logical "
+                       f"axes {axes}")
     axes_by_path[name] = axes
   return axes_by_path
 

@@ -5,8 +5,15 @@ from lowcomm_jax.optim.noloco import NoLoCo, NoLoCoState, noloco
 from lowcomm_jax.optim.outer import outer_nesterov
 from lowcomm_jax.optim.schedule import FragmentSchedule, Phase, make_schedule, phase_at
 from lowcomm_jax.optim.sparseloco import SparseLoCo, sparseloco
-from lowcomm_jax.optim.streaming import StreamingDiLoCo, StreamingDiLoCoState, diloco, streaming_diloco
+from lowcomm_jax.optim.streaming import (
+  StreamingDiLoCo,
+  StreamingDiLoCoState,
+  diloco,
+  streaming_diloco,
+)
 
-__all__ = ["NoLoCo", "NoLoCoState", "noloco", "Fragment", "FragmentSchedule", "Phase", "StreamingDiLoCo", "StreamingDiLoCoState", "diloco",
-           "layer_fragments", "make_schedule", "outer_nesterov", "phase_at", "SparseLoCo", "sparseloco", "streaming_diloco",
+__all__ = ["NoLoCo", "NoLoCoState", "noloco", "Fragment", "FragmentSchedule", "Phase",
+           "StreamingDiLoCo", "StreamingDiLoCoState", "diloco",
+           "layer_fragments", "make_schedule", "outer_nesterov", "phase_at", "SparseLoCo",
+           "sparseloco", "streaming_diloco",
            "whole_model"]

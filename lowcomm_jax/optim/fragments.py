@@ -1,4 +1,5 @@
-"""Fragments: disjoint pieces of the parameter tree that Streaming DiLoCo syncs on their own schedule.
+"""Fragments: disjoint pieces of the parameter tree that Streaming DiLoCo syncs on their own
+schedule.
 
 A `Fragment` names, for each parameter path ("blocks/attn/wq"), either the
 whole array or a strided slice of its leading layer axis. Stacked blocks make
@@ -20,7 +21,6 @@ parameters' own path keys: it takes their shardings (`lowcomm_jax.sharding.state
 from __future__ import annotations
 
 import dataclasses
-
 import re
 
 import jax
@@ -117,11 +117,14 @@ def layer_fragments(params, num_fragments: int, pattern: str = "strided",
                      "'blocks/...', but this tree has only block leaves; use "
                      "non_block_fragment=\"fold\"")
   if num_fragments < 1 or num_layers % num_fragments:
-    raise ValueError(f"diloco.num_fragments={num_fragments} must divide the model's {num_layers} layers")
+    raise ValueError(f"diloco.num_fragments={num_fragments} must divide the model's {num_layers} "
+                     f"layers")
   per = num_layers // num_fragments
   fragments = []
   for p in range(num_fragments):
-    layer_slice = (p, num_layers, num_fragments) if pattern == "strided" else (p * per, (p + 1) * per, 1)
+    layer_slice = (
+      (p, num_layers, num_fragments) if pattern == "strided" else (p * per, (p + 1) * per, 1)
+    )
     leaves = tuple((path, layer_slice) for path in block_paths)
     if non_block == "fold" and p == 0:
       leaves += tuple((path, None) for path in other_paths)
@@ -132,7 +135,8 @@ def layer_fragments(params, num_fragments: int, pattern: str = "strided",
 
 
 def check_cover(fragments: tuple[Fragment, ...], params) -> None:
-  """Every parameter element belongs to exactly one fragment, or a ValueError lists what does not."""
+  """Every parameter element belongs to exactly one fragment, or a ValueError lists what does
+  not."""
   flat = flatten(params)
   counts = {p: np.zeros(v.shape[:1] if v.ndim else (1,), int) for p, v in flat.items()}
   for f in fragments:
@@ -165,18 +169,21 @@ def parse_rules(text: str) -> Rules:
     pattern, sep, index = entry.rpartition(":")
     if not sep or not pattern or not index.strip().isdigit():
       raise ValueError(f"diloco.fragment_rules must be comma-separated 'regex:index' entries "
-                       f"(index an integer >= 0), e.g. 'blocks/.*:0,.*:1'; got entry {entry!r} in {text!r}")
+                       f"(index an integer >= 0), e.g. 'blocks/.*:0,.*:1'; got entry {entry!r} "
+                       f"in {text!r}")
     try:
       re.compile(pattern)
     except re.error as error:
-      raise ValueError(f"diloco.fragment_rules: {pattern!r} is not a regular expression ({error})") from None
+      raise ValueError(f"diloco.fragment_rules: {pattern!r} is not a regular expression "
+                       f"({error})") from None
     rules.append((pattern, int(index)))
   check_rule_indices(rules)
   return tuple(rules)
 
 
 def check_rule_indices(rules) -> int:
-  """The number of fragments F of a rule table whose indices are exactly 0, ..., F−1 (else a ValueError)."""
+  """The number of fragments F of a rule table whose indices are exactly 0, ..., F−1 (else a
+  ValueError)."""
   indices = sorted({int(index) for _, index in rules})
   if not indices or indices != list(range(len(indices))):
     raise ValueError(f"diloco.fragment_rules: fragment indices must be 0, 1, ..., F-1 with none "
@@ -190,7 +197,8 @@ def rule_fragments(params, rules) -> tuple[Fragment, ...]:
   Each parameter path ("blocks/attn/wq") goes, whole, to the fragment of the first rule whose regex
   matches it (`re.fullmatch`). A rule that matches no parameter, or a parameter that no rule
   matches, is an error naming them. `streaming_diloco(..., fragments=rules)` takes the table itself
-  (a schedule of `max(index) + 1` rows); from a config, `--config.diloco.fragment_rules` (`parse_rules`).
+  (a schedule of `max(index) + 1` rows); from a config, `--config.diloco.fragment_rules`
+  (`parse_rules`).
   """
   compiled = [(re.compile(pattern), int(index)) for pattern, index in rules]
   leaves: dict[int, list] = {}

@@ -29,8 +29,8 @@ import numpy as np
 import optax
 
 from lowcomm_jax import checks, comm, mesh as mesh_lib
-from lowcomm_jax.comm import dispatch
 from lowcomm_jax.codecs import all_finite
+from lowcomm_jax.comm import dispatch
 from lowcomm_jax.optim.outer import check_transformation
 
 
@@ -56,7 +56,9 @@ class NoLoCoPhase(NamedTuple):
 def groupings(num_replicas: int, group_size: int, num_groupings: int, seed: int) -> np.ndarray:
   """The pool: int[num_groupings, M // n, n], each entry a partition of the replicas into groups."""
   rng = np.random.default_rng(seed)
-  return np.stack([rng.permutation(num_replicas).reshape(-1, group_size) for _ in range(num_groupings)])
+  return np.stack(
+    [rng.permutation(num_replicas).reshape(-1, group_size) for _ in range(num_groupings)]
+  )
 
 
 class NoLoCo:
@@ -74,7 +76,12 @@ class NoLoCo:
       raise ValueError(f"noloco.num_groupings must be >= 1, got {num_groupings}")
     self.inner, self.num_replicas = optax.with_extra_args_support(inner), num_replicas
     self.sync_every = sync_every
-    self.group_size, self.momentum, self.learning_rate, self.gamma = group_size, momentum, learning_rate, gamma
+    self.group_size, self.momentum, self.learning_rate, self.gamma = (
+      group_size,
+      momentum,
+      learning_rate,
+      gamma,
+    )
     self.seed, self.axis_name, self.codec = seed, axis_name, codec
     self.pool = groupings(num_replicas, group_size, num_groupings, seed)
     self.state_axes = NoLoCoState(count=None, inner_state=0, slow=0, momentum=0, refused=0,
@@ -84,7 +91,8 @@ class NoLoCo:
                    DELTA: comm.Plan("group_mean", codec, groupings=self.pool)}
 
   def grouping_index(self, outer_step):
-    """Pool index of outer step k (0-based): a multiplicative hash of (seed, k) modulo the pool size.
+    """Pool index of outer step k (0-based): a multiplicative hash of (seed, k) modulo the pool
+    size.
 
     The same on every replica and for every run with this seed; it varies with k. Works on Python
     ints (the host's phase) and on uint32 arrays (the traced `update`) with identical results.
@@ -115,7 +123,8 @@ class NoLoCo:
       raise ValueError(f"num_replicas={num_replicas} but NoLoCo was built for {self.num_replicas}")
     state = self.init(params)
     stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape), t)
-    return stack(params), state._replace(inner_state=stack(state.inner_state), slow=stack(state.slow),
+    return stack(params), state._replace(inner_state=stack(state.inner_state),
+                                         slow=stack(state.slow),
                                          momentum=stack(state.momentum),
                                          refused=stack(state.refused))
 
@@ -189,7 +198,8 @@ def weight_spread(params_r) -> jax.Array:
 
 
 def noloco(inner: optax.GradientTransformation, num_replicas: int, sync_every: int = 50,
-           group_size: int = 2, momentum: float = 0.5, learning_rate: float = 0.7, gamma: float = 0.7,
+           group_size: int = 2, momentum: float = 0.5, learning_rate: float = 0.7,
+           gamma: float = 0.7,
            seed: int = 0, num_groupings: int = 16, axis_name: str = mesh_lib.REPLICA,
            codec=None) -> NoLoCo:
   """NoLoCo's optimizer (defaults from the reference code: α 0.5, β = γ = 0.7, n = 2, H = 50).

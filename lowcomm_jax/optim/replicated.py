@@ -7,13 +7,16 @@ must know about it without naming it:
   state_axes                       vmap axes of the state (0: per replica, None: shared)
   phase_at(step)                   the static phase of inner step `step` (1-based), hashable; the
                                    loop compiles one program per phase
-  update(grads, state, params, phase) -> (updates, state), for one replica under a bound `replica` axis
+  update(grads, state, params, phase) -> (updates, state), for one replica under a bound
+                                   `replica` axis
   eval_params(params_R, state)     the model to evaluate (φ for DiLoCo, mean φ_i for NoLoCo)
-  eval_replicas                    whether each replica's own model is evaluated too (no global model)
+  eval_replicas                    whether each replica's own model is evaluated too (no global
+                                   model)
   refused(state)                   outer steps refused because the global model would hold NaN/inf
   diagnostics(state, phase)        host-side per-step figures (NoLoCo's weight spread on sync steps)
-  comm_events(...)                 the run's collectives for the virtual clock (`sim.clock.CommEvent`
-                                   fields), derived from the algorithm's plans and the ledger
+  comm_events(...)                 the run's collectives for the virtual clock
+                                   (`sim.clock.CommEvent` fields), derived from the algorithm's
+                                   plans and the ledger
   comm_summary(...)                the bytes a worker sends, for summary.json
 
 Every adapter guards the global model: an outer step (data parallel: every step) whose result holds
@@ -31,8 +34,8 @@ import optax
 
 from lowcomm_jax import comm
 from lowcomm_jax.codecs import all_finite
-from lowcomm_jax.optim.noloco import NoLoCo, weight_spread
 from lowcomm_jax.comm import plan as plan_lib
+from lowcomm_jax.optim.noloco import NoLoCo, weight_spread
 from lowcomm_jax.optim.streaming import StreamingDiLoCo
 
 
@@ -110,8 +113,8 @@ class ReplicatedAlgorithm:
 
   def comm_events(self, num_steps: int, entries_of: Callable, data_workers: int,
                   num_params: int) -> list[tuple]:
-    """Data parallel: XLA's gradient all-reduce over the data axis, blocking, every step (its overlap
-    with the backward is not modelled)."""
+    """Data parallel: XLA's gradient all-reduce over the data axis, blocking, every step (its
+    overlap with the backward is not modelled)."""
     if data_workers == 1:
       return []
     return [(s, s + 1, 4 * num_params, "all_reduce", data_workers) for s in range(num_steps - 1)]
@@ -178,8 +181,9 @@ class DiLoCoFamily(_Phased):
 
 
 class NoLoCoAlgorithm(_Phased):
-  """NoLoCo (`optim.noloco`): a φ_i per replica, averaged in random groups by point-to-point exchange;
-  no global model, so each replica's own model is evaluated too and the weight spread reported."""
+  """NoLoCo (`optim.noloco`): a φ_i per replica, averaged in random groups by point-to-point
+  exchange; no global model, so each replica's own model is evaluated too and the weight spread
+  reported."""
 
   def __init__(self, tx: NoLoCo, num_replicas: int):
     super().__init__("noloco", tx, num_replicas, tx.state_axes, eval_replicas=True)

@@ -72,7 +72,8 @@ def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
 def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered, overlap_anchor,
               section) -> FragmentSchedule:
   if overlap_anchor not in OVERLAP_ANCHORS:
-    raise ValueError(f"diloco.overlap_anchor must be one of {OVERLAP_ANCHORS}, got {overlap_anchor!r}")
+    raise ValueError(f"diloco.overlap_anchor must be one of {OVERLAP_ANCHORS}, "
+                     f"got {overlap_anchor!r}")
   if num_fragments < 1:
     raise ValueError(f"{section}.num_fragments (P) must be >= 1, got {num_fragments}")
   sync_every = checks.sync_every(sync_every, f"{section}.sync_every",

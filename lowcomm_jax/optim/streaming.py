@@ -1,4 +1,5 @@
-"""Streaming DiLoCo as an optax-style transformation over a bound replica axis; DiLoCo is one setting.
+"""Streaming DiLoCo as an optax-style transformation over a bound replica axis; DiLoCo is one
+setting.
 
 Each replica m runs the inner optimizer on its own data. Fragment p of the
 parameters keeps a global copy φ_p (float32) and its own outer optimizer
@@ -39,8 +40,7 @@ import optax
 
 from lowcomm_jax import checks, codecs, comm, mesh as mesh_lib
 from lowcomm_jax.comm import dispatch
-from lowcomm_jax.optim import fragments as frag_lib
-from lowcomm_jax.optim import schedule as schedule_lib
+from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
 from lowcomm_jax.optim.outer import check_transformation, outer_nesterov
 
 
@@ -56,7 +56,8 @@ class StreamingDiLoCoState(NamedTuple):
 
 
 FragmentRule = Callable[[Any], tuple[frag_lib.Fragment, ...]]
-# 1 (the whole model), P (layer fragments), a regex table [(regex, index), ...] or a rule params -> fragments
+# 1 (the whole model), P (layer fragments), a regex table [(regex, index), ...] or a rule params ->
+# fragments
 FragmentsArg = int | frag_lib.Rules | FragmentRule
 
 
@@ -68,13 +69,15 @@ class StreamingDiLoCo:
   """
 
   def __init__(self, inner, outer,
-               schedule: schedule_lib.FragmentSchedule | Callable[[int], schedule_lib.FragmentSchedule],
+               schedule: schedule_lib.FragmentSchedule | Callable[[int],
+                                                                  schedule_lib.FragmentSchedule],
                fragments: FragmentRule, axis_name: str = mesh_lib.REPLICA, codec=None,
                error_feedback: bool = False, codec_kernels: str = "auto"):
     check_transformation(inner, "inner optimizer")
     check_transformation(outer, "outer optimizer")
     if error_feedback and codec is None:
-      raise ValueError("diloco.error_feedback needs a lossy diloco.codec (e3m0, e2m1, int4, int8, bf16)")
+      raise ValueError("diloco.error_feedback needs a lossy diloco.codec (e3m0, e2m1, int4, int8, "
+                       "bf16)")
     self.inner, self.outer, self.axis_name = optax.with_extra_args_support(inner), outer, axis_name
     self.codec, self.error_feedback = codec, error_feedback
     # refuses an unknown mode, or pallas where it cannot compile, here, before any tracing
@@ -197,7 +200,8 @@ class StreamingDiLoCo:
     return jax.tree.map(lambda g, l: g.astype(jnp.float32) - l.astype(jnp.float32),
                         frag_lib.extract(frag, outer_params), frag_lib.extract(frag, local_params))
 
-  def _apply(self, phase: schedule_lib.Phase, grads, state: StreamingDiLoCoState, params, **extra_args):
+  def _apply(self, phase: schedule_lib.Phase, grads, state: StreamingDiLoCoState, params,
+             **extra_args):
     # Overlapped sends read the parameters entering this step, so they do not wait for its backward.
     _, state = dispatch.carry_phase(self, state, params, phase, self.axis_name, delayed=True)
     inner_updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
@@ -238,7 +242,8 @@ class StreamingDiLoCo:
     replica restarts the fragment from φ_p."""
     alpha = float(self.schedule.alpha[p])
     return jax.tree.map(
-        lambda l, g: jnp.where(finite, alpha * l.astype(jnp.float32) + (1 - alpha) * g, g).astype(l.dtype),
+        lambda l,
+        g: jnp.where(finite, alpha * l.astype(jnp.float32) + (1 - alpha) * g, g).astype(l.dtype),
         local_p, global_p)
 
 
@@ -256,7 +261,8 @@ def _resolve_fragments(fragments: FragmentsArg, pattern: str, non_block: str) ->
 def streaming_diloco(inner: optax.GradientTransformation,
                      outer: optax.GradientTransformation | None = None,
                      sync_every: int = 100, fragments: FragmentsArg = 1, overlap_steps: int = 0,
-                     merge_alpha: float = 0.0, staggered: bool = True, fragment_pattern: str = "strided",
+                     merge_alpha: float = 0.0, staggered: bool = True,
+                     fragment_pattern: str = "strided",
                      non_block_fragment: str = "own", axis_name: str = mesh_lib.REPLICA,
                      codec=None, error_feedback: bool = False,
                      codec_kernels: str = "auto",
@@ -306,7 +312,8 @@ def schedule_and_fragments(sync_every: int, fragments: FragmentsArg, overlap_ste
   checks.sync_every(sync_every, f"{section}.sync_every")
   resolve = _resolve_fragments(fragments, fragment_pattern, non_block_fragment)
   schedule = functools.partial(schedule_lib.make_schedule, sync_every=sync_every,
-                               overlap_steps=overlap_steps, merge_alpha=merge_alpha, staggered=staggered,
+                               overlap_steps=overlap_steps, merge_alpha=merge_alpha,
+                               staggered=staggered,
                                overlap_anchor=overlap_anchor, section=section)
   if not callable(fragments):  # the rows are known now
     schedule = schedule(count_fragments(fragments, non_block_fragment))
@@ -315,7 +322,8 @@ def schedule_and_fragments(sync_every: int, fragments: FragmentsArg, overlap_ste
 
 def count_fragments(fragments: int | frag_lib.Rules, non_block: str) -> int:
   """Rows of the schedule: 1 for the whole model, P block fragments (+1 when non_block="own"), or
-  the number of fragments of a regex table. A callable rule has no count before it sees parameters."""
+  the number of fragments of a regex table. A callable rule has no count before it sees
+  parameters."""
   if callable(fragments):
     raise ValueError("a callable fragment rule gives its number of fragments only from the "
                      "parameters: pass it to streaming_diloco, which fixes the schedule at init")

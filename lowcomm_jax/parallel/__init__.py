@@ -1,4 +1,5 @@
-"""Pipeline parallelism over a (replica, stage) mesh: SkipPipe schedules and NoLoCo's random routing.
+"""Pipeline parallelism over a (replica, stage) mesh: SkipPipe schedules and NoLoCo's random
+routing.
 
 Training with the pipeline inside each step is `config.gradients = "pipeline"` of the one Trainer
 (`lowcomm_jax.train.sources.PipelineGradients`).
@@ -12,11 +13,20 @@ Modules, one concept each:
   plots      a tick table drawn as a grid
 """
 
-from lowcomm_jax.parallel import bubble
-from lowcomm_jax.parallel import executor
-from lowcomm_jax.parallel import routing
-from lowcomm_jax.parallel import stages
-from lowcomm_jax.parallel import ticks
+from lowcomm_jax.parallel import bubble, executor, routing, stages, ticks
 from lowcomm_jax.parallel.executor import PipelineExecutor, PipelineResult
 from lowcomm_jax.parallel.routing import Route
 from lowcomm_jax.parallel.ticks import TickTable, compile_ticks
+
+__all__ = [
+  "PipelineExecutor",
+  "PipelineResult",
+  "Route",
+  "TickTable",
+  "bubble",
+  "compile_ticks",
+  "executor",
+  "routing",
+  "stages",
+  "ticks",
+]

@@ -3,8 +3,8 @@
 The SkipPipe iteration simulator (`skippipe.simulator`) plays a schedule out in continuous time on a
 topology. With unit costs (forward, loss and backward one second each, links free, no per-task gap,
 no all-reduce) on a grid of S stages × R identical nodes, its time is the tick count and its idle
-seconds per node are idle ticks: `simulated_idle_ticks` gives them for the same routes and policy the
-tick compiler used, to set next to the executor's measured idle ticks.
+seconds per node are idle ticks: `simulated_idle_ticks` gives them for the same routes and policy
+the tick compiler used, to set next to the executor's measured idle ticks.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import dataclasses
 import numpy as np
 
 from lowcomm_jax.parallel.ticks import TickTable
-from lowcomm_jax.skippipe import paths as paths_lib
-from lowcomm_jax.skippipe import simulator, topology
+from lowcomm_jax.skippipe import paths as paths_lib, simulator, topology
 
 
 def grid_placement(num_stages: int, num_replicas: int) -> list[np.ndarray]:

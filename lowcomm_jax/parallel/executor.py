@@ -69,7 +69,8 @@ def transfer_patterns(table: ticks_lib.TickTable):
 
 
 def grid_mesh(table: ticks_lib.TickTable, devices=None):
-  return mesh_lib.make_mesh({mesh_lib.REPLICA: table.num_replicas, mesh_lib.STAGE: table.num_stages},
+  return mesh_lib.make_mesh({mesh_lib.REPLICA: table.num_replicas,
+                             mesh_lib.STAGE: table.num_stages},
                             devices)
 
 
@@ -127,8 +128,14 @@ def make_pipeline_grads(stage_fns: StageFunctions, table: ticks_lib.TickTable, m
 
       def loss_op():
         value, (g_outer, g_x) = jax.value_and_grad(
-            lambda o, x: loss_scale * stage_fns.head_loss(o, x, targets), argnums=(0, 1))(outer, act[m])
-        return g_x.astype(stage_fns.dtype), add(grads, {**zeros, **g_outer}), loss + value, counts.at[_L].add(1)
+          lambda o, x: loss_scale * stage_fns.head_loss(o, x, targets), argnums=(0, 1)
+        )(outer, act[m])
+        return (
+          g_x.astype(stage_fns.dtype),
+          add(grads, {**zeros, **g_outer}),
+          loss + value,
+          counts.at[_L].add(1),
+        )
 
       def backward():
         _, pull = jax.vjp(lambda blocks, o, x: stage_fns.layers(blocks, stage_input(o, x)),
@@ -177,7 +184,8 @@ class PipelineExecutor:
                loss_scale: float | None = None):
     self.table = table
     self.mesh = grid_mesh(table) if mesh is None else mesh
-    origins_per_replica = np.bincount([r.origin for r in table.routes], minlength=table.num_replicas)
+    origins_per_replica = np.bincount([r.origin for r in table.routes],
+                                      minlength=table.num_replicas)
     # Each replica's gradient is the mean over the micro-batches it started (as one data-parallel
     # worker's), unless told otherwise.
     self.loss_scale = float(1.0 / origins_per_replica.max() if loss_scale is None else loss_scale)
@@ -191,8 +199,9 @@ class PipelineExecutor:
 
   def __call__(self, grid_params, batch_MxBxT1) -> PipelineResult:
     if np.ndim(batch_MxBxT1) != 3 or np.shape(batch_MxBxT1)[0] != self.table.num_microbatches:
-      raise ValueError(f"batch: expected int tokens [num_microbatches={self.table.num_microbatches}, "
-                       f"B, T + 1], got shape {np.shape(batch_MxBxT1)}")
+      raise ValueError(f"batch: expected int tokens "
+                       f"[num_microbatches={self.table.num_microbatches}, B, T + 1], got "
+                       f"shape {np.shape(batch_MxBxT1)}")
     loss_RS, grads, counts_RSx4 = self._jitted(grid_params, jnp.asarray(batch_MxBxT1))
     counts = np.asarray(counts_RSx4).reshape(self.table.num_devices, 4)
     busy = counts[:, 1:].sum(1)

@@ -33,6 +33,8 @@ def plot_tick_table(table: ticks.TickTable, ax=None, title: str | None = None):
   ax.set_title(title or f"{table.order}: {table.num_ticks} ticks, {idle} idle device-ticks "
                         f"(bubble {table.bubble_fraction():.2f})")
   ax.legend(handles=[Patch(color=_COLOURS[k], label=v) for k, v in
-                     ((ticks.FORWARD, "forward"), (ticks.LOSS, "loss"), (ticks.BACKWARD, "backward"),
-                      (ticks.IDLE, "idle"))], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+                     ((ticks.FORWARD, "forward"), (ticks.LOSS, "loss"),
+                      (ticks.BACKWARD, "backward"),
+                      (ticks.IDLE, "idle"))], loc="upper left", bbox_to_anchor=(1.0, 1.0),
+            fontsize=8)
   return ax

@@ -1,9 +1,9 @@
-"""The decoder cut into pipeline stages, its parameters laid out on the (replica, stage) grid, and the
-sequential reference a pipeline must equal.
+"""The decoder cut into pipeline stages, its parameters laid out on the (replica, stage) grid, and
+the sequential reference a pipeline must equal.
 
-Stage s holds layers [s·l, (s+1)·l) (l = layers per stage). Stage 0 also holds the embedding, the final
-norm and the head: a micro-batch starts there and its loss is computed there (SkipPipe's convention,
-docs/algorithms.md §3.1). The functions a device runs:
+Stage s holds layers [s·l, (s+1)·l) (l = layers per stage). Stage 0 also holds the embedding, the
+final norm and the head: a micro-batch starts there and its loss is computed there (SkipPipe's
+convention, docs/algorithms.md §3.1). The functions a device runs:
 
   embed(outer, tokens) → x;   layers(blocks_l, x) → x;   head_loss(outer, x, targets) → loss
 
@@ -25,8 +25,8 @@ from flax import nnx
 
 from lowcomm_jax.models import llama
 from lowcomm_jax.models.config import ModelConfig
-from lowcomm_jax.parallel.routing import Route
 from lowcomm_jax.models.loss import cross_entropy, lm_loss
+from lowcomm_jax.parallel.routing import Route
 
 NON_BLOCK = ("embed", "final_norm", "head")
 
@@ -57,7 +57,8 @@ def to_grid(params_R, num_stages: int):
 
 def from_grid(grid):
   """Grid layout (leaves [R, S, ...]) → model parameters of R replicas (leaves [R, ...])."""
-  out = {"blocks": jax.tree.map(lambda x: x.reshape((x.shape[0], -1) + x.shape[3:]), grid["blocks"])}
+  out = {"blocks": jax.tree.map(lambda x: x.reshape((x.shape[0], -1) + x.shape[3:]),
+                                grid["blocks"])}
   for name in NON_BLOCK:
     out[name] = jax.tree.map(lambda x: x[:, 0], grid[name])
   return out

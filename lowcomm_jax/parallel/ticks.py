@@ -1,12 +1,13 @@
 """A pipeline schedule compiled ahead of time into ticks: per tick and device, one op and one send.
 
 The grid has S stages × R replicas; device d = r·S + s (replica-major, the order of the mesh axes
-`replica`, `stage`). Each micro-batch follows its `Route`: forward (F) on every device of the route in
-order, the loss (L) back on its origin (stage 0, which holds the embedding and the head), then
+`replica`, `stage`). Each micro-batch follows its `Route`: forward (F) on every device of the route
+in order, the loss (L) back on its origin (stage 0, which holds the embedding and the head), then
 backward (B) along the reversed route. Every op takes one tick (unit costs). After its op a device
 sends at most one message: F sends the activation to the next device of the route (or, after the
-last stage, to the origin for the loss); L and B send the gradient with respect to their input to the
-previous device (B on stage 0 sends nothing). A message sent at the end of tick t can be used at t+1.
+last stage, to the origin for the loss); L and B send the gradient with respect to their input to
+the previous device (B on stage 0 sends nothing). A message sent at the end of tick t can be used at
+t+1.
 
 `compile_ticks` turns routes into a `TickTable` by list scheduling in discrete time, with the policy
 of the SkipPipe simulator (`skippipe.simulator`, unit costs, zero link cost), so the two predict the
@@ -23,9 +24,9 @@ receive at most one activation and one gradient per tick. Routes that are permut
 boundary in lock step (full pipelines, NoLoCo's random routing) never contend; SkipPipe's paths can
 (two paths entering one node in the same tick). By default the later device's op then waits a tick
 (a port conflict the continuous-time simulator does not model, so there the plan can be longer than
-its prediction); `on_collision="raise"` rejects the schedule instead. `validate` checks that, and that every
-micro-batch's ops follow its route in time order, and raises one ValueError naming the tick, the
-device and the micro-batches before anything is compiled.
+its prediction); `on_collision="raise"` rejects the schedule instead. `validate` checks that, and
+that every micro-batch's ops follow its route in time order, and raises one ValueError naming the
+tick, the device and the micro-batches before anything is compiled.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def route_tasks(route: Route, num_stages: int) -> list[tuple[int, int]]:
 def _message_destinations(route: Route, num_stages: int) -> list[int]:
   """Where each task of `route_tasks` sends its output (-1: nowhere)."""
   tasks = route_tasks(route, num_stages)
-  # F_i -> next F (or the loss); L -> the last forward device; B_i -> the previous device; B_0 -> none.
+  # F_i -> next F (or the loss); L -> the last forward device; B_i -> the previous device; B_0 ->
+  # none.
   return [tasks[i + 1][0] for i in range(len(tasks) - 1)] + [-1]
 
 
@@ -113,8 +115,8 @@ class TickTable:
     return float(self.idle_ticks().sum() / (self.num_ticks * self.num_devices))
 
   def received(self, kind: str) -> np.ndarray:
-    """int32[T, D]: the micro-batch whose activation ("act") or gradient ("grad") arrives at a device
-    at the end of each tick (-1: none). Assumes a validated table."""
+    """int32[T, D]: the micro-batch whose activation ("act") or gradient ("grad") arrives at a
+    device at the end of each tick (-1: none). Assumes a validated table."""
     ops = (FORWARD,) if kind == "act" else (LOSS, BACKWARD)
     out = np.full(self.op.shape, -1, np.int32)
     t, src = np.nonzero(np.isin(self.op, ops) & (self.send >= 0))
@@ -149,8 +151,8 @@ def check_routes(routes: Sequence[Route], num_stages: int, num_replicas: int) ->
       raise ValueError(f"routes: micro-batch {m} has {len(route.stages)} stages and "
                        f"{len(route.replicas)} replicas; give one replica per visited stage (>= 1)")
     if route.stages[0] != 0:
-      raise ValueError(f"routes: micro-batch {m} starts at stage {route.stages[0]}; every route starts "
-                       f"at stage 0 (embedding and loss live there)")
+      raise ValueError(f"routes: micro-batch {m} starts at stage {route.stages[0]}; every route "
+                       f"starts at stage 0 (embedding and loss live there)")
     if len(set(route.stages)) != len(route.stages):
       raise ValueError(f"routes: micro-batch {m} visits a stage twice: {list(route.stages)}")
     if not all(0 <= s < num_stages for s in route.stages):
@@ -300,5 +302,6 @@ def validate(table: TickTable) -> TickTable:
     for (t, d), dest in zip(done, dests):
       if int(table.send[t, d]) != dest:
         raise ValueError(f"tick table: at tick {t}, {device_name(d, table.num_stages)} sends "
-                         f"micro-batch {m} to device {int(table.send[t, d])}; its route needs {dest}")
+                         f"micro-batch {m} to device {int(table.send[t, d])}; its route "
+                         f"needs {dest}")
   return table

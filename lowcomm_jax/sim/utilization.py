@@ -51,8 +51,7 @@ import dataclasses
 import math
 
 from lowcomm_jax import checks
-from lowcomm_jax.sim import clock
-from lowcomm_jax.sim import network as network_lib
+from lowcomm_jax.sim import clock, network as network_lib
 
 __all__ = [
     "ModelShape", "Workload", "Method", "data_parallel", "diloco", "streaming",

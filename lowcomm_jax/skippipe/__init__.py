@@ -23,17 +23,40 @@ Typical use::
   result = skippipe.simulator.simulate_iteration(topo, placed, schedule)
 """
 
-from lowcomm_jax.skippipe import baselines
-from lowcomm_jax.skippipe import conflicts
-from lowcomm_jax.skippipe import constraints
-from lowcomm_jax.skippipe import gantt
-from lowcomm_jax.skippipe import inputs
-from lowcomm_jax.skippipe import paths
-from lowcomm_jax.skippipe import placement
-from lowcomm_jax.skippipe import scheduler
-from lowcomm_jax.skippipe import search
-from lowcomm_jax.skippipe import simulator
-from lowcomm_jax.skippipe import topology
+from lowcomm_jax.skippipe import (
+  baselines,
+  conflicts,
+  constraints,
+  gantt,
+  inputs,
+  paths,
+  placement,
+  scheduler,
+  search,
+  simulator,
+  topology,
+)
 from lowcomm_jax.skippipe.paths import MicrobatchPath, Schedule, SkipConfig
 from lowcomm_jax.skippipe.scheduler import SearchBudget, skippipe_schedule
 from lowcomm_jax.skippipe.simulator import SimulationConfig, simulate_iteration
+
+__all__ = [
+  "MicrobatchPath",
+  "Schedule",
+  "SearchBudget",
+  "SimulationConfig",
+  "SkipConfig",
+  "baselines",
+  "conflicts",
+  "constraints",
+  "gantt",
+  "inputs",
+  "paths",
+  "placement",
+  "scheduler",
+  "search",
+  "simulate_iteration",
+  "simulator",
+  "skippipe_schedule",
+  "topology",
+]

@@ -17,9 +17,7 @@ import time
 
 import numpy as np
 
-from lowcomm_jax.skippipe import inputs
-from lowcomm_jax.skippipe import paths as paths_lib
-from lowcomm_jax.skippipe import scheduler
+from lowcomm_jax.skippipe import inputs, paths as paths_lib, scheduler
 from lowcomm_jax.skippipe.topology import Topology
 
 

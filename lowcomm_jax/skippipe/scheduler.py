@@ -48,12 +48,9 @@ import time
 
 import numpy as np
 
-from lowcomm_jax.skippipe import paths as paths_lib
-from lowcomm_jax.skippipe import search
-from lowcomm_jax.skippipe import simulator
+from lowcomm_jax.skippipe import paths as paths_lib, search, simulator
 from lowcomm_jax.skippipe.conflicts import find_conflicts
-from lowcomm_jax.skippipe.inputs import check_inputs
-from lowcomm_jax.skippipe.inputs import load_caps
+from lowcomm_jax.skippipe.inputs import check_inputs, load_caps
 from lowcomm_jax.skippipe.topology import Topology
 
 # Extra cost (seconds-equivalent) of visiting a node other agents have filled.
@@ -118,7 +115,8 @@ class _Planner:
     return search.find_path(
         self.topology, self.placement, self.config, agent * stream,
         self.data_node[agent], stream_length=stream, constraints=constraints,
-        holds_by_node=holds_by_node, node_penalty=penalty, max_expansions=self.budget.max_path_expansions)
+        holds_by_node=holds_by_node, node_penalty=penalty,
+        max_expansions=self.budget.max_path_expansions)
 
 
 def _root_orderings(planner, agents, constraints, budget):

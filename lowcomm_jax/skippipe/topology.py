@@ -310,4 +310,5 @@ def random_heterogeneous(seed: int, stage_sizes=(4, 3, 3, 3), *,
 
 
 # The presets `skippipe.topology` may name: clusters built without arguments.
-PRESETS = {"gcp_12_regions": gcp_12_regions, "gcp_42_nodes": gcp_42_nodes, "homogeneous": homogeneous}
+PRESETS = {"gcp_12_regions": gcp_12_regions, "gcp_42_nodes": gcp_42_nodes,
+           "homogeneous": homogeneous}

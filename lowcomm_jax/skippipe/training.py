@@ -85,7 +85,8 @@ def check_stage_paths(stage_paths, num_stages: int,
                        f"[0, num_stages={num_stages}); path {path.tolist()}")
     if path[0] != 0:
       raise ValueError(f"stage_paths: micro-batch {i} starts at stage {int(path[0])}; every path "
-                       f"must start at stage 0 (embedding and loss live there); path {path.tolist()}")
+                       f"must start at stage 0 (embedding and loss live there); "
+                       f"path {path.tolist()}")
     if len(set(path.tolist())) != len(path):
       raise ValueError(f"stage_paths: micro-batch {i} visits a stage twice; path {path.tolist()}")
   if num_microbatches is not None and len(paths) != num_microbatches:
@@ -254,5 +255,6 @@ def stage_removal_losses(graphdef, params, batches_NxBxT1, num_stages: int, laye
   out = {}
   for rest in itertools.combinations(range(1, num_stages), num_stages - 1 - num_removed):
     kept = (0,) + rest
-    out[kept] = evaluate(graphdef, params, batches_NxBxT1, layers_per_stage, kept_stage_path(kept, num_stages))
+    out[kept] = evaluate(graphdef, params, batches_NxBxT1, layers_per_stage,
+                         kept_stage_path(kept, num_stages))
   return out

@@ -22,10 +22,13 @@ import optax
 from lowcomm_jax import checks, codecs, optim
 from lowcomm_jax.codecs import base as codec_base
 from lowcomm_jax.codecs.topk import TopKCompressor
-from lowcomm_jax.optim import fragments as frag_lib
-from lowcomm_jax.optim import inner as inner_lib
-from lowcomm_jax.optim import replicated, schedule
-from lowcomm_jax.optim import streaming
+from lowcomm_jax.optim import (
+  fragments as frag_lib,
+  inner as inner_lib,
+  replicated,
+  schedule,
+  streaming,
+)
 from lowcomm_jax.train import overlap
 
 _OUTER_OPTIMIZERS = {
@@ -36,13 +39,15 @@ _OUTER_OPTIMIZERS = {
 
 
 def make_outer_optimizer(outer_cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  checks.require(outer_cfg.name in _OUTER_OPTIMIZERS, "outer_optimizer.name", "nesterov, sgd or adam",
+  checks.require(outer_cfg.name in _OUTER_OPTIMIZERS, "outer_optimizer.name",
+                 "nesterov, sgd or adam",
                  outer_cfg.name)
   return _OUTER_OPTIMIZERS[outer_cfg.name](outer_cfg)
 
 
 def fragments_of(c: ml_collections.ConfigDict):
-  """`streaming_diloco`'s `fragments`: the parsed diloco.fragment_rules table, else diloco.num_fragments."""
+  """`streaming_diloco`'s `fragments`: the parsed diloco.fragment_rules table, else
+  diloco.num_fragments."""
   if c.diloco.fragment_rules:
     return frag_lib.parse_rules(c.diloco.fragment_rules)
   return c.diloco.num_fragments
@@ -81,7 +86,8 @@ def _noloco(config, inner, num_replicas, abstract_params):
 
 def _check_noloco(c) -> None:
   n = c.noloco
-  checks.require(c.num_replicas >= 2, "num_replicas", ">= 2 for algorithm=noloco (gossip needs peers)",
+  checks.require(c.num_replicas >= 2, "num_replicas",
+                 ">= 2 for algorithm=noloco (gossip needs peers)",
                  c.num_replicas)
   checks.require(n.group_size >= 2 and c.num_replicas % n.group_size == 0, "noloco.group_size",
                  f">= 2 and a divisor of num_replicas={c.num_replicas}", n.group_size)
@@ -112,7 +118,8 @@ def _diloco_family(config, inner, num_replicas, abstract_params):
       codec=_codec(d.codec, d.codec_block_size, d.codec_rounding), error_feedback=d.error_feedback,
       codec_kernels=d.codec_kernels, overlap_anchor=d.overlap_anchor)
   names = []
-  if abstract_params is not None:  # a fragment rule that misses parameters fails here, before compute
+  if abstract_params is not None:
+    # a fragment rule that misses parameters fails here, before compute
     names = [f.name for f in tx.fragments(abstract_params)]
   return replicated.DiLoCoFamily(config.algorithm, tx, num_replicas, names)
 
@@ -128,9 +135,11 @@ def _check_streaming_diloco(c) -> None:
   d = c.diloco
   _check_replica_counts(c)
   checks.require(not d.fragment_rules or d.num_fragments == 1, "diloco.num_fragments",
-                 "1 when diloco.fragment_rules is set (the rules give the fragments)", d.num_fragments)
+                 "1 when diloco.fragment_rules is set (the rules give the fragments)",
+                 d.num_fragments)
   num_rows = streaming.count_fragments(fragments_of(c), d.non_block_fragment)
-  checks.sync_every(d.sync_every, num_steps=c.num_steps, num_fragments=num_rows if d.staggered else 1)
+  checks.sync_every(d.sync_every, num_steps=c.num_steps,
+                    num_fragments=num_rows if d.staggered else 1)
   schedule.make_schedule(num_rows, d.sync_every, d.overlap_steps, d.merge_alpha, d.staggered,
                          d.overlap_anchor)
   _check_diloco_values(c)
@@ -215,7 +224,8 @@ def _check_diloco(c) -> None:
   """Vanilla DiLoCo: Streaming DiLoCo with one fragment, τ = 0, α = 0 (docs/algorithms.md §1.1)."""
   d = c.diloco
   checks.require(d.num_fragments == 1 and d.overlap_steps == 0 and d.merge_alpha == 0.0
-                 and not d.fragment_rules, "diloco.num_fragments/overlap_steps/merge_alpha/fragment_rules",
+                 and not d.fragment_rules,
+                 "diloco.num_fragments/overlap_steps/merge_alpha/fragment_rules",
                  "1/0/0/'' for algorithm=diloco (use algorithm=streaming_diloco)",
                  (d.num_fragments, d.overlap_steps, d.merge_alpha, d.fragment_rules))
   _check_streaming_diloco(c)

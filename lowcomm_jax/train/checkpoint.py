@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -18,17 +19,23 @@ import jax
 import orbax.checkpoint as ocp
 
 from lowcomm_jax import distributed
+from lowcomm_jax.data import files, tokenizer as tokenizer_lib
+from lowcomm_jax.train import run_inputs, workdir as workdir_lib
 
 _HANDLER_REGISTERED = False
 # Written last into a step directory: the SHA-256 of every other file of the step.
 CHECKSUM_FILE = "lowcomm_sha256.json"
 # How long a failed save's remaining writes are given to end before the run stops.
 _IN_FLIGHT_WRITES_S = 1.0
+# How long a reader of a live run (its lock held) waits for the next sealed step when none it
+# listed restores (the rotation, keep, removes the step being read once the next is written).
+_ROTATION_WAIT_S = 30.0
 
 
 def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
   """Logs orbax's errors (and asyncio's about orbax's tasks) as their first line: a failed save is
-  reported by SaveFailed, once; each of orbax's threads logging its traceback would bury that line."""
+  reported by SaveFailed, once; each of orbax's threads logging its traceback would bury that
+  line."""
   orbax = f"{os.sep}orbax{os.sep}"
   frames, tb = [], record.exc_info[2] if record.exc_info else None
   while tb is not None:
@@ -44,25 +51,39 @@ def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
 def _quiet_closed_loop_reports(previous):
   """sys.unraisablehook, but for the reports of tensorstore writes that end after a failed save
   closed orbax's event loop: each printed a traceback ("Event loop is closed"), dozens for one
-  full disk, burying the one line SaveFailed gives."""
+  full disk, burying the one line SaveFailed gives. Likewise the reads of a restore that failed (a
+  step a live run's rotation removed while read): the restore's own error is reported, once."""
 
   def hook(unraisable):
     last = unraisable.exc_traceback
     while last is not None and last.tb_next is not None:
       last = last.tb_next
-    if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
-            and last is not None and last.tb_frame.f_code.co_name == "_check_closed"):
+    closed_loop = (unraisable.exc_type is RuntimeError
+                   and str(unraisable.exc_value) == "Event loop is closed"
+                   and last is not None and last.tb_frame.f_code.co_name == "_check_closed")
+    code = getattr(unraisable.object, "cr_code", None)
+    orbax_read = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+    if not (closed_loop or orbax_read):
       previous(unraisable)
 
   return hook
+
+
+def _not_the_override_warning(record: logging.LogRecord) -> bool:
+  return not record.getMessage().startswith("Type handler registry")
 
 
 def _fast_array_handler() -> None:
   # Replica-parallel writes make the first save take 4-26 s on CPU; one writer is enough here.
   global _HANDLER_REGISTERED
   if not _HANDLER_REGISTERED:
-    ocp.type_handlers.register_type_handler(
-        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(_not_the_override_warning)  # the override is the point: no warning line
+    try:
+      ocp.type_handlers.register_type_handler(
+          jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+    finally:
+      absl_logger.removeFilter(_not_the_override_warning)
     logging.getLogger("absl").addFilter(_one_line_orbax_errors)
     logging.getLogger("asyncio").addFilter(_one_line_orbax_errors)
     sys.unraisablehook = _quiet_closed_loop_reports(sys.unraisablehook)
@@ -74,7 +95,8 @@ class DamagedCheckpoint(ValueError):
 
 
 class SaveFailed(RuntimeError):
-  """A checkpoint could not be written (disk full, a read-only or vanished folder): the run stops."""
+  """A checkpoint could not be written (disk full, a read-only or vanished folder): the run
+  stops."""
 
 
 def os_error_of(error: BaseException) -> str:
@@ -95,16 +117,9 @@ def os_error_of(error: BaseException) -> str:
 
 def file_digests(step_dir: pathlib.Path) -> dict[str, str]:
   """SHA-256 of every file under `step_dir` (but the checksum file), by relative path."""
-  digests = {}
-  for path in sorted(p for p in step_dir.rglob("*") if p.is_file()):
-    name = str(path.relative_to(step_dir))
-    if name != CHECKSUM_FILE:
-      sha = hashlib.sha256()
-      with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-          sha.update(block)
-      digests[name] = sha.hexdigest()
-  return digests
+  return {str(path.relative_to(step_dir)): files.sha256_file(path)
+          for path in sorted(p for p in step_dir.rglob("*") if p.is_file())
+          if path.name != CHECKSUM_FILE or path.parent != step_dir}
 
 
 def run_identity(workdir: pathlib.Path) -> str | None:
@@ -143,8 +158,9 @@ def verify(step_dir: pathlib.Path) -> None:
                             "or copied step directory)")
   if sealed_run != run_identity(step_dir.parent.parent):
     raise DamagedCheckpoint(f"it was saved by another run (run {str(sealed_run)[:12]}, this "
-                            f"workdir's config.json is run {str(run_identity(step_dir.parent.parent))[:12]}): "
-                            "a step copied from another run or config")
+                            f"workdir's config.json is "
+                            f"run {str(run_identity(step_dir.parent.parent))[:12]}): a step "
+                            f"copied from another run or config")
   actual = file_digests(step_dir)
   for name in sorted(set(expected) | set(actual)):
     if name not in actual:
@@ -175,7 +191,9 @@ def check_writable(workdir: pathlib.Path) -> None:
 
 
 class Checkpointer:
-  """Saves every `every` steps under workdir/checkpoints; restores the latest intact one.
+  """The training's checkpoints (it holds the workdir's lock): saves every `every` steps under
+  workdir/checkpoints; restores the latest intact one, setting aside those that do not restore.
+  A tool that reads a run uses `read_latest` instead, which changes nothing.
 
   A save is written to a temporary directory and renamed when every process has finished it, so a
   run killed mid-save leaves no step directory (its leftovers are removed at the next start). Once
@@ -212,8 +230,9 @@ class Checkpointer:
     step, error = self._failure
     sealed = [int(p.name) for p in self.directory.iterdir()
               if p.name.isdigit() and int(p.name) < step and (p / CHECKSUM_FILE).is_file()]
-    intact = (f"checkpoint step {max(sealed)} ({self.directory / str(max(sealed))}) is intact: rerun "
-              "the same command to resume from it" if sealed else "no earlier checkpoint: a rerun "
+    intact = (f"checkpoint step {max(sealed)} ({self.directory / str(max(sealed))}) is intact: "
+              f"rerun the same command to resume from "
+              f"it" if sealed else "no earlier checkpoint: a rerun "
               "starts at step 0")
     return (f"checkpoint step {step} could not be saved in {self.directory}: {os_error_of(error)}; "
             f"the run stopped; {intact} once the folder is writable and has room")
@@ -269,13 +288,17 @@ class Checkpointer:
     return restored["state"], restored["data"]
 
   def restore_latest(self, abstract_state):
-    """(step, state, data) of the newest checkpoint every process can read; None if there is none."""
+    """(step, state, data) of the newest checkpoint every process can read; None if there is
+    none."""
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         restored, reason = self.restore(step, abstract_state), ""
       except Exception as error:  # pylint: disable=broad-except
         # orbax and tensorstore raise many kinds of error for missing or truncated files
-        restored, reason = None, f"{type(error).__name__}: {(str(error) or '?').splitlines()[0][:200]}"
+        restored, reason = (
+          None,
+          f"{type(error).__name__}: {(str(error) or '?').splitlines()[0][:200]}",
+        )
       if distributed.all_agree(restored is not None):
         return (step, *restored)
       print(f"checkpoint step {step} in {self.directory} cannot be restored "
@@ -307,6 +330,107 @@ class Checkpointer:
     self.manager.close()
 
 
+def sealed_steps(directory: pathlib.Path) -> list[int]:
+  """The step directories holding their checksum file (sealed saves), newest first."""
+  try:
+    names = [p.name for p in pathlib.Path(directory).iterdir()]
+  except FileNotFoundError:
+    return []
+  sealed = [int(n) for n in names if n.isdigit() and (directory / n / CHECKSUM_FILE).is_file()]
+  return sorted(sealed, reverse=True)
+
+
+def _leaf_shapes(tree) -> dict[str, tuple]:
+  # Paths as their names only: the template's TrainState attributes and orbax's saved dict keys.
+  return {"/".join(re.findall(r"\w+", jax.tree_util.keystr(path))): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, "shape")}
+
+
+def _shape_difference(step_dir: pathlib.Path, abstract_state, tokenizer: str) -> str | None:
+  """What the step's saved shapes say against `abstract_state`'s (None when they agree or cannot be
+  read): the vocabulary first, the likely cause (a tokenizer changed since the run)."""
+  absl_logger = logging.getLogger("absl")
+  absl_logger.disabled = True  # orbax warns about the step's own metadata file; it is not needed
+  try:
+    saved = _leaf_shapes(ocp.StandardCheckpointer().metadata(step_dir / "state").item_metadata)
+  except Exception:  # pylint: disable=broad-except
+    return None
+  finally:
+    absl_logger.disabled = False
+  expected = _leaf_shapes(abstract_state)
+  differing = [k for k in expected if k in saved and saved[k] != expected[k]]
+  embed = [k for k in differing if k.split("/")[-1] == "embed"]
+  if embed:
+    rows, now = saved[embed[0]][-2], expected[embed[0]][-2]
+    return (f"the run trained with an embedding of {rows:,} rows (a vocabulary of at most {rows:,} "
+            f"tokens); data.tokenizer={tokenizer!r} now has {_vocabulary(tokenizer)} ({now:,} "
+            "rows): it was changed since; restore the tokenizer file the run trained with")
+  if differing:
+    return (f"its {differing[0]} has shape {list(saved[differing[0]])}, the run's config.json "
+            f"gives {list(expected[differing[0]])}")
+  return None
+
+
+def _vocabulary(tokenizer: str) -> str:
+  try:
+    return f"{tokenizer_lib.load_tokenizer(tokenizer).vocab_size:,} tokens"
+  except ValueError:
+    return "another vocabulary"
+
+
+def read_latest(workdir, abstract_state, option: str = "--workdir", tokenizer: str = "") -> tuple:
+  """(step, state, data) of the newest sealed checkpoint of a run that restores, read only: no
+  orbax manager, no temporary folder cleaned, no step set aside, so that a training running in the
+  workdir (or its finished files) is left as it is. In a live run (its lock held), a step removed
+  while read (the rotation, keep) is followed by the next one sealed. Raises one ValueError naming
+  `option` and the cause (e.g. a vocabulary other than the run's, `tokenizer` being
+  data.tokenizer) when none restores. Collective with several processes: process 0's listing is
+  read by all."""
+  _fast_array_handler()
+  directory = pathlib.Path(workdir).absolute() / "checkpoints"
+  reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  failed: dict[int, str] = {}
+  deadline = time.monotonic() + _ROTATION_WAIT_S
+  try:
+    while True:
+      listed = distributed.gather_lists([sealed_steps(directory)] if distributed.is_primary()
+                                        else [])[0]
+      untried = [step for step in listed if step not in failed]
+      for step in untried:
+        restored, reason = None, None
+        try:
+          verify(directory / str(step))
+          # Shapes first: a restore into other shapes leaves orbax's reads to fail at exit.
+          reason = _shape_difference(directory / str(step), abstract_state, tokenizer)
+          if reason is None:
+            restored = reader.restore(directory / str(step), args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        except Exception as error:  # pylint: disable=broad-except
+          # orbax and tensorstore raise many kinds of error for missing or truncated files
+          reason = f"{type(error).__name__}: {(str(error) or '?').splitlines()[0][:200]}"
+        if distributed.all_agree(restored is not None):
+          return step, restored["state"], restored["data"]
+        failed[step] = reason or "unreadable on another process"
+      # A live run's rotation removes the step being read once the next is written: wait for it.
+      live = workdir_lib.lock_holder(directory.parent) is not None
+      if not distributed.all_agree(not untried and live and time.monotonic() < deadline):
+        if untried:
+          continue
+        break
+      time.sleep(0.05)
+  finally:
+    reader.close()
+  where = f"{option}={str(workdir)!r}"
+  if not failed:
+    raise ValueError(f"{where} has no sealed checkpoint in {directory} (the run has not saved its "
+                     "first step yet)")
+  newest = sorted(failed, reverse=True)
+  causes = [failed[newest[0]]] if len(set(failed.values())) == 1 else [
+      f"step {step}: {failed[step]}" for step in newest[:3]]
+  raise ValueError(f"{where}: no checkpoint restores ({len(failed)} sealed, newest step "
+                   f"{newest[0]}): {'; '.join(causes)}; nothing was changed")
+
+
 def restore_eval_params(workdir, replica: int | None = None, option: str = "init_from") -> tuple:
   """(model config, evaluated parameters) of the latest intact checkpoint of a run, as sharded
   global arrays.
@@ -317,9 +441,11 @@ def restore_eval_params(workdir, replica: int | None = None, option: str = "init
   checkpoints only, and writes nothing. The train state is restored laid out as that run laid it
   out (its mesh over this job's devices, its sharding layout), so no device holds more of it than
   the run's own devices did, and the parameters come out sharded by the run's layout. `option`
-  names the flag or key that gave `workdir` in the errors.
+  names the flag or key that gave `workdir` in the errors. The run is read only (`read_latest`),
+  with its own copy of its tokenizer (`run_inputs.run_config`).
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from lowcomm_jax import config as config_lib, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.models import llama  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.optim.inner import TrainState  # pylint: disable=g-import-not-at-top
@@ -328,9 +454,10 @@ def restore_eval_params(workdir, replica: int | None = None, option: str = "init
   if not (workdir / "config.json").is_file() or not (workdir / "checkpoints").is_dir():
     raise ValueError(f"{option}={str(workdir)!r} holds no config.json and checkpoints/ of a run")
   try:
-    c = config_lib.load_run_config(workdir)
-  except (ValueError, KeyError, TypeError) as error:
-    raise ValueError(f"{option}={str(workdir)!r} has a config.json that cannot be read ({error})") from None
+    c = run_inputs.run_config(workdir, option)
+  except (KeyError, TypeError, json.JSONDecodeError) as error:
+    raise ValueError(f"{option}={str(workdir)!r} has a config.json that cannot be read "
+                     f"({error})") from None
   if replica is not None and not 0 <= replica < c.num_replicas:
     raise ValueError(f"--replica must be in [0, {c.num_replicas}) for this run of {c.num_replicas} "
                      f"replicas, got {replica}")
@@ -353,11 +480,7 @@ def restore_eval_params(workdir, replica: int | None = None, option: str = "init
   shardings = source.state_shardings(abstract_state, param_specs, abstract_params)
   template = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                           abstract_state, shardings)
-  ckpt = Checkpointer(workdir, c.checkpoint.keep)
-  restored = ckpt.restore_latest(template)
-  ckpt.close()
-  if restored is None:
-    raise ValueError(f"{option}={str(workdir)!r} has no intact checkpoint to read")
+  restored = read_latest(workdir, template, option, c.data.tokenizer)
   if replica is not None:
     read = lambda state: jax.tree.map(lambda x: x[replica], source.replica_params(state.params))
     return model_cfg, jax.jit(read)(restored[1])
@@ -376,8 +499,6 @@ def provide_cpu_devices(workdir) -> None:
   """Before JAX starts its backends: as many CPU devices as the run's mesh fixes, so that a run
   trained on a mesh of N devices can be read back by a one-process tool on a CPU host (on GPU/TPU
   hosts the setting changes nothing). An explicit XLA_FLAGS device count is left as it is."""
-  import math  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
   try:
     mesh = json.loads((pathlib.Path(workdir) / "config.json").read_text())["config"]["mesh"]
     needed = math.prod(max(int(n), 1) for n in mesh.values())
@@ -386,18 +507,17 @@ def provide_cpu_devices(workdir) -> None:
   if needed > 1 and "device_count" not in os.environ.get("XLA_FLAGS", ""):
     try:
       jax.config.update("jax_num_cpu_devices", needed)
-    except RuntimeError:  # JAX already started: its devices stay; a mesh too large is refused, named
+    except RuntimeError:
+      # JAX already started: its devices stay; a mesh too large is refused, named
       pass
 
 
 def read_model(workdir, replica: int | None = None) -> tuple:
   """(model config, parameters, tokenizer) of a run, for the tools that take its model out
   (`experiments/generate.py`, `export.py`, given the run as --workdir): `read_eval_params` and the
-  run's `data.tokenizer`. Called before anything else uses a device, it first provides the CPU
-  devices the run's mesh needs (`provide_cpu_devices`)."""
+  run's tokenizer (its copy in the workdir, `run_inputs.run_config`). Called before anything else
+  uses a device, it first provides the CPU devices the run's mesh needs (`provide_cpu_devices`)."""
   provide_cpu_devices(workdir)
-  from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   model_cfg, params = read_eval_params(workdir, replica, "--workdir")
-  spec = config_lib.load_run_config(workdir).data.get("tokenizer", "bytes")
+  spec = run_inputs.run_config(workdir, "--workdir").data.get("tokenizer", "bytes")
   return model_cfg, params, tokenizer_lib.load_tokenizer(spec)

@@ -3,12 +3,14 @@
 The parameters are what the run evaluates (`checkpoint.read_eval_params`: DiLoCo's global φ,
 NoLoCo's mean slow weights). The data section (`data.corpus`, `data.eval_permille`, `data.seq_len`,
 the document cuts) and `eval.batch_size`/`eval.num_batches` may be changed from the run's; the
-tokenizer and the model may not, since the parameters are tied to them.
+tokenizer (the run's copy in its workdir) and the model may not, since the parameters are tied to
+them. The workdir is only read.
 """
 
 from __future__ import annotations
 
 import pathlib
+import sys
 from typing import Sequence
 
 import jax
@@ -17,9 +19,8 @@ from flax import nnx
 
 from lowcomm_jax import config as config_lib
 from lowcomm_jax.data import pipeline
-from lowcomm_jax.models import llama
-from lowcomm_jax.models import loss as loss_lib
-from lowcomm_jax.train import checkpoint, validation
+from lowcomm_jax.models import llama, loss as loss_lib
+from lowcomm_jax.train import checkpoint, run_inputs, validation
 
 CHANGEABLE = ("data.corpus", "data.eval_permille", "data.seq_len", "data.doc_separator",
               "data.doc_chars", "eval.batch_size", "eval.num_batches")
@@ -34,7 +35,7 @@ def run_config(workdir, changes: dict | None = None):
   checkpoints = workdir / "checkpoints"
   if not checkpoints.is_dir() or not any(checkpoints.iterdir()):
     raise ValueError(f"--workdir={workdir} holds no checkpoint to evaluate")
-  c = config_lib.load_run_config(workdir)
+  c = run_inputs.run_config(workdir)  # the tokenizer: the run's copy
   max_len = config_lib.model_config_of(c).max_seq_len  # the model's, before data.seq_len changes
   for key, value in (changes or {}).items():
     if key not in CHANGEABLE:
@@ -65,6 +66,10 @@ def evaluate_corpora(workdir, corpora: Sequence[str], changes: dict | None = Non
   any compute."""
   configs = [run_config(workdir, {**(changes or {}), **({"data.corpus": corpus} if corpus else {})})
              for corpus in (list(corpora) or [""])]
+  for c in configs:  # the run's own data changed since: said in one line, scored as it is
+    note = run_inputs.data_note(workdir, c)
+    if note:
+      print(note, file=sys.stderr, flush=True)
   model_cfg, params = checkpoint.read_eval_params(workdir)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0))), nnx.Param)
   loss_fn = jax.jit(lambda p, b: loss_lib.lm_loss(graphdef, p, b))

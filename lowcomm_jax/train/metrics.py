@@ -1,4 +1,5 @@
-"""Run outputs: metrics.jsonl (one object per logged step), TensorBoard events, progress on a terminal."""
+"""Run outputs: metrics.jsonl (one object per logged step), TensorBoard events, progress on a
+terminal."""
 
 from __future__ import annotations
 
@@ -82,11 +83,27 @@ class Throughput:
   its last step's metrics are fetched (`OneStepBehind`); the window holding the run's first step
   (it compiles) is logged but left out of the run's totals."""
 
-  def __init__(self, tokens_per_step: int, flops_per_token: float, peak, first_step: int):
+  def __init__(self, tokens_per_step: int, flops_per_token: float, peak, first_step: int,
+               earlier: dict | None = None):
     self._tokens, self._flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
     self._first = first_step
-    self.steps, self.seconds, self.cpu_seconds = 0, 0.0, 0.0  # the timed windows' totals
+    # the timed windows' totals over the whole run: the starts before this one (`earlier`, as
+    # `totals()` gave them when the checkpoint this start resumes from was saved), then this one's
+    earlier = earlier or {}
+    self.steps, self.seconds = int(earlier.get("steps", 0)), float(earlier.get("seconds", 0.0))
+    self.cpu_seconds = float(earlier.get("cpu_seconds", 0.0))
+    self._earlier_steps, self._earlier_seconds = self.steps, self.seconds
     self.restart()
+
+  def totals(self) -> dict:
+    """The whole run's timed steps and seconds so far (saved with a checkpoint)."""
+    return {"steps": self.steps, "seconds": self.seconds, "cpu_seconds": self.cpu_seconds}
+
+  @property
+  def start_tokens_per_s(self) -> float:
+    """This start's timed windows alone (NaN where none was timed)."""
+    seconds = self.seconds - self._earlier_seconds
+    return (self.steps - self._earlier_steps) * self._tokens / seconds if seconds else float("nan")
 
   def restart(self) -> None:
     """A new window starts now (after work that is not the steps', e.g. an evaluation).
@@ -156,7 +173,10 @@ class MetricWriter:
     self.path = pathlib.Path(workdir) / "metrics.jsonl"
     self._truncate_after(start_step)
     self._file = self.path.open("a")
-    self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"), purge_step=start_step or None)
+    # Steps up to the checkpoint a resumed run starts from stay logged (as in metrics.jsonl); the
+    # ones after it, which the run replays, are purged from what TensorBoard shows.
+    self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"),
+                             purge_step=start_step + 1 if start_step else None)
     self._bar = None
     if progress_bar and sys.stderr.isatty():
       from tqdm import tqdm  # pylint: disable=g-import-not-at-top

@@ -43,7 +43,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-
 # Dense (no structured sparsity) bfloat16 matmul FLOP/s per JAX device, from the vendors'
 # datasheets, keyed by a lower-case substring of `jax.Device.device_kind`; the first match wins, so
 # a variant comes before its family. On every TPU listed one JAX device is one chip.
@@ -119,7 +118,8 @@ class RunPeak:
   """What a run's MFU divides by; `clock` is "cpu" (process CPU-seconds) or "wall"."""
 
   clock: str
-  flops_per_second: float  # the run's peak as FLOP/s (cpu: cores · processes · FLOPs per CPU-second)
+  # the run's peak as FLOP/s (cpu: cores · processes · FLOPs per CPU-second)
+  flops_per_second: float
   flops_per_cpu_second: float = 0.0  # cpu: the host matmul's FLOPs per process CPU-second
   processes: int = 1
 

@@ -229,7 +229,9 @@ def _first_row(rows: jax.Array, like: jax.Array) -> jax.Array:
   pieces = []
   for device, index in want.items():
     shard = have.get(device)
-    if shard is None or _normalized(shard.index[1:], rows.shape[1:]) != _normalized(index, like.shape):
+    if shard is None or _normalized(shard.index[1:], rows.shape[1:]) != _normalized(
+      index, like.shape
+    ):
       pieces = None
       break
     pieces.append(shard.data[0])

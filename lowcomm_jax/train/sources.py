@@ -10,8 +10,8 @@
 Every source then applies the algorithm's `update` per replica with the phase read on the host. The
 mesh alone decides how: one replica per `replica` slice under `jax.shard_map` when mesh.replica = M
 (a `lax.ppermute` stays a device-to-device permute), `jax.vmap` over M stacked replicas otherwise;
-the pipeline's state is in grid layout (leaves [R, S, ...], one slice per device) and its update runs
-per device under `jax.shard_map` over (replica, stage).
+the pipeline's state is in grid layout (leaves [R, S, ...], one slice per device) and its update
+runs per device under `jax.shard_map` over (replica, stage).
 
 Each entry of SOURCES pairs the builder with `check_config`, the checks of what that source needs of
 the config (its mesh, its micro-batches, its paths); `train.validation.validate` calls the selected
@@ -30,8 +30,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lowcomm_jax import checks, comm, mesh as mesh_lib, sharding
-from lowcomm_jax.models import llama
+from lowcomm_jax import checks, mesh as mesh_lib, sharding
 from lowcomm_jax.models import loss as loss_lib
 from lowcomm_jax.optim.inner import TrainState
 
@@ -41,7 +40,8 @@ def parse_paths(text: str) -> np.ndarray:
   try:
     return np.array([[int(s) for s in path.split("-")] for path in text.split(",")], np.int32)
   except ValueError as error:
-    raise ValueError(f"skippipe.paths must be stage paths like '0-1-2,0-2-3', got {text!r}") from error
+    raise ValueError(f"skippipe.paths must be stage paths like '0-1-2,0-2-3', "
+                     f"got {text!r}") from error
 
 
 class ReplicaGradients:
@@ -60,10 +60,6 @@ class ReplicaGradients:
   def comm_events(self, num_steps: int, entries_at) -> list:
     """The source's own transfers for the virtual clock: none (the algorithm reports its own)."""
     return []
-
-  @staticmethod
-  def compile(lowered):
-    return lowered.compile()
 
   def init(self, params):
     return self.algorithm.init_replicated(params, self.algorithm.num_replicas)
@@ -128,7 +124,8 @@ class ReplicaGradients:
     the whole axis. The inner axes (data, tensor) stay automatic inside the map.
     """
     lead = P(mesh_lib.REPLICA)
-    state_specs = jax.tree.map(lambda a: P() if a is None else lead, axes, is_leaf=lambda a: a is None)
+    state_specs = jax.tree.map(lambda a: P() if a is None else lead, axes,
+                               is_leaf=lambda a: a is None)
     mapped = jax.tree.map(lambda a: a is not None, axes, is_leaf=lambda a: a is None)
 
     def on_slice(params, opt_state, batch):
@@ -139,7 +136,8 @@ class ReplicaGradients:
           take(True, params), per_leaf(take, opt_state), take(True, batch))
       return put(True, params), per_leaf(put, opt_state), loss[None], grad_norm[None]
 
-    return jax.shard_map(on_slice, mesh=mesh_lib.current(self.mesh), in_specs=(lead, state_specs, lead),
+    return jax.shard_map(on_slice, mesh=mesh_lib.current(self.mesh),
+                         in_specs=(lead, state_specs, lead),
                          out_specs=(lead, state_specs, lead, lead), axis_names={mesh_lib.REPLICA})
 
 
@@ -169,14 +167,21 @@ class PipelineGradients:
   def __init__(self, model_cfg, algorithm, mesh, pipeline_cfg, seed: int):
     from lowcomm_jax.parallel import executor, routing, stages, ticks  # pylint: disable=g-import-not-at-top
     self.algorithm, self.mesh, self.stages = algorithm, mesh, stages
-    self.num_stages, r, k = pipeline_cfg.num_stages, algorithm.num_replicas, pipeline_cfg.slots_per_step
+    self.num_stages, r, k = (
+      pipeline_cfg.num_stages,
+      algorithm.num_replicas,
+      pipeline_cfg.slots_per_step,
+    )
     self.slots = k
     if pipeline_cfg.routing == "fixed":
       pool = [routing.full_pipeline_routes(k, self.num_stages, r)]
     else:  # a pool of random routings, step t runs entry (t − 1) mod pool (one program each)
-      pool = [routing.random_routes(k, self.num_stages, r, pipeline_cfg.routing_seed, first_slot=e * k)
+      pool = [routing.random_routes(k, self.num_stages, r, pipeline_cfg.routing_seed,
+                                    first_slot=e * k)
               for e in range(pipeline_cfg.num_routings)]
-    self.tables = [ticks.compile_ticks(routes, self.num_stages, r, pipeline_cfg.order) for routes in pool]
+    self.tables = [
+      ticks.compile_ticks(routes, self.num_stages, r, pipeline_cfg.order) for routes in pool
+    ]
     fns = stages.StageFunctions(model_cfg)
     self.executors = [executor.PipelineExecutor(fns, t, mesh) for t in self.tables]
 
@@ -195,23 +200,6 @@ class PipelineGradients:
     return [clock.CommEvent(step - 1, step, e.payload_bytes, "send", 2)
             for step in range(1, num_steps + 1) for e in entries_at(step)
             if e.plan is None for _ in range(e.repeats)]
-
-  def compile(self, lowered):
-    """Compiles without the persistent compilation cache on CPU: there (jax 0.10.2) this step's
-    program (pipeline permutes and NoLoCo's permutes in one shard_map'd program), loaded back from
-    the cache, segfaults on its first run; compiled fresh it runs and matches the former pipeline
-    loop. Other backends keep the cache (their compiles are the slow ones)."""
-    from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
-    on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-    if not on_cpu or not compilation_cache.is_persistent_cache_enabled():
-      return lowered.compile()
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-      return lowered.compile()
-    finally:
-      jax.config.update("jax_enable_compilation_cache", True)
-      compilation_cache.reset_cache()
 
   def per_device(self, fn, num_in):
     grid = P(mesh_lib.REPLICA, mesh_lib.STAGE)
@@ -247,7 +235,8 @@ class PipelineGradients:
 
   def eval_params(self, state):
     params_s = self.algorithm.eval_params(state.params, self.opt_state_view(state.opt_state))
-    return jax.tree.map(lambda x: x[0], self.stages.from_grid(jax.tree.map(lambda x: x[None], params_s)))
+    return jax.tree.map(lambda x: x[0],
+                        self.stages.from_grid(jax.tree.map(lambda x: x[None], params_s)))
 
   def train_step(self, phase, route):
     run = self.executors[route].grads_fn  # its comm.permute calls record the pipeline's bytes
@@ -261,7 +250,9 @@ class PipelineGradients:
       loss_rs, grads, _ = run(state.params, batch_m)
       updates, opt_state = update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
-      grad_norm_r = jnp.sqrt(sum(jnp.sum(g.reshape(r, -1) ** 2, axis=1) for g in jax.tree.leaves(grads)))
+      grad_norm_r = jnp.sqrt(
+        sum(jnp.sum(g.reshape(r, -1) ** 2, axis=1) for g in jax.tree.leaves(grads))
+      )
       return (TrainState(params, opt_state, state.step + 1),
               {"loss": loss_rs.reshape(r, -1).sum(1), "grad_norm": grad_norm_r})
 
@@ -269,23 +260,28 @@ class PipelineGradients:
 
 
 def stage_paths_of(config) -> np.ndarray:
-  """SkipPipe's per-micro-batch stage paths: `skippipe.paths`, or planned by the SkipPipe scheduler on
-  `skippipe.topology` (placement by `skippipe.placement_seed`, paths of `skippipe.path_length`)."""
+  """SkipPipe's per-micro-batch stage paths: `skippipe.paths`, or planned by the SkipPipe scheduler
+  on `skippipe.topology` (placement by `skippipe.placement_seed`, paths of
+  `skippipe.path_length`)."""
   from lowcomm_jax.skippipe import paths, placement, scheduler, topology, training  # pylint: disable=g-import-not-at-top
   s = config.skippipe
   if s.paths:
     return training.check_stage_paths(parse_paths(s.paths), config.pipeline.num_stages)
   topo = topology.PRESETS[s.topology]()
   placed = placement.optimize_placement(topo, seed=s.placement_seed)
-  skip = paths.SkipConfig(path_length=s.path_length, microbatches_per_data_node=s.microbatches_per_data_node)
-  planned = training.check_stage_paths(scheduler.skippipe_schedule(topo, placed, skip).stage_paths(),
-                                      config.pipeline.num_stages)
+  skip = paths.SkipConfig(path_length=s.path_length,
+                          microbatches_per_data_node=s.microbatches_per_data_node)
+  planned = training.check_stage_paths(
+    scheduler.skippipe_schedule(topo, placed, skip).stage_paths(), config.pipeline.num_stages
+  )
   accumulation = config.optimizer.accumulation_steps
   if config.data.batch_size % (len(planned) * accumulation):
-    raise ValueError(f"data.batch_size must be a multiple of the {len(planned)} micro-batches the "
-                     f"SkipPipe schedule plans on {s.topology}"
-                     + (f" times optimizer.accumulation_steps={accumulation}" if accumulation > 1 else "")
-                     + f", got {config.data.batch_size}")
+    raise ValueError(
+      f"data.batch_size must be a multiple of the {len(planned)} micro-batches the "
+      f"SkipPipe schedule plans on {s.topology}"
+      + (f" times optimizer.accumulation_steps={accumulation}" if accumulation > 1 else "")
+      + f", got {config.data.batch_size}"
+    )
   return planned
 
 
@@ -313,12 +309,14 @@ def _check_one_fragment(c) -> None:
 def _check_skippipe(c) -> None:
   from lowcomm_jax.skippipe import topology, training  # pylint: disable=g-import-not-at-top
   _check_one_fragment(c)
-  checks.require(c.mesh.stage == 1, "mesh.stage", "1 with gradients=skippipe (paths run on one device "
+  checks.require(c.mesh.stage == 1, "mesh.stage",
+                 "1 with gradients=skippipe (paths run on one device "
                  "group; gradients=pipeline runs stages on devices)", c.mesh.stage)
   if not c.skippipe.paths:
     stages = len(topology.PRESETS[c.skippipe.topology]().stage_sizes)
     checks.integer(c, "skippipe.path_length", 1, stages + 1,
-                   f" (stages per path counting stage 0; {c.skippipe.topology} has {stages} stages)")
+                   f" (stages per path counting stage 0; {c.skippipe.topology} has {stages} "
+                   f"stages)")
     return
   try:
     paths = training.check_stage_paths(parse_paths(c.skippipe.paths), c.pipeline.num_stages)
@@ -326,7 +324,8 @@ def _check_skippipe(c) -> None:
     raise ValueError(f"skippipe.paths={c.skippipe.paths!r} with pipeline.num_stages="
                      f"{c.pipeline.num_stages}: {error}") from None
   checks.require(c.data.batch_size % len(paths) == 0, "data.batch_size",
-                 f"a multiple of the {len(paths)} skippipe.paths (one micro-batch each)", c.data.batch_size)
+                 f"a multiple of the {len(paths)} skippipe.paths (one micro-batch each)",
+                 c.data.batch_size)
   checks.require(c.data.batch_size // c.optimizer.accumulation_steps % len(paths) == 0,
                  "optimizer.accumulation_steps",
                  f"a divisor of data.batch_size={c.data.batch_size} that leaves a multiple of the "
@@ -344,12 +343,14 @@ def _check_pipeline(c) -> None:
                  "1 with gradients=pipeline (its batches are split into micro-batches by "
                  "pipeline.slots_per_step)", c.optimizer.accumulation_steps)
   checks.require(p.slots_per_step >= 1 and c.data.batch_size % p.slots_per_step == 0,
-                 "pipeline.slots_per_step", f">= 1 and a divisor of data.batch_size={c.data.batch_size}",
+                 "pipeline.slots_per_step",
+                 f">= 1 and a divisor of data.batch_size={c.data.batch_size}",
                  p.slots_per_step)
   checks.require(c.mesh.stage == p.num_stages, "mesh.stage",
                  f"pipeline.num_stages={p.num_stages} with gradients=pipeline", c.mesh.stage)
   checks.require(c.mesh.replica == c.num_replicas, "mesh.replica",
-                 f"num_replicas={c.num_replicas} with gradients=pipeline (one replica per stage row)",
+                 f"num_replicas={c.num_replicas} with gradients=pipeline (one replica per stage "
+                 f"row)",
                  c.mesh.replica)
   checks.require(c.mesh.data == 1 and c.mesh.tensor == 1, "mesh.data and mesh.tensor",
                  "1 with gradients=pipeline", (c.mesh.data, c.mesh.tensor))
@@ -369,7 +370,8 @@ def check_every_section(c) -> None:
   checks.integer(c, "pipeline.routing_seed", 0, 2**32, " (it seeds the random routings)")
   presets = tuple(topology.PRESETS)
   checks.require(c.skippipe.topology in presets, "skippipe.topology",
-                 f"a preset of lowcomm_jax.skippipe.topology: one of {presets}", c.skippipe.topology)
+                 f"a preset of lowcomm_jax.skippipe.topology: one of {presets}",
+                 c.skippipe.topology)
   checks.integer(c, "skippipe.path_length", 1, note=" (stages per path counting stage 0)")
   checks.integer(c, "skippipe.microbatches_per_data_node", 1)
   checks.integer(c, "skippipe.placement_seed", 0, 2**32, " (it seeds the placement search)")

@@ -51,7 +51,8 @@ def startup_warnings(config, mesh, param_specs) -> list[str]:
   if config.sharding.layout == "replicated" or any(mesh.shape[a] > 1 for a in named):
     return []
   axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
-  hint = fake_devices_hint({**mesh.shape, **{a: max(2, mesh.shape[a]) for a in named}}, jax.devices())
+  hint = fake_devices_hint({**mesh.shape, **{a: max(2, mesh.shape[a]) for a in named}},
+                           jax.devices())
   return [f"warning: sharding.layout={config.sharding.layout!r} shards no parameter on this mesh "
           f"({axes}): every device holds the whole model; give the layout's axes more than one "
           f"device (mesh.*){hint}"]

@@ -1,7 +1,7 @@
 """The Trainer: validated config in, a run directory out. The one training loop of the package.
 
-Outputs in the workdir: config.json, run.lock (locked while a start runs), metrics.jsonl,
-tensorboard/, checkpoints/
+Outputs in the workdir: config.json, tokenizer/ (a copy of the run's, `train.run_inputs`),
+run.lock (locked while a start runs), metrics.jsonl, tensorboard/, checkpoints/
 (orbax; train state + data iterator state, sealed by checksums) and summary.json
 (strict JSON). Restarting with the same workdir and config resumes from the
 latest intact checkpoint and ends bit-identical to an uninterrupted run; a
@@ -24,20 +24,23 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lowcomm_jax import codecs, comm
-from lowcomm_jax import config as config_lib
-from lowcomm_jax import distributed
-from lowcomm_jax import mesh as mesh_lib
-from lowcomm_jax import sharding
-from lowcomm_jax.data import corpora, pipeline
-from lowcomm_jax.models import config as model_config
+from lowcomm_jax import codecs, comm, config as config_lib, distributed, mesh as mesh_lib, sharding
 from lowcomm_jax.cpu_kernels import attention as cpu_attention
-from lowcomm_jax.models import llama
-from lowcomm_jax.models import loss as loss_lib
+from lowcomm_jax.data import corpora, pipeline, tokenizer as tokenizer_lib
+from lowcomm_jax.models import config as model_config, hf_llama, llama, loss as loss_lib
 from lowcomm_jax.optim.inner import TrainState
-from lowcomm_jax.train import algorithms, checkpoint, overlap as overlap_lib, sources, startup
-from lowcomm_jax.train import validation, workdir as workdir_lib
-from lowcomm_jax.train import metrics as metrics_lib, mfu as mfu_lib
+from lowcomm_jax.train import (
+  algorithms,
+  checkpoint,
+  metrics as metrics_lib,
+  mfu as mfu_lib,
+  overlap as overlap_lib,
+  run_inputs,
+  sources,
+  startup,
+  validation,
+  workdir as workdir_lib,
+)
 
 
 class Trainer:
@@ -54,12 +57,15 @@ class Trainer:
     try:
       self.mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
     except ValueError as error:
-      raise ValueError(f"{error}{startup.fake_devices_hint(config.mesh.to_dict(), devices)}") from None
+      raise ValueError(
+        f"{error}{startup.fake_devices_hint(config.mesh.to_dict(), devices)}"
+      ) from None
     distributed.check_mesh(self.mesh, config.num_replicas)
     data_ways = self.mesh.shape[mesh_lib.DATA]
     if config.data.batch_size % data_ways:
       raise ValueError(f"data.batch_size={config.data.batch_size} is not divisible by the mesh's "
-                       f"data axis ({data_ways}); choose a multiple of {data_ways} or change mesh.data")
+                       f"data axis ({data_ways}); choose a multiple of {data_ways} or change "
+                       f"mesh.data")
     micro = config.data.batch_size // config.optimizer.accumulation_steps
     if micro % data_ways:
       raise ValueError(f"optimizer.accumulation_steps={config.optimizer.accumulation_steps} leaves "
@@ -73,27 +79,35 @@ class Trainer:
     if self.model_cfg.attention == "cpu_kernel":
       platforms = sorted({d.platform for d in self.mesh.devices.flat})
       if platforms != ["cpu"]:
-        raise ValueError(f"model.attention='cpu_kernel' runs on CPU devices only, the mesh has {platforms} "
-                         "(use model.attention='xla')")
-      try:  # compiled (or found in the cache) now: a missing compiler or an untrusted cache fails here
+        raise ValueError(f"model.attention='cpu_kernel' runs on CPU devices only, the mesh "
+                         f"has {platforms} (use model.attention='xla')")
+      try:
+        # compiled (or found in the cache) now: a missing compiler or an untrusted cache fails here
         cpu_attention.load()
       except RuntimeError as error:
         raise ValueError(str(error)) from None
-    if config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
+    if config.init_from.startswith(hf_llama.PREFIX):
+      hf_llama.check_folder(config.init_from[len(hf_llama.PREFIX):], self.model_cfg)
+      hf_llama.check_tokenizer(config.init_from[len(hf_llama.PREFIX):],
+                               tokenizer_lib.load_tokenizer(config.data.tokenizer))
+    elif config.init_from and not (pathlib.Path(config.init_from) / "checkpoints").is_dir():
       raise ValueError(f"init_from={config.init_from!r} holds no checkpoints/ of a finished run")
-    if config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
-      raise ValueError(f"init_from={config.init_from!r} holds checkpoints/ but no config.json, so the "
-                       "model they hold is unknown; give the workdir of a run (both are in it)")
+    elif config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
+      raise ValueError(f"init_from={config.init_from!r} holds checkpoints/ but no config.json, so "
+                       f"the model they hold is unknown; give the workdir of a run (both are in "
+                       f"it)")
     self.rules = sharding.rules_for(config.sharding.layout)
     # reliability: another config, another corpus, run files without config.json, a finished run
     self.corpus_identity = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
+    self.inputs = run_inputs.describe(config)  # reliability: the tokenizer and tokens file it reads
     self._check_workdir()
     abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     abstract_params = abstract_params.to_pure_dict()
     self.algorithm = algorithms.make_algorithm(config, config.num_replicas, abstract_params)
     self.fragment_names = getattr(self.algorithm, "fragment_names", [])
-    self.source = sources.make_source(config, self.graphdef, self.model_cfg, self.algorithm, self.mesh)
+    self.source = sources.make_source(config, self.graphdef, self.model_cfg, self.algorithm,
+                                      self.mesh)
     # thread | inline: where an overlapped fragment's mean is issued (train.overlap)
     self.overlap_executor = overlap_lib.choose(config.diloco.overlap_executor, self.algorithm,
                                                self.source, self.mesh)
@@ -131,7 +145,7 @@ class Trainer:
   def _check_workdir(self) -> None:
     self.run_state = workdir_lib.check_workdir(
         self.workdir, config_lib.fingerprint(self.config),
-        config_lib.fingerprint(config_lib.default_config()), self.corpus_identity)
+        config_lib.fingerprint(config_lib.default_config()), self.corpus_identity, self.inputs)
     self.resuming = self.run_state != workdir_lib.NEW
 
   # -- building blocks, also used by tests and benchmarks ----------------------------------------
@@ -139,8 +153,12 @@ class Trainer:
   def init_params(self):
     """The initial (unreplicated) parameters, sharded by the layout's rules.
 
-    With `init_from`, the evaluated parameters of that run's latest checkpoint (replica 0 or φ).
+    With `init_from`, the evaluated parameters of that run's latest checkpoint (replica 0 or φ),
+    or with `init_from=hf:<folder>` that Hugging Face Llama folder's weights.
     """
+    if self.config.init_from.startswith(hf_llama.PREFIX):
+      _, params = hf_llama.read_folder(self.config.init_from[len(hf_llama.PREFIX):])
+      return jax.device_put(params, self.param_shardings)
     if self.config.init_from:
       return self._params_from(pathlib.Path(self.config.init_from))
     cfg, seed = self.model_cfg, self.config.seed
@@ -148,7 +166,8 @@ class Trainer:
     return jax.jit(init, out_shardings=self.param_shardings)()
 
   def init_state(self) -> TrainState:
-    """Replicated parameters [M, ...] (grid [R, S, ...] for the pipeline) and the algorithm's state."""
+    """Replicated parameters [M, ...] (grid [R, S, ...] for the pipeline) and the algorithm's
+    state."""
     params = self.init_params()
     abstract = jax.eval_shape(self._init_fn, params)
     return jax.jit(self._init_fn, out_shardings=self.state_shardings(abstract))(params)
@@ -156,18 +175,14 @@ class Trainer:
   def _params_from(self, workdir: pathlib.Path):
     model_cfg, params = checkpoint.restore_eval_params(workdir)  # sharded as that run had them
     if model_cfg != self.model_cfg:
-      raise ValueError(f"init_from={str(workdir)!r} has model {model_cfg}, this run {self.model_cfg}")
+      raise ValueError(f"init_from={str(workdir)!r} has model {model_cfg}, this "
+                       f"run {self.model_cfg}")
     return jax.device_put(params, self.param_shardings)  # resharded device to device
 
   def restore_latest(self) -> TrainState:
-    """The train state of this workdir's latest checkpoint."""
-    template = self.abstract_state()
-    ckpt = checkpoint.Checkpointer(self.workdir, self.config.checkpoint.keep)
-    restored = ckpt.restore_latest(template)
-    ckpt.close()
-    if restored is None:
-      raise ValueError(f"{self.workdir} has no checkpoint to restore")
-    return restored[1]
+    """The train state of this workdir's latest checkpoint that restores, read only
+    (`checkpoint.read_latest`)."""
+    return checkpoint.read_latest(self.workdir, self.abstract_state(), "--workdir")[1]
 
   def _init_fn(self, params):
     params_r, opt_state = self.source.init(params)
@@ -185,7 +200,8 @@ class Trainer:
     return self.source.batch_sharding()
 
   def step_fn(self, phase, route=None):
-    """(state, batch [M, B, T+1]) -> (state, metrics) for one static phase (and pipeline routing)."""
+    """(state, batch [M, B, T+1]) -> (state, metrics) for one static phase (and pipeline
+    routing)."""
     return self.source.train_step(phase, route)
 
   def _jit_step(self, key, state):
@@ -204,7 +220,7 @@ class Trainer:
     if key not in self._programs:
       ledger = comm.Ledger()
       with ledger.recording(), mesh_lib.tracing(self.mesh):
-        compiled = self.source.compile(self._jit_step(key, state).lower(state, self._abstract_batch()))
+        compiled = self._jit_step(key, state).lower(state, self._abstract_batch()).compile()
       self._programs[key] = (compiled, ledger.entries)
     return self._programs[key]
 
@@ -264,7 +280,9 @@ class Trainer:
       if algorithm.eval_replicas:
         per_replica = jax.vmap(lambda p: loss_lib.lm_loss(graphdef, p, batch))(
             source.replica_params(state.params))
-        losses.update({f"eval_loss_replica_{i}": per_replica[i] for i in range(algorithm.num_replicas)})
+        losses.update(
+          {f"eval_loss_replica_{i}": per_replica[i] for i in range(algorithm.num_replicas)}
+        )
       return losses
 
     return jax.jit(eval_loss, in_shardings=(None, self.eval_sharding()))
@@ -290,7 +308,8 @@ class Trainer:
             for r in distributed.local_replicas(self.mesh, c.num_replicas)]
 
   def refused(self, state) -> np.ndarray:
-    """Outer steps refused so far because the global model would hold NaN or inf (flat int array)."""
+    """Outer steps refused so far because the global model would hold NaN or inf (flat int
+    array)."""
     return np.asarray(self._fetch(self._refused_array(state))).reshape(-1)
 
   def _fetch(self, tree):
@@ -309,6 +328,7 @@ class Trainer:
     if self.run_state == workdir_lib.COMPLETE:  # reliability: a finished run is left as it is
       return workdir_lib.report_complete(self.workdir)
     self._lock, self._ckpt = None, None
+    workdir_lib.check_not_locked(self.workdir)  # a second start: refused before its first line
     try:
       return self._run()
     except BaseException:
@@ -324,14 +344,14 @@ class Trainer:
 
   def _run(self) -> dict:
     c = self.config
-    if distributed.is_primary():
-      for line in self.startup_report():
-        print(line, flush=True)
-    splits = pipeline.splits_of(c)
+    splits = pipeline.splits_of(c)  # the data's refusals (binary text, too few tokens) come first
     data_iters = self.data_iterators(splits.train)
     eval_batches = [distributed.replicated_array(b, self.eval_sharding())
                     for b in pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
                                                    c.eval.num_batches)]
+    if distributed.is_primary():
+      for line in self.startup_report():
+        print(line, flush=True)
     # reliability: config.json only once the data checks above passed (a refusal writes nothing),
     # and only by the start holding the workdir (a second start is refused, naming the first)
     self._lock = workdir_lib.lock_run(self.workdir)
@@ -339,9 +359,11 @@ class Trainer:
     distributed.barrier("workdir checked")  # by every process, before process 0 writes to it
     if self.run_state == workdir_lib.COMPLETE:
       return workdir_lib.report_complete(self.workdir)
-    if not self.resuming and distributed.is_primary():
+    if not self.resuming and distributed.is_primary():  # config.json, then the tokenizer's copy
       workdir_lib.write_config(self.workdir, json.loads(c.to_json_best_effort()),
-                               config_lib.fingerprint(c), self.corpus_identity)
+                               config_lib.fingerprint(c), self.corpus_identity, self.inputs)
+    elif distributed.is_primary() and run_inputs.saved_inputs(self.workdir):
+      run_inputs.copy_tokenizer(self.workdir, self.inputs)  # a first start cut short before it
     distributed.barrier("config.json written")
     preemption = distributed.Preemption()  # reliability: SIGTERM saves at a step boundary
     state = self.init_state()
@@ -353,6 +375,7 @@ class Trainer:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     start = restored[0] if restored else 0
     sent_bytes, peak_sync_bytes = 0.0, 0.0  # the ledger's bytes per worker, over the whole run
+    timing = {}  # the wall time and timed windows of the starts before this one, up to `start`
     self._refused_seen = np.zeros_like(self.refused(state))
     if start:
       _, state, data_state = restored
@@ -360,7 +383,9 @@ class Trainer:
       for it, s in zip(data_iters, data_state["replicas"][mine.start:mine.stop]):
         it.set_state(s)
       sent_bytes, peak_sync_bytes = data_state["sent_bytes"], data_state["peak_sync_bytes"]
-      self._refused_seen = self.refused(state)  # refusals before the checkpoint were already reported
+      timing = data_state.get("timing", {})  # absent from checkpoints written before it was kept
+      # refusals before the checkpoint were already reported
+      self._refused_seen = self.refused(state)
       print(f"resumed from {ckpt.directory}/{start}", flush=True)
 
     stop = c.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, c.num_steps)
@@ -371,7 +396,9 @@ class Trainer:
     peak = mfu_lib.run_peak(c.hardware.peak_flops_per_device, self.mesh.devices.size,
                             self.mesh.devices.flat)
     eval_loss, eval_losses = None, {}
-    throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start)
+    throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start,
+                                        timing.get("throughput"))
+    earlier_wall = float(timing.get("wall_time_s", 0.0))
     # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
     # the host wait for a step before dispatching the next; throughput windows end at the fetch.
     behind = metrics_lib.OneStepBehind(self._fetch)
@@ -446,7 +473,9 @@ class Trainer:
         state = overlap.settle(state)  # the checkpoint holds the in-flight means, as inline
         overlap.quiet()
         data_states = distributed.gather_lists([it.get_state() for it in data_iters])
-        ckpt.save(step, state, {"replicas": data_states,
+        saved_timing = {"wall_time_s": earlier_wall + time.perf_counter() - run_start,
+                        "throughput": throughput.totals()}
+        ckpt.save(step, state, {"replicas": data_states, "timing": saved_timing,
                                 "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
       if preempted and step < stop:  # reliability: saved; stop with a message
         overlap.close()
@@ -470,7 +499,12 @@ class Trainer:
     wall = time.perf_counter() - run_start
 
     tokens_per_s = throughput.tokens_per_s
-    summary = self._summary(stop, eval_loss, wall, tokens_per_s, sent_bytes, peak_sync_bytes, state)
+    summary = self._summary(stop, eval_loss, earlier_wall + wall, tokens_per_s, sent_bytes,
+                            peak_sync_bytes, state)
+    # wall_time_s and tokens_per_s are the whole run's (every start's work up to the checkpoint the
+    # next start resumed from); this start's own figures beside them
+    summary["this_start"] = {"first_step": start + 1, "wall_time_s": wall,
+                             "tokens_per_s": throughput.start_tokens_per_s}
     summary["final_eval_bits_per_byte"] = eval_losses.get("eval_bits_per_byte")
     summary["eval_bytes_per_token"] = splits.bytes_per_token
     summary.update(throughput.summary())
@@ -484,8 +518,10 @@ class Trainer:
       summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
     if stop == c.num_steps and distributed.is_primary():  # strict JSON, nulls explained
       untimed = "no timed step: every step of this start was in the window that compiles"
-      summary = workdir_lib.write_summary(self.workdir, summary, {} if throughput.seconds else {
+      why_null = {"this_start.tokens_per_s": untimed}
+      why_null.update({} if throughput.seconds else {
           k: untimed for k in ("tokens_per_s", "tokens_per_cpu_s", "mfu") if k in summary})
+      summary = workdir_lib.write_summary(self.workdir, summary, why_null)
     self.final_state = state
     self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
     return summary

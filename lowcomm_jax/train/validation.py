@@ -18,7 +18,7 @@ import ml_collections
 from lowcomm_jax import checks, config as config_lib, mesh as mesh_lib, sharding
 from lowcomm_jax.data import corpora, files, pipeline, tokenizer as tokenizer_lib
 from lowcomm_jax.elastic import faults
-from lowcomm_jax.models import config as model_config
+from lowcomm_jax.models import config as model_config, hf_llama
 from lowcomm_jax.optim import inner
 from lowcomm_jax.sim import network
 from lowcomm_jax.train import algorithms, sources
@@ -46,15 +46,18 @@ def _check(c: ml_collections.ConfigDict) -> None:
   given = set(config_lib.flatten(c))
   unknown = sorted(given - known)
   if unknown:
-    raise ValueError(f"unknown config keys {unknown}; see lowcomm_jax/config.py for the allowed keys")
+    raise ValueError(f"unknown config keys {unknown}; see lowcomm_jax/config.py for the allowed "
+                     f"keys")
   missing = sorted(known - given)
   if missing:
-    raise ValueError(f"config is missing keys {missing}; start from lowcomm_jax.config.default_config()")
+    raise ValueError(f"config is missing keys {missing}; start from "
+                     f"lowcomm_jax.config.default_config()")
   names = tuple(algorithms.ALGORITHMS)
   checks.require(c.algorithm in names, "algorithm", f"one of {names}", c.algorithm)
   checks.integer(c, "num_steps", 1)
   checks.integer(c, "seed", 0, 2**32, " (it seeds the parameters and grain's shuffle)")
-  model_config.get_model_config(c.model.size, **config_lib.model_options(c))
+  if not c.model.size.startswith(hf_llama.PREFIX):  # hf:<folder>: read when the model is built
+    model_config.get_model_config(c.model.size, **config_lib.model_options(c))
   corpora.check_available(c.data.corpus)  # its form, and fetched: before anything is written
   _check_tokenizer(c)
   checks.require(c.model.d_ff >= 0, "model.d_ff", ">= 0 (0: the preset's)", c.model.d_ff)
@@ -66,13 +69,15 @@ def _check(c: ml_collections.ConfigDict) -> None:
                  f"one of {', '.join(inner.OPTIMIZERS)}", c.optimizer.name)
   checks.number(c, "optimizer.learning_rate", 0)
   checks.number(c, "optimizer.min_lr_ratio", 0, 1, high_open=False)
-  checks.require(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", ">= 0", c.optimizer.warmup_steps)
+  checks.require(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", ">= 0",
+                 c.optimizer.warmup_steps)
   checks.number(c, "optimizer.weight_decay", 0)
   for key in ("optimizer.b1", "optimizer.b2", "optimizer.momentum"):
     checks.number(c, key, 0, 1)
   checks.number(c, "optimizer.grad_clip", 0)
   checks.integer(c, "optimizer.accumulation_steps", 1)
-  checks.require(c.data.batch_size % c.optimizer.accumulation_steps == 0, "optimizer.accumulation_steps",
+  checks.require(c.data.batch_size % c.optimizer.accumulation_steps == 0,
+                 "optimizer.accumulation_steps",
                  f"a divisor of data.batch_size={c.data.batch_size} (micro-batches of equal size)",
                  c.optimizer.accumulation_steps)
   sharding.rules_for(c.sharding.layout)
@@ -86,7 +91,8 @@ def _check(c: ml_collections.ConfigDict) -> None:
   checks.number(c, "hardware.step_seconds", 0)
   checks.number(c, "hardware.peak_flops_per_device", 0)
   for key in ("timeout_seconds", "init_timeout_seconds"):
-    checks.require(c.distributed[key] >= 1, f"distributed.{key}", ">= 1 (seconds)", c.distributed[key])
+    checks.require(c.distributed[key] >= 1, f"distributed.{key}", ">= 1 (seconds)",
+                   c.distributed[key])
   # Axis names and sizes only: the device count (checked by the Trainer) is not known here, so ask
   # for exactly as many devices as the fixed axes use.
   fixed = math.prod(max(int(n), 1) for n in c.mesh.to_dict().values() if isinstance(n, int))
@@ -123,13 +129,15 @@ def _check_elastic_values(c) -> None:
 
 
 def _check_tokenizer(c) -> None:
-  """data.tokenizer loads, fits the corpus (domains are bytes; pre-tokenized ids fit its vocabulary);
+  """data.tokenizer loads, gives back the text it encodes (bits per byte count decoded bytes), fits
+  the corpus (domains are bytes; pre-tokenized ids were made by it);
   data.doc_chars and data.doc_separator have their types."""
   checks.require(isinstance(c.data.doc_chars, int) and c.data.doc_chars >= 0, "data.doc_chars",
                  "an integer >= 0 (0: documents are not cut by length)", c.data.doc_chars)
   checks.require(isinstance(c.data.doc_separator, str), "data.doc_separator", "a string",
                  c.data.doc_separator)
   tok = tokenizer_lib.load_tokenizer(c.data.tokenizer)
+  tokenizer_lib.check_exact_bytes(tok)
   if str(c.data.corpus).startswith(("domain:", "domain_mix:")):
     checks.require(c.data.tokenizer == "bytes", "data.tokenizer",
                    f"'bytes' with data.corpus={c.data.corpus!r} (domains are byte streams)",

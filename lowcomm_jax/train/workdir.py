@@ -4,19 +4,21 @@ A workdir is one of three things, and a start behaves accordingly:
 
 - new (absent or empty): the run starts at step 0 and writes config.json first (`/` and the home
   directory are never a workdir, nor a symbolic link to nothing);
-- a run of the same config (its config.json's fingerprint and corpus identity match): it resumes
-  from the latest checkpoint, or, when summary.json is there, says the run is complete and changes
-  nothing;
-- anything else (a file, an unwritable place, another config, a different corpus, run files without
-  config.json, other files without config.json, an unreadable config.json): one ValueError naming
-  what is wrong and what to do, and the directory is left byte for byte as it was.
+- a run of the same kind and config (its config.json's kind, fingerprint, corpus identity and inputs
+  match): it resumes from the latest checkpoint, or, when summary.json is there, says the run is
+  complete and changes nothing;
+- anything else (a file, an unwritable place, another config, a run of the other binary, a
+  different corpus, tokenizer or tokens file, run files without config.json, other files without
+  config.json, an unreadable config.json): one ValueError naming what is wrong and what to do, and
+  the directory is left byte for byte as it was (the writability probe included: it writes only
+  into a folder the run will write into).
 
 One run at a time: `RunLock` holds an exclusive `fcntl.flock` on LOCK_FILE for the whole run (the
 kernel releases it when the process ends, however it ends); a second start is refused naming the
-holder's pid and host.
+holder's pid and host, before it prints anything (`check_not_locked`).
 
-config.json and summary.json are replaced whole (a temporary file renamed), so a crash leaves the old
-file or the new one, never a torn one; a summary.json that cannot be read is no finished run.
+config.json and summary.json are replaced whole (a temporary file renamed), so a crash leaves the
+old file or the new one, never a torn one; a summary.json that cannot be read is no finished run.
 summary.json is strict JSON: a value that is NaN or inf becomes null, and `null_reasons` says why.
 """
 
@@ -31,9 +33,15 @@ import socket
 import tempfile
 import time
 
+from lowcomm_jax.train import run_inputs
+
 # Files and folders a run writes; any of them without config.json is a damaged or foreign run.
-RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "summary.json", "tensorboard")
+RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "summary.json",
+             "tensorboard", "syncer", "learners", run_inputs.TOKENIZER_DIR)
 NEW, RESUME, COMPLETE = "new", "resume", "complete"
+# The kinds of run (config.json's "kind"), the binary that trains each and the folder it writes.
+KINDS = {"train": ("experiments/train.py", "checkpoints"),
+         "elastic": ("experiments/elastic.py", "syncer")}
 # Held locked by the running start (its pid and host inside). Alone in a folder, or with the
 # temporary file of a config.json write cut short, it leaves the folder new.
 LOCK_FILE = "run.lock"
@@ -42,17 +50,18 @@ LOCK_FILE = "run.lock"
 def check_path(workdir) -> pathlib.Path:
   """The workdir as a path; raises unless it is (or can become) a writable directory."""
   if workdir is None or not str(workdir).strip():
-    raise ValueError("--workdir must name a directory (a new one, or a run to resume), got an empty "
-                     "path; a run is never written into the current directory by default")
+    raise ValueError("--workdir must name a directory (a new one, or a run to resume), got an "
+                     "empty path; a run is never written into the current directory by default")
   path = pathlib.Path(workdir)
   if path.is_symlink() and not path.exists():
-    raise ValueError(f"--workdir={workdir} is a symbolic link to {os.readlink(path)}, which does not "
-                     "exist; give a directory (new, or a run to resume), or create the link's target")
+    raise ValueError(f"--workdir={workdir} is a symbolic link to {os.readlink(path)}, which does "
+                     f"not exist; give a directory (new, or a run to resume), or create the link's "
+                     "target")
   resolved = path.expanduser().resolve()
   if resolved in (pathlib.Path("/"), pathlib.Path.home().resolve()):
     what = "the root directory" if resolved.parent == resolved else "the home directory"
-    raise ValueError(f"--workdir={workdir} is {what}; a run writes its files into its workdir: give "
-                     f"a folder of its own, e.g. {resolved / 'runs' / 'my_run'}")
+    raise ValueError(f"--workdir={workdir} is {what}; a run writes its files into its workdir: "
+                     f"give a folder of its own, e.g. {resolved / 'runs' / 'my_run'}")
   if path.exists() and not path.is_dir():
     raise ValueError(f"--workdir={workdir} is a file; give a directory (new, or a run to resume)")
   existing = path
@@ -60,12 +69,17 @@ def check_path(workdir) -> pathlib.Path:
     existing = existing.parent
   if not existing.is_dir():
     raise ValueError(f"--workdir={workdir} cannot be created: {existing} is a file")
+  if path.is_dir():  # what is there first: a refused folder is never written into, even a probe
+    read_run(path)
+    if read_summary(path) is not None:
+      return path  # a finished run: nothing will be written
   try:  # os.access says yes to root everywhere; a real (removed at once) file says the truth
     with tempfile.TemporaryFile(dir=existing):
       pass
   except OSError as error:
     raise ValueError(f"--workdir={workdir} cannot be written: {existing} refuses new files "
-                     f"({type(error).__name__}: {error.strerror}); give a writable directory") from None
+                     f"({type(error).__name__}: {error.strerror}); give a writable "
+                     f"directory") from None
   return path
 
 
@@ -76,39 +90,63 @@ def read_run(workdir: pathlib.Path) -> dict | None:
   if not saved.exists():
     found = sorted(name for name in RUN_FILES if (workdir / name).exists())
     if found:
-      raise ValueError(f"workdir {workdir} holds {', '.join(found)} but no config.json, so which run "
-                       "they belong to is unknown; refusing to resume or overwrite them: use a new "
-                       "--workdir (or restore that run's config.json)")
-    ours = lambda name: name == LOCK_FILE or (name.startswith(".config.json.") and name.endswith(".tmp"))
-    others = sorted(p.name for p in workdir.iterdir() if not ours(p.name)) if workdir.is_dir() else []
+      raise ValueError(f"workdir {workdir} holds {', '.join(found)} but no config.json, so which "
+                       f"run they belong to is unknown; refusing to resume or overwrite them: use "
+                       f"a new --workdir (or restore that run's config.json)")
+    ours = lambda name: (
+      name == LOCK_FILE or (name.startswith(".config.json.") and name.endswith(".tmp"))
+    )
+    others = (
+      sorted(p.name for p in workdir.iterdir() if not ours(p.name)) if workdir.is_dir() else []
+    )
     if others:
       shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
       raise ValueError(f"workdir {workdir} holds files that are not a run ({shown}) and no "
-                       "config.json; a new run needs an absent or empty folder: use a new --workdir")
+                       "config.json; a new run needs an absent or empty folder: use a new "
+                       "--workdir")
     return None
   try:
     run = json.loads(saved.read_text())
     if not isinstance(run, dict) or not isinstance(run.get("fingerprint"), dict):
       raise ValueError("no 'fingerprint' object")
   except (ValueError, UnicodeDecodeError) as error:
-    raise ValueError(f"workdir {workdir} has a config.json that cannot be read ({error}); it is not "
-                     "the file a run writes: use a new --workdir, or restore that file") from None
+    raise ValueError(f"workdir {workdir} has a config.json that cannot be read ({error}); it is "
+                     f"not the file a run writes: use a new --workdir, or restore that "
+                     f"file") from None
   return run
 
 
+def kind_of(workdir: pathlib.Path, run: dict) -> str | None:
+  """The kind of run (a key of KINDS) config.json saved, or for a run saved before kinds were, the
+  one whose folder is there; None when neither says."""
+  if run.get("kind") in KINDS:
+    return run["kind"]
+  found = [kind for kind, (_, folder) in KINDS.items() if (pathlib.Path(workdir) / folder).exists()]
+  return found[0] if len(found) == 1 else None
+
+
 def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | None = None,
-                  corpus_identity: str | None = None) -> str:
+                  corpus_identity: str | None = None, inputs: dict | None = None,
+                  kind: str = "train") -> str:
   """NEW, RESUME or COMPLETE for a start of the run `fingerprint` in `workdir`; raises otherwise.
 
+  A run of another `kind` (KINDS: train.py's or elastic.py's) is refused naming it. `inputs` (the
+  run's tokenizer and tokens file now, `run_inputs.describe`) must match those the run saved.
+
   A key the saved run does not know (added to the config since) counts as its default value; a key
-  it saved that is fingerprinted no more (e.g. diloco.nonfinite, now the run-time key nonfinite) is not compared. A saved
-  corpus identity (`lowcomm_jax.data.corpora.corpus_identity`) must equal `corpus_identity`, so a
-  resume never trains on other text (another Python's stdlib, another Debian release) unnoticed.
-  Reads only: an existing run directory is never changed by a refused start.
+  it saved that is fingerprinted no more (e.g. diloco.nonfinite, now the run-time key nonfinite) is
+  not compared. A saved corpus identity (`lowcomm_jax.data.corpora.corpus_identity`) must equal
+  `corpus_identity`, so a resume never trains on other text (another Python's stdlib, another Debian
+  release) unnoticed. Reads only: an existing run directory is never changed by a refused start.
   """
   run = read_run(pathlib.Path(workdir))
   if run is None:
     return NEW
+  found = kind_of(workdir, run)
+  if found is not None and found != kind:
+    raise ValueError(f"workdir {workdir} holds a run of {KINDS[found][0]} (a {found} run: its "
+                     f"{KINDS[found][1]}/ is there), which {KINDS[kind][0]} cannot resume or "
+                     f"overwrite; use a new --workdir, or {KINDS[found][0]} to resume it")
   current = json.loads(json.dumps(fingerprint, default=str))
   defaults = json.loads(json.dumps(defaults or {}, default=str))
   # A saved key fingerprinted no more (now a run-time key, or gone from the config) is not compared.
@@ -120,13 +158,17 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | Non
     details = ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in differing[:8])
     raise ValueError(f"workdir {workdir} holds a run of another config ({details}); "
                      "use a new --workdir or the same config to resume")
+  changed = run_inputs.difference(workdir, run.get("inputs"), inputs) if inputs else None
+  if changed:
+    raise ValueError(changed)
   saved_identity = run.get("corpus_identity")
   if saved_identity and corpus_identity and saved_identity != corpus_identity:
     raise ValueError(
-        f"workdir {workdir} was trained on another copy of data.corpus={run['config']['data']['corpus']!r} "
-        f"(corpus identity {saved_identity}, here {corpus_identity}: its files or their sizes differ, "
-        "e.g. another Python version or Debian release); resuming would train on other text: "
-        "resume where the run started, or use a new --workdir")
+        f"workdir {workdir} was trained on another copy of "
+        f"data.corpus={run['config']['data']['corpus']!r} (corpus identity {saved_identity}, "
+        f"here {corpus_identity}: its files or their sizes differ, e.g. another Python version or "
+        f"Debian release); resuming would train on other text: resume where the run started, or "
+        f"use a new --workdir")
   return COMPLETE if read_summary(pathlib.Path(workdir)) is not None else RESUME
 
 
@@ -164,6 +206,11 @@ def _holder(path: pathlib.Path) -> str:
   return "a process that has not written its pid yet"
 
 
+def _in_use(workdir, path: pathlib.Path) -> str:
+  return (f"workdir {workdir} is in use by another run ({_holder(path)}, which holds {path}); wait "
+          "for it to end or stop it, or use another --workdir")
+
+
 class RunLock:
   """An exclusive `fcntl.flock` on workdir/LOCK_FILE, holding "pid <pid> on host <host>".
 
@@ -180,9 +227,7 @@ class RunLock:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       os.close(fd)
-      raise WorkdirInUse(f"workdir {workdir} is in use by another run ({_holder(self.path)}, which "
-                         f"holds {self.path}); wait for it to end or stop it, or use another "
-                         "--workdir") from None
+      raise WorkdirInUse(_in_use(workdir, self.path)) from None
     self.holder = f"pid {os.getpid()} on host {socket.gethostname()}"
     os.ftruncate(fd, 0)
     os.write(fd, (self.holder + "\n").encode())
@@ -192,6 +237,36 @@ class RunLock:
     if self._fd is not None:
       os.close(self._fd)
       self._fd = None
+
+
+def lock_holder(workdir: pathlib.Path) -> str | None:
+  """Who holds the workdir's lock (a run going on), None when nobody does: the lock is tried and let
+  go at once, through a read-only descriptor, writing nothing."""
+  path = pathlib.Path(workdir) / LOCK_FILE
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+  except FileNotFoundError:
+    return None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return None
+  except BlockingIOError:
+    return _holder(path)
+  finally:
+    os.close(fd)
+
+
+def check_not_locked(workdir: pathlib.Path) -> None:
+  """Raises WorkdirInUse on every process when another start holds the workdir's lock (process 0
+  looks, `lock_holder`). Collective: all processes call it."""
+  from lowcomm_jax import distributed  # pylint: disable=g-import-not-at-top
+  refusal = None
+  if distributed.is_primary() and lock_holder(workdir) is not None:
+    refusal = _in_use(workdir, pathlib.Path(workdir) / LOCK_FILE)
+  refusal = distributed.gather_lists([refusal] if distributed.is_primary() else [])[0]
+  if refusal:
+    raise WorkdirInUse(refusal)
 
 
 def lock_run(workdir: pathlib.Path) -> RunLock | None:
@@ -222,12 +297,16 @@ def lock_run(workdir: pathlib.Path) -> RunLock | None:
 
 
 def write_config(workdir: pathlib.Path, config_json: dict, fingerprint: dict,
-                 corpus_identity: str | None) -> None:
-  """Creates the workdir and its config.json (the first file of a run)."""
+                 corpus_identity: str | None, inputs: dict | None = None,
+                 kind: str = "train") -> None:
+  """Creates the workdir and its config.json (the first file of a run), then copies the run's
+  tokenizer into it (`run_inputs.copy_tokenizer`)."""
   workdir.mkdir(parents=True, exist_ok=True)
   write_atomic(workdir / "config.json", json.dumps(
-      {"config": config_json, "fingerprint": fingerprint, "corpus_identity": corpus_identity},
-      indent=1, default=str))
+      {"config": config_json, "fingerprint": fingerprint, "corpus_identity": corpus_identity,
+       "kind": kind, "inputs": inputs}, indent=1, default=str))
+  if inputs:
+    run_inputs.copy_tokenizer(workdir, inputs)
 
 
 def strict_json(value, path: str = "", reasons: dict | None = None):
@@ -251,8 +330,8 @@ def write_summary(workdir: pathlib.Path, summary: dict, why_null: dict | None = 
   """
   reasons: dict = {}
   clean = strict_json(summary, reasons=reasons)
-  for key, reason in (why_null or {}).items():  # the known cause beats "was nan"
-    if key in clean and clean[key] is None:
+  for key, reason in (why_null or {}).items():  # the known cause beats "was nan" (key: its path)
+    if key in reasons or clean.get(key, 0) is None:
       reasons[key] = reason
   if reasons:
     clean["null_reasons"] = reasons

@@ -1,0 +1,68 @@
+"""The private JAX (`jax._src`) that lowcomm_jax reads, in one place.
+
+Each function names what it reads, why the public API cannot do it yet, and what would replace
+it. ruff's TID251 rule (pyproject.toml) refuses `jax._src` in every other file, so a new private
+use comes here with its note. All of it exists unchanged from jax 0.10.2 to 0.12 (the versions
+pyproject.toml allows).
+"""
+
+from __future__ import annotations
+
+from jax._src import cloud_tpu_init, clusters
+
+
+def on_cloud_tpu_vm() -> bool:
+  """Whether JAX found a Cloud TPU VM's runtime when it started (`cloud_tpu_init`).
+
+  JAX records this when it initializes its TPU backend and uses it in its own cluster detection;
+  there is no public query. `jax.devices()[0].platform == "tpu"` is not the same: it starts the
+  backend, which `distributed.initialize` must not do before `jax.distributed.initialize`.
+  """
+  return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
+
+
+def slurm_or_mpi_cluster() -> type | None:
+  """JAX's SLURM or Open MPI cluster description whose environment is present, else None.
+
+  `jax.distributed.initialize()` detects these itself but then restricts each process to the one
+  local device its task id names (SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK), which is wrong with
+  one task per node holding several devices; no public API returns what it detected without
+  initializing. The registry `clusters.ClusterEnv._cluster_types` lists the detectors; the ones
+  returned answer `get_coordinator_address`, `get_process_count` and `get_process_id`.
+  """
+  registry = clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+  return next((e for e in registry if e.name in ("slurm", "ompi") and e.is_env_present()), None)
+
+
+def jax_detected_distributed_params() -> tuple:
+  """(coordinator address, process count, process id, local device ids) as JAX's own detection
+  reads them from the environment, with nothing given: what `jax.distributed.initialize()` would
+  use. Tests compare `distributed.initialize_arguments` with it; no public API returns it."""
+  unset = (None,) * 6  # address, count, id, local device ids, detection method, timeout
+  return clusters.ClusterEnv.auto_detect_unset_distributed_params(*unset)
+
+
+def tpu_flash_attention_forward(q, k, v, sm_scale: float, block_sizes) -> tuple:
+  """(output, row sums l, row maxima m) of jax's Pallas TPU flash attention, causal, operands heads
+  first [B, H, T, K]: the forward rule of its `jax.custom_vjp` (`_flash_attention_fwd` of
+  `jax.experimental.pallas.ops.tpu.flash_attention`), with the softmax statistics it keeps.
+
+  The public `flash_attention` is differentiable only with operands that vary over no manual mesh
+  axis: its kernels' results carry no such type, and its custom_vjp refuses a cotangent of another
+  type than its result. Inside the Trainer's `shard_map` over `replica` the model calls the rules
+  itself and types their results (`models.attention.tpu_flash_attention`). A public VJP that takes
+  such operands would replace these two. Not `jax._src`: the module is public, its rules private.
+  """
+  from jax.experimental.pallas.ops.tpu import flash_attention  # pylint: disable=g-import-not-at-top
+  o, (*_, l, m) = flash_attention._flash_attention_fwd(  # pylint: disable=protected-access
+      q, k, v, None, None, False, True, sm_scale, block_sizes, False)
+  return o, l, m
+
+
+def tpu_flash_attention_backward(q, k, v, o, l, m, d_out, sm_scale: float, block_sizes) -> tuple:
+  """(dq, dk, dv) of `tpu_flash_attention_forward`'s result given its cotangent `d_out`: the
+  backward rule of the same custom_vjp (`_flash_attention_bwd`), from the forward's residuals."""
+  from jax.experimental.pallas.ops.tpu import flash_attention  # pylint: disable=g-import-not-at-top
+  dq, dk, dv, _, _ = flash_attention._flash_attention_bwd(  # pylint: disable=protected-access
+      False, True, sm_scale, block_sizes, False, (q, k, v, None, None, o, l, m), d_out)
+  return dq, dk, dv
