@@ -40,6 +40,7 @@ if __name__ == "__main__":  # as the tests run it (tests/conftest.py)
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
 import pytest
+from jaxlib.mlir import ir
 
 from lowcomm_jax import codecs, comm, config as config_lib, mesh as mesh_lib
 from lowcomm_jax.codecs import kernels
@@ -72,10 +73,25 @@ def custom_calls(module_text: str) -> collections.Counter:
   return collections.Counter(re.findall(r"stablehlo\.custom_call @([\w$.]+)\(", module_text))
 
 
-def kernel_calls(module_text: str, platform: str):
-  """The compiled kernels' calls in a module lowered for `platform`, or a failure line where it
-  holds another GPU kernel's (a Triton call beside Mosaic GPU's, say)."""
-  calls = custom_calls(module_text)
+def module_custom_calls(lowered) -> collections.Counter:
+  """`custom_calls` of a `jax.stages.Lowered`, read from its MLIR module's operations (nested
+  regions included) rather than from its text: printing a module with compiled kernels (their
+  serialized code in attributes) costs several times the walk."""
+  calls = collections.Counter()
+
+  def visit(op):
+    if op.name == "stablehlo.custom_call":
+      calls[ir.StringAttr(op.attributes["call_target_name"]).value] += 1
+    return ir.WalkResult.ADVANCE
+
+  lowered.compiler_ir().operation.walk(visit)
+  return calls
+
+
+def kernel_calls(calls: collections.Counter, platform: str):
+  """The compiled kernels' calls among a module's custom calls (`custom_calls`) lowered for
+  `platform`, or a failure line where it holds another GPU kernel's (a Triton call beside Mosaic
+  GPU's, say)."""
   foreign = {t: calls[t] for t in _GPU_TARGETS if t != KERNEL_MARK[platform] and calls[t]}
   if foreign:
     return f"holds other GPU kernels: {foreign}"
@@ -304,8 +320,8 @@ def lower_programs(combinations) -> dict:
         lowered[key] = {}
         for platforms in together or [(p,) for p in PLATFORMS]:
           try:
-            text = traced.lower(lowering_platforms=platforms).as_text()
-            lowered[key].update({p: kernel_calls(text, p) for p in platforms})
+            calls = module_custom_calls(traced.lower(lowering_platforms=platforms))
+            lowered[key].update({p: kernel_calls(calls, p) for p in platforms})
           except Exception as error:  # pylint: disable=broad-except
             lowered[key].update({p: f"{type(error).__name__}: {error}"[:400] for p in platforms})
   return lowered

@@ -13,6 +13,7 @@ the loop knows neither.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import time
@@ -41,6 +42,15 @@ from lowcomm_jax.train import (
   validation,
   workdir as workdir_lib,
 )
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_model(model_cfg, seed: int):
+  """(graphdef, abstract parameters as a pure dict, logical axes) of the model: tracing its
+  constructor once per model config and seed, not once per Trainer (a sweep builds many)."""
+  abstract_model = nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(seed)))
+  graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+  return graphdef, abstract_params.to_pure_dict(), llama.logical_axes(abstract_model)
 
 
 class Trainer:
@@ -101,9 +111,8 @@ class Trainer:
     self.corpus_identity = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
     self.inputs = run_inputs.describe(config)  # reliability: the tokenizer and tokens file it reads
     self._check_workdir()
-    abstract_model = nnx.eval_shape(lambda: llama.Decoder(self.model_cfg, nnx.Rngs(config.seed)))
-    self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-    abstract_params = abstract_params.to_pure_dict()
+    self.graphdef, abstract_params, axes = _abstract_model(self.model_cfg, config.seed)
+    abstract_params = jax.tree.map(lambda x: x, abstract_params)  # this Trainer's own dicts
     self.algorithm = algorithms.make_algorithm(config, config.num_replicas, abstract_params)
     self.fragment_names = getattr(self.algorithm, "fragment_names", [])
     self.source = sources.make_source(config, self.graphdef, self.model_cfg, self.algorithm,
@@ -115,7 +124,7 @@ class Trainer:
     self.comm_issued: list = []  # the last run's executor timeline (`comm.Issued`), for benchmarks
     self.watch_steps = False  # set before run() to record step_times (metrics.StepTimes)
     self.step_times: list = []
-    self.axes = llama.logical_axes(abstract_model)
+    self.axes = dict(axes)
     self.param_specs = sharding.param_specs(self.axes, abstract_params, self.rules, self.mesh)
     self.param_shardings = sharding.named(self.mesh, self.param_specs)
     self.num_params = model_config.param_count(self.model_cfg)
