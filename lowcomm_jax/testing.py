@@ -120,6 +120,29 @@ def process_leg_config(case: str, num_processes: int = 1) -> ml_collections.Conf
   return c
 
 
+# tests/test_overlap_loop.py's two-process leg: Streaming DiLoCo (P = 2, H = 6, α = 0.5, 8 steps)
+# with one replica per process, by τ and codec keys, each run under both overlap executors; all in
+# one launch of tests/engine_processes_worker.py --leg=overlap. float32 at τ = 1, and the e3m0
+# codec with error feedback (the residual travels back from the thread into the state) at τ = 2.
+OVERLAP_PROCESS_RUNS = {"tau1": (1, {}),
+                        "tau2-e3m0-ef": (2, {"diloco.codec": "e3m0",
+                                             "diloco.error_feedback": True})}
+OVERLAP_EXECUTORS = ("inline", "thread")
+
+
+def overlap_leg_configs(num_processes: int = 2) -> dict[str, ml_collections.ConfigDict]:
+  """The configs of OVERLAP_PROCESS_RUNS × OVERLAP_EXECUTORS, keyed `<run>-<executor>` (the run
+  directory's name), as experiments/configs/diloco.py:tiny with these changes."""
+  configs = {}
+  for run, (tau, codec) in OVERLAP_PROCESS_RUNS.items():
+    changes = multiprocess_changes(num_processes, {
+        **STREAMING, "num_steps": 8, "diloco.sync_every": 6, "diloco.overlap_steps": tau, **codec})
+    for mode in OVERLAP_EXECUTORS:
+      configs[f"{run}-{mode}"] = make_config("diloco.py",
+                                             {**changes, "diloco.overlap_executor": mode})
+  return configs
+
+
 def read_metrics(workdir) -> list[dict]:
   return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 

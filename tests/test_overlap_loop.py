@@ -191,29 +191,32 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path_factory):
   _assert_close(whole.final_state, second.final_state, exact=True)
 
 
-# τ, the codec's keys: float32 at τ = 1, and the e3m0 codec with error feedback (the residual
-# travels back from the thread into the state) at τ = 2. Plain τ = 2 is left to the vmap and mesh
-# cases above: each process case costs about a minute of the suite's 20.
-PROCESS_RUNS = {"tau1": (1, {}),
-                "tau2-e3m0-ef": (2, {"diloco.codec": "e3m0", "diloco.error_feedback": True})}
+@pytest.fixture(scope="module")
+def process_runs(tmp_path_factory):
+  """The run directories of testing.overlap_leg_configs(): one launch of two processes (one
+  replica each, gloo) trains every run in turn (the processes start and join once)."""
+  out = tmp_path_factory.mktemp("processes")
+  proc = testing.launch_script(2, [f"--out={out}", "--leg=overlap"],
+                               script=testing.ROOT / "tests" / "engine_processes_worker.py")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  reported = re.findall(r"(\S+): done, overlap executor (\w+)", proc.stdout)  # by both processes
+  expected = [(f"{run}-{mode}", mode) for run in testing.OVERLAP_PROCESS_RUNS
+              for mode in testing.OVERLAP_EXECUTORS]
+  assert sorted(reported) == sorted(2 * expected), proc.stdout[-3000:]
+  return out
 
 
-@pytest.mark.slow  # four 2-process launches: 2-10 min on the shared 2-core machine
-@pytest.mark.parametrize("run", list(PROCESS_RUNS))
-def test_two_processes_thread_equals_inline(tmp_path, run):
+@pytest.mark.slow  # four 2-process runs in one launch: 2-10 min on the shared 2-core machine
+@pytest.mark.parametrize("run", list(testing.OVERLAP_PROCESS_RUNS))
+def test_two_processes_thread_equals_inline(process_runs, run):
   """Two processes (one replica each, gloo): the thread run equals the inline run (measured max abs
   diff: τ = 1 6.0e-8, τ = 2 6.0e-8, e3m0 with error feedback 1.2e-7, within the bound above).
   Inline, one replica per process runs the step under shard_map: the e3m0 case also checks that
-  the compressed mean leaves it replicated (the in-flight buffer)."""
-  tau, codec = PROCESS_RUNS[run]
-  changes = testing.multiprocess_changes(2, {**testing.STREAMING, "num_steps": 8,
-                                             "diloco.sync_every": 6, "diloco.overlap_steps": tau,
-                                             **codec})
-  states = {}
-  for mode in ("inline", "thread"):
-    proc = testing.launch(2, tmp_path / mode, {**changes, "diloco.overlap_executor": mode})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    states[mode] = testing.restored(tmp_path / mode)
+  the compressed mean leaves it replicated (the in-flight buffer). Plain τ = 2 is left to the vmap
+  and mesh cases above."""
+  codec = testing.OVERLAP_PROCESS_RUNS[run][1]
+  states = {mode: testing.restored(process_runs / f"{run}-{mode}")
+            for mode in testing.OVERLAP_EXECUTORS}
   print(f"two processes, {run}:", end=" ")
   _assert_close(states["inline"], states["thread"])
   if codec:  # not vacuous: the residuals the thread wrote back are the inline ones, and not zero
