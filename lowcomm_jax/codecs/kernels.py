@@ -195,10 +195,10 @@ def on_every_axis(fn: Callable) -> Callable:
       return fn(*args)
     manual = jax.sharding.AxisType.Manual
     free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != manual}
-    if not free:
-      return fn(*args)
-    outputs = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=free,
-                            check_vma=False)(*args)
+    # Every axis already manual: `fn` runs in place, but a kernel whose outputs carry no varying
+    # axes (Mosaic GPU's) still needs them marked, as the shard_map's results do.
+    outputs = fn(*args) if not free else jax.shard_map(
+        fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=free, check_vma=False)(*args)
     return jax.tree.map(lambda out: mesh_lib.vary_like(out, *jax.tree.leaves(args)), outputs)
   return wrapped
 
