@@ -6,8 +6,12 @@ modes, mtimes and hashes as they were, a save's leftover temporary folder includ
 prints orbax's warnings.
 """
 
+import atexit
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -23,6 +27,13 @@ READS = 2  # of each reader while the training runs
 ORBAX_NOISE = ("Type handler registry", "cannot schedule new futures", "Traceback")
 
 
+# The binaries compile into their own cache folder: the test process's in-process reference run
+# then loads no executable that another process wrote while this test ran.
+_CACHE = tempfile.mkdtemp(prefix="live-readers-xla-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+_ENV = {**os.environ, "JAX_COMPILATION_CACHE_DIR": _CACHE}
+
+
 def _readers(workdir, out) -> list[list[str]]:
   binary = lambda name: [sys.executable, str(ROOT / "experiments" / name), f"--workdir={workdir}"]
   return [binary("generate.py") + ["--prompt=def ", "--max_new_tokens=8", "--temperature=0"],
@@ -31,7 +42,7 @@ def _readers(workdir, out) -> list[list[str]]:
 
 
 def _read(command) -> subprocess.CompletedProcess:
-  return subprocess.run(command, capture_output=True, text=True, timeout=240)
+  return subprocess.run(command, capture_output=True, text=True, timeout=240, env=_ENV)
 
 
 def _one_line(result: subprocess.CompletedProcess, starts: str) -> None:
@@ -45,7 +56,8 @@ def test_readers_leave_a_live_and_a_finished_run_as_they_are(tmp_path):
   command = [sys.executable, str(ROOT / "experiments" / "train.py"),
              f"--config={CONFIGS / 'dp.py'}:tiny", f"--workdir={workdir}",
              *(f"--config.{k}={v}" for k, v in CHANGES.items())]
-  train = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  train = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=_ENV)
   while train.poll() is None and not list(workdir.glob("checkpoints/*/lowcomm_sha256.json")):
     time.sleep(0.1)
   # A second start, refused before its start-up line, with no orbax line after it.
