@@ -36,11 +36,11 @@ def base(**ch):
 
 CASES = {
   "dp": {},
-  "diloco": {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 3},
+  "diloco": {"algorithm": "diloco", "num_replicas": 2, "outer.sync_every": 3},
   "streaming_diloco": {"algorithm": "streaming_diloco", "num_replicas": 2,
-                       "diloco.num_fragments": 2,
-      "diloco.non_block_fragment": "fold", "diloco.sync_every": 4, "diloco.overlap_steps": 1,
-      "diloco.merge_alpha": 0.5},
+                       "outer.num_fragments": 2,
+      "outer.non_block_fragment": "fold", "outer.sync_every": 4, "outer.overlap_steps": 1,
+      "outer.merge_alpha": 0.5},
   "noloco": {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 3,
              "noloco.num_groupings": 2},
 }
@@ -63,7 +63,7 @@ for alg in ("noloco", "diloco"):
   c.pipeline.slots_per_step = 2
   c.pipeline.num_routings = 2
   c.optimizer.warmup_steps = 2; c.noloco.sync_every = 3; c.noloco.num_groupings = 2
-  c.diloco.sync_every = 3; c.eval.every = 3; c.eval.batch_size = 4; c.eval.num_batches = 2
+  c.outer.sync_every = 3; c.eval.every = 3; c.eval.batch_size = 4; c.eval.num_batches = 2
   norms = []
   orig = PipelineExecutor.__call__
   def call(self, grid, batch, orig=orig):
