@@ -5,7 +5,9 @@ cannot add keys (`lock_config=True`), so a misspelt key is an error at the comma
 `lowcomm_jax.cli` names it in one line with the closest keys.
 `lowcomm_jax.train.validation.validate` checks values before any compute and before anything is
 written: one ValueError naming the option and its allowed values (each key's comment below gives its
-range). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it.
+range); it returns them parsed, a frozen `lowcomm_jax.run_config.RunConfig`. A run's fingerprint
+(every key but RUNTIME_KEYS) must match to resume it. A key that moved (MOVED_KEYS) is refused
+naming its place now; a run saved with it is read with the key at that place (`upgrade_saved`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ redesign.
 Runs the configs of lowcomm_jax.testing.ENGINE_CASES with the code of that commit: its Trainer for
 dp, diloco, streaming_diloco and noloco; its own pipeline loop (parallel/combined.py, since removed)
 for pipeline_noloco and pipeline_diloco; skippipe/training.py's make_path_train_step for skippipe.
-Not collected by pytest (not a test file); kept so the numbers can be reproduced.
+Not collected by pytest (not a test file); kept so the numbers can be reproduced. Its config keys
+are that commit's (`diloco.*`, which `lowcomm_jax.config.MOVED_KEYS` maps to `outer.*` today).
 """
 import json
 import os
@@ -36,11 +37,11 @@ def base(**ch):
 
 CASES = {
   "dp": {},
-  "diloco": {"algorithm": "diloco", "num_replicas": 2, "outer.sync_every": 3},
+  "diloco": {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 3},
   "streaming_diloco": {"algorithm": "streaming_diloco", "num_replicas": 2,
-                       "outer.num_fragments": 2,
-      "outer.non_block_fragment": "fold", "outer.sync_every": 4, "outer.overlap_steps": 1,
-      "outer.merge_alpha": 0.5},
+                       "diloco.num_fragments": 2,
+      "diloco.non_block_fragment": "fold", "diloco.sync_every": 4, "diloco.overlap_steps": 1,
+      "diloco.merge_alpha": 0.5},
   "noloco": {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 3,
              "noloco.num_groupings": 2},
 }
@@ -63,7 +64,7 @@ for alg in ("noloco", "diloco"):
   c.pipeline.slots_per_step = 2
   c.pipeline.num_routings = 2
   c.optimizer.warmup_steps = 2; c.noloco.sync_every = 3; c.noloco.num_groupings = 2
-  c.outer.sync_every = 3; c.eval.every = 3; c.eval.batch_size = 4; c.eval.num_batches = 2
+  c.diloco.sync_every = 3; c.eval.every = 3; c.eval.batch_size = 4; c.eval.num_batches = 2
   norms = []
   orig = PipelineExecutor.__call__
   def call(self, grid, batch, orig=orig):

@@ -107,4 +107,5 @@ def test_the_outer_sections_fragment_rules_cut_its_fragments(tmp_path):
   (whole_names, whole), (rule_names, one_rule) = finals
   assert (whole_names, rule_names) == (["all"], ["rule fragment 0"])
   assert jax.tree.structure(whole) == jax.tree.structure(one_rule)
-  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(one_rule)))
+  pairs = zip(jax.tree.leaves(whole), jax.tree.leaves(one_rule))
+  assert all(np.array_equal(a, b) for a, b in pairs)
