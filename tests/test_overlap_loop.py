@@ -231,7 +231,8 @@ def test_overlap_executor_is_validated_before_compute(tmp_path):
     Trainer(bad, tmp_path / "bad", devices=jax.devices()[:1])
   no_overlap = testing.tiny_config(**{**CASE, "outer.overlap_steps": 0,
                                       "outer.overlap_executor": "thread"})
-  with pytest.raises(ValueError, match=r"overlap_executor=thread: only Streaming DiLoCo with"):
+  with pytest.raises(ValueError, match=r"overlap_executor=thread: only Streaming DiLoCo or "
+                     r"SparseLoCo with outer\.overlap_steps \(τ\) >= 1"):
     Trainer(no_overlap, tmp_path / "none", devices=jax.devices()[:1])
   auto = Trainer(testing.tiny_config(**{**CASE, "outer.overlap_steps": 0}), tmp_path / "auto",
                  devices=jax.devices()[:1])

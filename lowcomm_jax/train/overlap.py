@@ -84,8 +84,8 @@ def choose(mode: str, algorithm, source, mesh) -> str:
     return "inline"
   if not works:
     why = ("gradients=pipeline keeps its state in grid layout" if carried else
-           "only Streaming DiLoCo with outer.overlap_steps (τ) >= 1 (or SparseLoCo with "
-           "outer.overlap_steps >= 1) has a collective to overlap")
+           "only Streaming DiLoCo or SparseLoCo with outer.overlap_steps (τ) >= 1 has a "
+           "collective to overlap")
     raise ValueError(f"outer.overlap_executor=thread: {why}; use outer.overlap_executor=inline "
                      "or auto")
   comm.check_layout(mesh)
