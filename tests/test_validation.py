@@ -8,7 +8,7 @@ import pytest
 
 from lowcomm_jax import checks, config as config_lib, run_config
 from lowcomm_jax.testing import tiny_config
-from lowcomm_jax.train import Trainer, sources, validation
+from lowcomm_jax.train import Trainer, algorithms, sources, validation
 
 
 def test_a_config_is_checked_once_into_frozen_sections(tmp_path, monkeypatch):
@@ -50,3 +50,17 @@ def test_a_gradient_source_brings_its_checks_with_it(monkeypatch):
   with pytest.raises(ValueError, match=r"gradients must be one of \('replicas', 'skippipe', "
                      r"'pipeline'\), got 'replicas4'"):
     validation.validate(tiny_config(gradients="replicas4", seed=1))
+
+
+def test_the_sections_each_algorithm_row_declares_drive_the_value_checks(monkeypatch):
+  """A section's values are checked in every run because some row reads it: a row that reads
+  `noloco` makes noloco.gamma=-1 a mistake in a data-parallel run; without one it is not read."""
+  bad = tiny_config(**{"noloco.gamma": -1.0})
+  with pytest.raises(ValueError, match=r"^noloco.gamma must be a finite number >= 0, got -1.0$"):
+    validation.validate(bad)
+  monkeypatch.delitem(algorithms.ALGORITHMS, "noloco")
+  assert validation.validate(bad).noloco.gamma == -1.0
+  monkeypatch.setitem(algorithms.ALGORITHMS, "gossip",
+                      algorithms.Algorithm(None, lambda c: None, ("noloco",)))
+  with pytest.raises(ValueError, match=r"^noloco.gamma must be"):
+    validation.validate(bad)
