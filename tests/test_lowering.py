@@ -117,12 +117,10 @@ def _config(algorithm, gradients="replicas", layout="replicated", codec="none", 
     changes.update({"outer.non_block_fragment": "fold", "outer.overlap_steps": 1,
                     "outer.merge_alpha": 0.5})
   if algorithm == "sparseloco":  # its own wire format (top-k, 2 bits); τ = 1, α = 0.5
-    changes.update({"outer.codec": "none", "outer.sync_every": 2,
-                    "outer.overlap_steps": 1,
-                    "outer.merge_alpha": 0.5, "sparseloco.chunk_size": 64,
-                    "sparseloco.top_k": 4,
-                    "outer.non_block_fragment": "fold"})
-  if algorithm == "noloco":  # NoLoCo's own codec (its gossip), diloco's stays none
+    changes.update({"outer.codec": "none", "outer.overlap_steps": 1, "outer.merge_alpha": 0.5,
+                    "outer.non_block_fragment": "fold", "sparseloco.chunk_size": 64,
+                    "sparseloco.top_k": 4})
+  if algorithm == "noloco":  # NoLoCo's own codec (its gossip), the outer section's stays none
     changes.update({"outer.codec": "none", "noloco.codec": codec, "noloco.codec_block_size": 256})
   if gradients == "skippipe":
     changes.update({"skippipe.paths": "0-1,0-1", "pipeline.num_stages": 2})
