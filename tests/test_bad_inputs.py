@@ -560,6 +560,10 @@ def test_a_run_saved_with_the_old_keys_resumes_at_their_places_now(tmp_path):
   assert _attempt(tiny_config(**{**sparse, "outer.merge_alpha": 0.25}), tmp_path / "sparse") == (
       f"workdir {tmp_path / 'sparse'} holds a run of another config (outer.merge_alpha: 0.5 -> "
       f"0.25); use a new --workdir or the same config to resume")
+  # The fingerprint is every key but the run-time ones, read by the run's algorithm or not: a
+  # section SparseLoCo's row does not declare still fixes the run.
+  assert "outer_optimizer.momentum" in _attempt(
+      tiny_config(**{**sparse, "outer_optimizer.momentum": 0.5}), tmp_path / "sparse")
   assert tree_hash(tmp_path) == before
   saved = json.loads((tmp_path / "streaming" / "config.json").read_text())
   saved["config"]["diloco"] = saved["config"].pop("outer")
