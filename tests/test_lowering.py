@@ -639,10 +639,10 @@ def main(argv) -> int:
     mine = kernel_table_rows()
     others = [row for row in _docs_kernel_table() if not row.startswith(f"| {jax.__version__} |")]
     version = lambda row: tuple(int(v) for v in row.split("|")[1].strip().split("."))
-    table = "\n".join([KERNEL_TABLE_HEAD] + sorted(others + mine, key=version))
+    rows = "\n".join([KERNEL_TABLE_HEAD] + sorted(others + mine, key=version))
     text = DOCS.read_text()
     head, tail = text.split(KERNEL_TABLE_BEGIN)
-    DOCS.write_text(f"{head}{KERNEL_TABLE_BEGIN}\n{table}\n{KERNEL_TABLE_END}"
+    DOCS.write_text(f"{head}{KERNEL_TABLE_BEGIN}\n{rows}\n{KERNEL_TABLE_END}"
                     f"{tail.split(KERNEL_TABLE_END, 1)[1]}")
     print(f"wrote jax {jax.__version__}'s rows in {DOCS}")
   if args.lower:
