@@ -16,9 +16,7 @@ import hashlib
 import os
 import pathlib
 
-import ml_collections
-
-from lowcomm_jax import checks
+from lowcomm_jax import checks, config as config_lib, run_config
 from lowcomm_jax.train import validation
 
 ALGORITHMS = ("diloco", "streaming_diloco")
@@ -62,33 +60,29 @@ def quorum(config) -> int:
   return int(config.elastic.min_quorum) or num_learners(config)
 
 
-def spmd_config(config) -> ml_collections.ConfigDict:
+def _derived(config, changes: dict):
+  """`config` with dotted keys changed, of its own kind: a checked `run_config.RunConfig` gives one
+  (its sections were checked, the changes keep them valid), a ConfigDict a changed copy."""
+  if isinstance(config, run_config.RunConfig):
+    return run_config.replace(config, changes)
+  return config_lib.override(copy.deepcopy(config), changes)
+
+
+def spmd_config(config):
   """The SPMD run an elastic run equals when nothing fails: num_replicas = N, one replica per
   slot."""
-  c = copy.deepcopy(config)
-  with c.unlocked():
-    c.num_replicas = num_learners(config)
-    c.mesh.replica = 1
-  return c
+  return _derived(config, {"num_replicas": num_learners(config), "mesh.replica": 1})
 
 
-def learner_config(config) -> ml_collections.ConfigDict:
+def learner_config(config):
   """One learner's Trainer config: a single replica running the inner optimizer alone."""
-  c = copy.deepcopy(config)
-  with c.unlocked():
-    c.algorithm = "dp"
-    c.num_replicas = 1
-    c.mesh.replica = 1
-  return c
+  return _derived(config, {"algorithm": "dp", "num_replicas": 1, "mesh.replica": 1})
 
 
-def evaluation_config(config) -> ml_collections.ConfigDict:
+def evaluation_config(config):
   """The syncer's: one replica on one device (it evaluates φ and holds no accelerator)."""
-  c = learner_config(config)
-  with c.unlocked():
-    c.mesh.data, c.mesh.tensor = 1, 1
-    c.sharding.layout = "replicated"
-  return c
+  return _derived(learner_config(config), {"mesh.data": 1, "mesh.tensor": 1,
+                                           "sharding.layout": "replicated"})
 
 
 def outer_transform(config, abstract_params):
@@ -97,16 +91,19 @@ def outer_transform(config, abstract_params):
   return algorithms.make_algorithm(spmd_config(config), num_learners(config), abstract_params).tx
 
 
-def check(config) -> None:
-  """Every check of an elastic run, before Ray starts: one ValueError line naming the option."""
+def check(config) -> run_config.RunConfig:
+  """Every check of an elastic run, before Ray starts: one ValueError line naming the option.
+
+  The configuration is checked once; the SPMD run's, the learners' and the syncer's differ from it
+  only in the replica count, the algorithm (dp: the inner optimizer) and the mesh, which keep every
+  checked value valid (N >= 1 replicas of one slot each; one replica of data parallel).
+  """
   checks.require(config.algorithm in ALGORITHMS, "algorithm",
                  f"one of {', '.join(ALGORITHMS)} for an elastic run", config.algorithm)
   checks.require(config.gradients == "replicas", "gradients", "replicas for an elastic run",
                  config.gradients)
-  validation.validate(config)
-  validation.validate(spmd_config(config))
-  validation.validate(learner_config(config))
-  d = config.diloco
-  checks.require(d.codec_rounding == "nearest", "diloco.codec_rounding",
+  run = validation.validate(config)
+  checks.require(run.outer.codec_rounding == "nearest", "outer.codec_rounding",
                  "nearest for an elastic run (stochastic rounding keys follow the SPMD step count)",
-                 d.codec_rounding)
+                 run.outer.codec_rounding)
+  return run

@@ -14,7 +14,6 @@ the loop knows neither.
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 import time
 
@@ -25,7 +24,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lowcomm_jax import codecs, comm, config as config_lib, distributed, mesh as mesh_lib, sharding
+from lowcomm_jax import (
+  codecs,
+  comm,
+  config as config_lib,
+  distributed,
+  mesh as mesh_lib,
+  run_config,
+  sharding,
+)
 from lowcomm_jax.cpu_kernels import attention as cpu_attention
 from lowcomm_jax.data import corpora, pipeline, tokenizer as tokenizer_lib
 from lowcomm_jax.models import config as model_config, hf_llama, llama, loss as loss_lib
@@ -60,9 +67,9 @@ class Trainer:
   constructor, before any compute and before anything is written.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, devices=None):
-    validation.validate(config)
-    self.config = config
+  def __init__(self, config: run_config.RunConfig | ml_collections.ConfigDict,
+               workdir: str | pathlib.Path, devices=None):
+    self.config = config = validation.checked(config)  # a ConfigDict is checked and parsed here
     self.workdir = workdir_lib.check_path(workdir)  # reliability: empty, a file, unwritable
     try:
       self.mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
@@ -118,7 +125,7 @@ class Trainer:
     self.source = sources.make_source(config, self.graphdef, self.model_cfg, self.algorithm,
                                       self.mesh)
     # thread | inline: where an overlapped fragment's mean is issued (train.overlap)
-    self.overlap_executor = overlap_lib.choose(config.diloco.overlap_executor, self.algorithm,
+    self.overlap_executor = overlap_lib.choose(config.outer.overlap_executor, self.algorithm,
                                                self.source, self.mesh)
     self._overlap = overlap_lib.Inline()  # the running loop's (run() starts the configured one)
     self.comm_issued: list = []  # the last run's executor timeline (`comm.Issued`), for benchmarks
@@ -369,7 +376,7 @@ class Trainer:
     if self.run_state == workdir_lib.COMPLETE:
       return workdir_lib.report_complete(self.workdir)
     if not self.resuming and distributed.is_primary():  # config.json, then the tokenizer's copy
-      workdir_lib.write_config(self.workdir, json.loads(c.to_json_best_effort()),
+      workdir_lib.write_config(self.workdir, c.to_dict(),
                                config_lib.fingerprint(c), self.corpus_identity, self.inputs)
     elif distributed.is_primary() and run_inputs.saved_inputs(self.workdir):
       run_inputs.copy_tokenizer(self.workdir, self.inputs)  # a first start cut short before it
@@ -561,7 +568,7 @@ class Trainer:
     return {
         "algorithm": c.algorithm,
         "gradients": c.gradients,
-        "config": json.loads(c.to_json_best_effort()),
+        "config": c.to_dict(),
         "steps": steps,
         "tokens": steps * c.num_replicas * c.data.batch_size * c.data.seq_len,
         "final_eval_loss": eval_loss,
@@ -578,6 +585,7 @@ class Trainer:
     }
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
+def run(config: run_config.RunConfig | ml_collections.ConfigDict,
+        workdir: str | pathlib.Path) -> dict:
   """Trains as `config` says and returns the summary (also written to workdir/summary.json)."""
   return Trainer(config, workdir).run()
