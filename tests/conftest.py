@@ -188,3 +188,25 @@ def pytest_xdist_make_scheduler(config, log):
       super()._assign_work_unit(node)
 
   return HeaviestTierFirst(config, log)
+
+
+_TIER_SECONDS: dict = {}  # tier -> [tests, seconds of setup + call + teardown summed]
+
+
+def pytest_runtest_logreport(report):
+  """Adds each test's phases to its tier's total (on the xdist controller: the workers' reports)."""
+  tier = next((t for t in TIER_ORDER if t in report.keywords), None)
+  if tier is None:
+    return
+  total = _TIER_SECONDS.setdefault(tier, [0, 0.0])
+  total[0] += report.when == "call" or (report.when == "setup" and report.skipped)
+  total[1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+  """One line: each tier's tests and the seconds they took, summed over the workers (a tier's
+  wall time with `-n 2` is about half its sum)."""
+  if _TIER_SECONDS:
+    terminalreporter.write_line("tier seconds (summed over workers): " + ", ".join(
+        f"{t} {_TIER_SECONDS[t][1]:.0f} s ({_TIER_SECONDS[t][0]} tests)"
+        for t in reversed(TIER_ORDER) if t in _TIER_SECONDS))
