@@ -2,7 +2,6 @@
 computation from the runs' own summaries, resume, the README section), the beats/tie rule, and a
 bad --entries refused in one line."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -11,7 +10,7 @@ import sys
 
 import pytest
 
-from lowcomm_jax import models
+from lowcomm_jax import models, testing
 
 ROOT = pathlib.Path(__file__).parent.parent
 PATH = ROOT / "benchmarks" / "bench.py"
@@ -23,10 +22,7 @@ LINKS = {"datacenter": (400e9, 0.0), "10 Gbit/s": (10e9, 0.0), "1 Gbit/s + 50 ms
 
 @pytest.fixture(scope="module")
 def bench():
-  spec = importlib.util.spec_from_file_location("bench_benchmark", PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return testing.file_module(PATH, "bench_benchmark")
 
 
 @pytest.fixture(scope="module")
