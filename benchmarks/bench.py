@@ -310,6 +310,8 @@ def summarize(task: Task, runs: list[dict]) -> dict:
     for n, cell in timed.items():
       cell["vs_fastest"] = ("fastest" if n == best
                             else compare(cell["times"], timed[best]["times"]))
+      cell["vs"] = {other: compare(cell["times"], timed[other]["times"])
+                    for other in timed if other != n}
   return table
 
 
@@ -334,7 +336,10 @@ def claims(table: dict) -> list[dict]:
   return out
 
 
-def _fmt_seconds(s: float) -> str:
+def _fmt_seconds(s: float, scale: float | None = None) -> str:
+  """3 significant digits; below 1e-9 of `scale` (a standard error of a mean that large) is 0."""
+  if scale is not None and abs(s) < 1e-9 * scale:
+    return "0"
   return f"{s:.3g}" if s < 1000 else f"{s:,.0f}"
 
 
@@ -345,7 +350,9 @@ def markdown(scale: str, task: Task, table: dict, claim_rows: list[dict], comman
            f"{task.step_seconds:.3g} s ({task.accelerator}, MFU {task.mfu}). Cells: simulated "
            "seconds to the target, mean ± standard error over the seeds; **bold**: the fastest "
            "on the link and every entry that ties with it (difference within 2 standard errors); "
-           "– : a seed did not reach the target.", "",
+           f"– : a seed did not reach the target. The target is read at evaluations (every "
+           f"{task.eval_every} steps): seeds crossing at the same one give equal times "
+           "(standard error 0).", "",
            "| entry | seeds | final eval loss | MB per worker | "
            + " | ".join(LINKS) + " |", "|---|---|---|---|" + "---|" * len(LINKS)]
   for name, row in table.items():
@@ -357,7 +364,7 @@ def markdown(scale: str, task: Task, table: dict, claim_rows: list[dict], comman
       if cell is None:
         cells.append("–")
         continue
-      text = _fmt_seconds(cell["mean"]) + (f" ± {_fmt_seconds(cell['se'])}"
+      text = _fmt_seconds(cell["mean"]) + (f" ± {_fmt_seconds(cell['se'], cell['mean'])}"
                                            if cell["se"] is not None else "")
       cells.append(f"**{text}**" if cell.get("vs_fastest") in ("fastest", "tie") else text)
     lines.append(f"| {name} | {row['seeds']} | {loss} | {row['bytes_per_worker'] / 1e6:.3f} | "
