@@ -222,10 +222,16 @@ def tree_state(directory) -> dict[str, tuple]:
   return state
 
 
-def make_config(config_file: str, changes: dict):
-  spec = importlib.util.spec_from_file_location("experiment_config", CONFIGS / config_file)
+def file_module(path, name: str):
+  """The Python file at `path` executed as a module named `name` (a script or config file)."""
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
+  return module
+
+
+def make_config(config_file: str, changes: dict):
+  module = file_module(CONFIGS / config_file, "experiment_config")
   return config_lib.override(module.get_config("tiny"), changes)
 
 

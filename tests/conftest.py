@@ -64,6 +64,7 @@ TIERS = {
     "test_accelerator_benchmark.py": "processes",
     "test_accumulation.py": "trainer",
     "test_bad_inputs.py": "trainer",
+    "test_bench.py": "trainer",
     "test_checkpoint_recovery.py": "trainer",
     "test_codec_kernels.py": "unit",
     "test_codecs.py": "unit",
