@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import config as config_lib
-from lowcomm_jax.elastic import faults as faults_lib, options
+from lowcomm_jax.elastic import options
+from lowcomm_jax.train import faults as faults_lib
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "experiments" / "configs"
 

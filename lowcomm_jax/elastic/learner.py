@@ -38,8 +38,9 @@ import numpy as np
 
 from lowcomm_jax import comm
 from lowcomm_jax.comm import remote
-from lowcomm_jax.elastic import faults as faults_lib, options
+from lowcomm_jax.elastic import options
 from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
+from lowcomm_jax.train import faults as faults_lib
 
 
 class Learner:

@@ -36,8 +36,9 @@ import ml_collections
 import numpy as np
 
 from lowcomm_jax.comm import remote
-from lowcomm_jax.elastic import faults as faults_lib, grace as grace_lib, options
+from lowcomm_jax.elastic import grace as grace_lib, options
 from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
+from lowcomm_jax.train import faults as faults_lib
 
 
 def host(tree):

@@ -17,11 +17,10 @@ import ml_collections
 
 from lowcomm_jax import checks, config as config_lib, mesh as mesh_lib, sharding
 from lowcomm_jax.data import corpora, files, pipeline, tokenizer as tokenizer_lib
-from lowcomm_jax.elastic import faults
 from lowcomm_jax.models import config as model_config, hf_llama
 from lowcomm_jax.optim import inner
 from lowcomm_jax.sim import network
-from lowcomm_jax.train import algorithms, sources
+from lowcomm_jax.train import algorithms, faults, sources
 
 # The values of the last config that passed: the Trainer built right after a binary's early check
 # (experiments/train.py checks before any process waits for another) does not check them again.
