@@ -60,7 +60,7 @@ class Learner:
     options.use_compilation_cache(self.run_dir)  # a restarted learner compiles nothing again
     self.syncer = ray.get_actor("syncer", namespace=options.namespace(self.run_dir))
     self.trainer = Trainer(options.learner_config(c), self.dir / "model")
-    abstract = self.trainer._abstract_params()  # pylint: disable=protected-access
+    abstract = self.trainer.abstract_params()
     self.tx = options.outer_transform(c, abstract)
     self.frags = self.tx.fragments(abstract)
     self.plans = [self.tx.plans(schedule_lib.Phase(send=(p,)))[self.tx.plan_name(p)]
