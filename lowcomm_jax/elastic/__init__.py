@@ -1,5 +1,5 @@
-"""Elastic learners on Ray: DiLoCo that keeps training while learners fail, straggle, leave and
-join.
+"""Elastic learners on Ray: DiLoCo, Streaming DiLoCo and SparseLoCo that keep training while
+learners fail, straggle, leave and join.
 
 `run(config, workdir)` (experiments/elastic.py) starts a syncer and `elastic.num_learners` learners
 as Ray actors and returns the summary (docs/elastic.md); `start(config, workdir)` returns the run

@@ -4,7 +4,7 @@ The loop (`Trainer.run`) is data → the phase's program → the carrier of its 
 (`train.overlap`) → hooks. A hook is called
 
   begin(loop)                               before the first step (`Loop`: what it may read)
-  dispatched(step, metrics)                 once the step's program is dispatched
+  dispatched(step, state, metrics)          once the step's program is dispatched
   after_step(step, phase, state, metrics)   after the carrier's `after_step`; returns the state
   end(state)                                after the last step, the carrier settled
   close()                                   at the end, also when the run stops on an error
@@ -58,7 +58,7 @@ class Hook:
   def begin(self, loop: Loop) -> None:
     pass
 
-  def dispatched(self, step: int, metrics: dict) -> None:
+  def dispatched(self, step: int, state, metrics: dict) -> None:
     pass
 
   def after_step(self, step: int, phase, state, metrics: dict):
@@ -240,7 +240,7 @@ class StepTimes(Hook):
   def begin(self, loop: Loop) -> None:
     self._watch = metrics_lib.StepTimes()
 
-  def dispatched(self, step, metrics) -> None:
+  def dispatched(self, step, state, metrics) -> None:
     self._watch.watch(step, [metrics["loss"]])
 
   def close(self) -> None:

@@ -402,33 +402,8 @@ class Trainer:
     hooks = self._hooks = [step_metrics, refusals, evaluation,
                            hooks_lib.Checkpoints(self, ckpt, step_metrics, refusals, stop),
                            *user_hooks]
-    carrier = self._carrier = overlap_lib.start(self.overlap_executor, self.algorithm, self.mesh)
-    loop = hooks_lib.Loop(self, carrier, start, stop, data_iters)
-    for hook in hooks:
-      hook.begin(loop)
-    for step in range(start + 1, stop + 1):
-      phase = self.algorithm.phase_at(step)
-      route = self.source.route_at(step)
-      # The carrier picks the phase the step's program runs: with the thread, it leaves out the
-      # overlapped sends (submitted here) and the merges of fragments in flight (its after_step
-      # runs them once their results arrive, so the step's compute overlaps the transfer).
-      step_phase, state = carrier.before_step(step, phase, state)
-      program, _ = self.program(step_phase, state, route)
-      batch = distributed.global_array(  # this process's replicas only
-          np.stack([next(it) for it in data_iters]), self.batch_sharding(),
-          (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
-      state, step_metrics_out = program(state, batch)
-      for hook in hooks:
-        hook.dispatched(step, step_metrics_out)
-      state = carrier.after_step(state)
-      for hook in hooks:
-        state = hook.after_step(step, phase, state, step_metrics_out)
-    refusals.end(state)
-    state = carrier.settle(state)
-    carrier.close()
-    for hook in hooks:
-      if hook is not refusals:
-        hook.end(state)
+    carrier = overlap_lib.start(self.overlap_executor, self.algorithm, self.mesh)
+    state = self.train(state, start, stop, data_iters, carrier, hooks)
     if evaluation.losses is None and start == stop == c.num_steps:  # killed before the summary
       evaluation.evaluate(state)
     eval_losses = evaluation.losses or {}
@@ -436,6 +411,38 @@ class Trainer:
     for hook in hooks:
       hook.close()
     return self._summary(stop, start, eval_losses, step_metrics, splits, state)
+
+  def train(self, state, start: int, stop: int, data_iters: list, carrier, hooks: list):
+    """The loop: steps start + 1 … stop from `state` on the batches of `data_iters` (this process's
+    replicas), the outer communication through `carrier` (`train.overlap`: Inline, Threaded,
+    Remote), `hooks` (`train.hooks`) around each step; returns the state after the last step."""
+    c = self.config
+    self._carrier = carrier
+    loop = hooks_lib.Loop(self, carrier, start, stop, data_iters)
+    for hook in hooks:
+      hook.begin(loop)
+    for step in range(start + 1, stop + 1):
+      phase = self.algorithm.phase_at(step)
+      route = self.source.route_at(step)
+      # The carrier picks the phase the step's program runs: with a thread or a syncer, without the
+      # sends it carries itself (submitted here) and the merges of their results (its after_step
+      # runs them once they arrived, so the step's compute overlaps the transfer).
+      step_phase, state = carrier.before_step(step, phase, state)
+      program, _ = self.program(step_phase, state, route)
+      batch = distributed.global_array(  # this process's replicas only
+          np.stack([next(it) for it in data_iters]), self.batch_sharding(),
+          (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
+      state, metrics = program(state, batch)
+      for hook in hooks:
+        hook.dispatched(step, state, metrics)
+      state = carrier.after_step(state)
+      for hook in hooks:
+        state = hook.after_step(step, phase, state, metrics)
+    state = carrier.settle(state)
+    carrier.close()
+    for hook in hooks:
+      hook.end(state)
+    return state
 
   def check_refused(self, counts, step: int) -> None:
     """Applies config.nonfinite after new refusals of an outer step (`counts`: the device array
