@@ -83,10 +83,13 @@ def _equal_to_the_spmd_run(config, tmp_path):
   rounds = _syncer_globals(tmp_path / "elastic")
   assert len(rounds) == len(spmd) == 2
   for r, (ours, theirs) in enumerate(zip(rounds, spmd)):
+    worst = 0.0
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
       bound = 8 * np.finfo(np.float32).eps * float(np.abs(b).max()) * 5 * (r + 1)
       assert float(np.abs(a - b).max()) <= bound, (r, jax.tree_util.keystr(path))
+      worst = max(worst, float(np.abs(a - b).max()) / bound)
+    print(f"{config.algorithm} round {r}: max |φ − φ_spmd| is {worst:.3g} of its leaf's bound")
   assert summary["goodput"] == 1.0 and summary["participation"] == 1.0
   return summary, spmd_summary, rounds
 

@@ -116,7 +116,8 @@ class Learner:
   def answer_asks(self) -> None:
     """Answers the peers' asks for the inner state from the latest state the loop wrote."""
     while not self._asks.empty():
-      self._asks.get().set_result(jax.device_get(self.latest.opt_state))
+      self._asks.get().set_result(None if self.latest is None else
+                                  jax.device_get(self.latest.opt_state))
 
   # -- the run -----------------------------------------------------------------------------------
 
@@ -146,7 +147,7 @@ class Learner:
     self.event("joined", step=start)
     ray.get(self.syncer.started.remote())  # a new run: every learner starts together
     stop = c.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, c.num_steps)
-    step = start
+    step, self.latest = start, state
     with self._serving:
       self._looping = True
     try:
@@ -176,9 +177,8 @@ class Learner:
     finally:
       with self._serving:
         self._looping = False
-        if self.latest is not None:
-          self._ended = jax.device_get(self.latest.opt_state)
         self.answer_asks()
+        self._ended = None if self.latest is None else jax.device_get(self.latest.opt_state)
     self.event("removed" if self.removed else "finished", step=step)
     return {"learner": self.index, "step": step, "removed": self.removed, **self.progress}
 
