@@ -13,7 +13,7 @@ in the order of the list. The loop's own are `StepMetrics` (logged one step late
 (config.nonfinite), `Evaluation` and `Checkpoints` (with preemption); a caller adds its own with
 `Trainer.run(hooks=[...])`: `StepTimes` (when each step's program finished), `CommTimeline` (the
 outer-communication thread's transfers), `FinalState` (the state at the end),
-`train.faults.LearnerFaults`.
+`train.faults.StepFaults` (an elastic learner's faults).
 """
 
 from __future__ import annotations
