@@ -73,9 +73,9 @@ _OUT = flags.DEFINE_string("out", None, f"Where to write the results (default {R
                            "--smoke a temporary file).")
 
 KERNEL_CODECS = ("e3m0", "e2m1", "int4", "int8")
-STREAMING = {"algorithm": "streaming_diloco", "num_replicas": 1, "diloco.sync_every": 100,
-             "diloco.num_fragments": 3, "diloco.fragment_pattern": "strided",
-             "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5, "diloco.codec": "e3m0"}
+STREAMING = {"algorithm": "streaming_diloco", "num_replicas": 1, "outer.sync_every": 100,
+             "outer.num_fragments": 3, "outer.fragment_pattern": "strided",
+             "outer.overlap_steps": 1, "outer.merge_alpha": 0.5, "outer.codec": "e3m0"}
 ALGORITHMS = {"dp": {}, "streaming_diloco_e3m0": STREAMING}
 
 
@@ -99,8 +99,8 @@ def run_config(model: str, algorithm: str, batch_per_device: int, seq_len: int):
       "mesh.replica": 1, "mesh.data": -1, "progress_bar": False, **ALGORITHMS[algorithm]})
   if c.algorithm == "streaming_diloco":  # P = 3 divides every preset's layers; 2 or 1 for others
     layers = model_config.get_model_config(model).num_layers
-    c.diloco.num_fragments = next(p for p in (3, 2, 1) if layers % p == 0)
-    c.diloco.sync_every = 25 * (c.diloco.num_fragments + 1)
+    c.outer.num_fragments = next(p for p in (3, 2, 1) if layers % p == 0)
+    c.outer.sync_every = 25 * (c.outer.num_fragments + 1)
   if _ATTENTION.value is not None:
     c.model.attention = _ATTENTION.value
   if _REMAT.value is not None:

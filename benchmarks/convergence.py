@@ -40,7 +40,7 @@ def runs() -> dict[str, dict]:
     table[f"dp M={m}"] = {"algorithm": "dp", "mesh.data": m, "data.batch_size": 8 * m, "_m": m}
     for h in (10, 50, 100) if m < 8 else (100,):
       table[f"diloco M={m} H={h}"] = {"algorithm": "diloco", "num_replicas": m,
-                                      "diloco.sync_every": h,
+                                      "outer.sync_every": h,
                                       "mesh.data": 1, "_m": m}
   # NoLoCo in pairs at H = 50 against DiLoCo at H = 100, the paper's settings (docs/algorithms.md
   # §2.5).
@@ -53,16 +53,16 @@ def runs() -> dict[str, dict]:
                                   "noloco.codec": "e3m0", "mesh.data": 1, "_m": 4}
   # Streaming DiLoCo at M = 2, H = 60 (divisible by P + 1 rows: the `small` model has 6 layers, so
   # P ∈ {2, 3} block fragments plus the non-block fragment), against DiLoCo at the same H.
-  table["diloco M=2 H=60"] = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 60,
+  table["diloco M=2 H=60"] = {"algorithm": "diloco", "num_replicas": 2, "outer.sync_every": 60,
                               "mesh.data": 1, "_m": 2}
   for p, tau, alpha, codec in ((2, 0, 0.0, "none"), (2, 1, 0.5, "none"), (3, 0, 0.0, "none"),
                                (3, 1, 0.5, "none"), (3, 2, 0.5, "none"), (3, 1, 0.0, "none"),
                                (3, 1, 0.5, "e3m0")):
     name = f"streaming M=2 H=60 P={p} τ={tau} α={alpha}" + (f" {codec}" if codec != "none" else "")
-    table[name] = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 60,
-                   "diloco.num_fragments": p, "diloco.overlap_steps": tau,
-                   "diloco.merge_alpha": alpha,
-                   "diloco.codec": codec, "mesh.data": 1, "_m": 2}
+    table[name] = {"algorithm": "streaming_diloco", "num_replicas": 2, "outer.sync_every": 60,
+                   "outer.num_fragments": p, "outer.overlap_steps": tau,
+                   "outer.merge_alpha": alpha,
+                   "outer.codec": codec, "mesh.data": 1, "_m": 2}
   return table
 
 

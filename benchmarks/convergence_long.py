@@ -73,21 +73,21 @@ def _diloco(m, h, outer_lr=0.7, outer_momentum=None):
   # outer_momentum None keeps the config's Nesterov 0.9 (the papers'); the rows that set 0.5 come
   # from the small model's M = 1 finding: at 100 outer steps, 0.9 leaves DiLoCo above data-parallel.
   momentum = {} if outer_momentum is None else {"outer_optimizer.momentum": outer_momentum}
-  return {"algorithm": "diloco", "num_replicas": m, "diloco.sync_every": h, "mesh.data": 1,
+  return {"algorithm": "diloco", "num_replicas": m, "outer.sync_every": h, "mesh.data": 1,
           "outer_optimizer.learning_rate": outer_lr, **momentum, "_m": m}
 
 
 def _streaming(h):
   # The small model's 6 blocks in P = 2 strided fragments of 3 (the paper's 3 layers per fragment),
   # embeddings and head folded into fragment 0 so that H/P is an integer at H = 30 and H = 100.
-  return {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": h,
-          "diloco.num_fragments": 2, "diloco.fragment_pattern": "strided",
-          "diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5,
-          "diloco.codec": "e3m0", "outer_optimizer.learning_rate": 0.4, "mesh.data": 1, "_m": 2}
+  return {"algorithm": "streaming_diloco", "num_replicas": 2, "outer.sync_every": h,
+          "outer.num_fragments": 2, "outer.fragment_pattern": "strided",
+          "outer.non_block_fragment": "fold", "outer.overlap_steps": 1, "outer.merge_alpha": 0.5,
+          "outer.codec": "e3m0", "outer_optimizer.learning_rate": 0.4, "mesh.data": 1, "_m": 2}
 
 
 def _sparseloco(m, h, outer_lr=1.0, decay=0.95, top_k=64):
-  return {"algorithm": "sparseloco", "num_replicas": m, "sparseloco.sync_every": h, "mesh.data": 1,
+  return {"algorithm": "sparseloco", "num_replicas": m, "outer.sync_every": h, "mesh.data": 1,
           "sparseloco.outer_learning_rate": outer_lr, "sparseloco.feedback_decay": decay,
           "sparseloco.top_k": top_k, "_m": m}
 

@@ -42,7 +42,7 @@ def _program(algorithm, sync: bool):
   c.data.batch_size, c.data.seq_len = 16, 128
   c.mesh.data = 1
   if algorithm == "diloco":
-    c.algorithm, c.num_replicas, c.diloco.sync_every = "diloco", 1, _SYNC_EVERY.value
+    c.algorithm, c.num_replicas, c.outer.sync_every = "diloco", 1, _SYNC_EVERY.value
   trainer = Trainer(c, pathlib.Path(tempfile.mkdtemp()) / "w", devices=jax.devices()[:1])
   state = trainer.init_state()
   step = _SYNC_EVERY.value if sync else 1

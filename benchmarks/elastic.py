@@ -380,7 +380,7 @@ def main(argv):
                          f"straggler x{_STRAGGLER_FACTOR.value:g}"))
   if _SMALL_STEPS.value:
     small = lambda rate: _config(_SMALL_STEPS.value, n, rate, _TIMEOUT.value, "small",
-                                 **{"diloco.sync_every": min(30, _SMALL_STEPS.value)})
+                                 **{"outer.sync_every": min(30, _SMALL_STEPS.value)})
     s_small = _run(small(0.0), base / "small_fault_free")
     rows += [_row(s_small, None, 0.0, "no faults", "small"),
              _row(_run(small(_RATE.value), base / "small_faulty"), s_small, _RATE.value,
@@ -391,7 +391,7 @@ def main(argv):
   result = {
       "date": datetime.date.today().isoformat(),
       "command": "python benchmarks/elastic.py " + " ".join(sys.argv[1:]),
-      "variant": "tiny", "steps": _STEPS.value, "sync_every": free.diloco.sync_every,
+      "variant": "tiny", "steps": _STEPS.value, "sync_every": free.outer.sync_every,
       "min_quorum": free.elastic.min_quorum, "grace_s": free.elastic.grace_s,
       "cpus": os.cpu_count(),
       "rows": rows,

@@ -43,8 +43,8 @@ def _config():
   c = config_lib.default_config()
   config_lib.override(c, {
       "model.size": "small", "algorithm": "streaming_diloco", "num_replicas": 2, "mesh.replica": 2,
-      "mesh.data": 4, "sharding.layout": "fsdp", "diloco.num_fragments": 2, "diloco.sync_every": 6,
-      "diloco.overlap_steps": 1, "diloco.codec": "e3m0", "diloco.error_feedback": True,
+      "mesh.data": 4, "sharding.layout": "fsdp", "outer.num_fragments": 2, "outer.sync_every": 6,
+      "outer.overlap_steps": 1, "outer.codec": "e3m0", "outer.error_feedback": True,
       "progress_bar": False})
   return c
 

@@ -77,14 +77,14 @@ _OUT = flags.DEFINE_string("out", str(ROOT / "benchmarks" / "results" / "slow_li
 NAMESPACES = ("lcj_slow0", "lcj_slow1")
 ADDRESSES = ("10.231.7.1", "10.231.7.2")  # inside the namespaces only
 WORKER = ROOT / "benchmarks" / "slow_link_worker.py"
-_STREAMING = {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
-              "diloco.non_block_fragment": "fold", "diloco.merge_alpha": 0.5}
+_STREAMING = {"algorithm": "streaming_diloco", "outer.num_fragments": 2,
+              "outer.non_block_fragment": "fold", "outer.merge_alpha": 0.5}
 # (run, executor, τ): DiLoCo and τ = 0 have nothing to overlap (their all-reduce blocks the step
 # that merges it), so they run inline only.
 def runs(h: int) -> list[tuple[str, str, int, dict]]:
   return [(f"diloco H={h}", "inline", 0, {"algorithm": "diloco"})] + [
       (f"streaming P=2 τ={tau} α=0.5 H={h}", executor, tau,
-       {**_STREAMING, "diloco.overlap_steps": tau})
+       {**_STREAMING, "outer.overlap_steps": tau})
       for tau in (0, 1, 2) for executor in (("inline",) if tau == 0 else ("thread", "inline"))]
 
 
@@ -199,8 +199,8 @@ def main(argv):
         extra["algorithm"] == "diloco" or str(tau) not in _TAUS.value
       ):
         continue
-      changes = {**COMMON, **extra, "diloco.overlap_executor": executor,
-                 "diloco.sync_every": _SYNC_EVERY.value,
+      changes = {**COMMON, **extra, "outer.overlap_executor": executor,
+                 "outer.sync_every": _SYNC_EVERY.value,
                  "data.batch_size": _BATCH.value, "data.seq_len": _SEQ_LEN.value,
                  "num_steps": _STEPS.value + 1, "stop_at_step": _STEPS.value,
                  "log_every": _WARM.value}

@@ -157,7 +157,7 @@ def _plain_setup(trainer):
 
 def _diloco_config(attention=None):
   c = _config(None, attention)
-  c.algorithm, c.num_replicas, c.diloco.sync_every = "diloco", _K, _H
+  c.algorithm, c.num_replicas, c.outer.sync_every = "diloco", _K, _H
   c.data.batch_size, c.mesh.replica, c.mesh.data = _DILOCO_BATCH, _K, 1
   c.num_steps = 100_000  # the schedule's length only; steps are run by hand
   return c

@@ -48,8 +48,8 @@ def main(argv):
   config = _CONFIG.value
   from lowcomm_jax.train import validation, workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   # Bad values fail before any process waits for another, in one line (cli.run shows the
-  # ValueError); the Trainer below does not check the same values again.
-  validation.validate(config)
+  # ValueError); the Trainer below takes the checked configuration.
+  config = validation.validate(config)
   workdir_lib.check_path(_WORKDIR.value)
   try:  # bad flags, an unreachable coordinator, a failed join: one line naming the flag
     distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,

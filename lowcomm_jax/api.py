@@ -3,7 +3,7 @@
 
 The checks those functions share with the Trainer name the config keys a run sets (the Trainer
 builds its algorithm through `lowcomm_jax.optim`); called from Python, the same refusal names the
-argument instead: `sync_every (H) must be an integer >= 1, got 0`, not `diloco.sync_every ...`.
+argument instead: `sync_every (H) must be an integer >= 1, got 0`, not `outer.sync_every ...`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from lowcomm_jax import optim
 _SCHEDULE = ("sync_every", "overlap_steps", "merge_alpha", "overlap_anchor")
 
 
-def _naming_arguments(fn: Callable, section: str, arguments: tuple[str, ...],
-                      renamed: dict | None = None) -> Callable:
+def _named(section: str, arguments: tuple[str, ...]) -> dict:
+  """{"section.argument": "argument"}: the config keys that are these arguments."""
+  return {f"{section}.{a}": a for a in arguments}
+
+
+def _naming_arguments(fn: Callable, keys: dict) -> Callable:
   """`fn`, and the `init`, `init_replicated` and `fragments` of the transformation it returns,
-  whose ValueErrors name `arguments` (and `renamed`'s values) where they named the config keys
-  `section.argument` (and `renamed`'s keys)."""
-  keys = {f"{section}.{a}": a for a in arguments} | (renamed or {})
+  whose ValueErrors name `keys`' values (the arguments) where they named its keys (config keys)."""
   longest_first = sorted(keys, key=len, reverse=True)
   pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, longest_first)) + r")(?!\w)")
 
@@ -50,14 +52,13 @@ def _naming_arguments(fn: Callable, section: str, arguments: tuple[str, ...],
 
 
 _DILOCO = _SCHEDULE + ("error_feedback", "codec_kernels", "codec")
-_FRAGMENTS = {"diloco.num_fragments": "fragments", "diloco.fragment_rules": "fragments"}
-streaming_diloco = _naming_arguments(optim.streaming_diloco, "diloco", _DILOCO, _FRAGMENTS)
-diloco = _naming_arguments(optim.diloco, "diloco", _DILOCO)
+_FRAGMENTS = {"outer.num_fragments": "fragments", "outer.fragment_rules": "fragments"}
+streaming_diloco = _naming_arguments(optim.streaming_diloco, _named("outer", _DILOCO) | _FRAGMENTS)
+diloco = _naming_arguments(optim.diloco, _named("outer", _DILOCO))
 sparseloco = _naming_arguments(
-    optim.sparseloco, "sparseloco",
-    _SCHEDULE + ("top_k", "chunk_size", "bits", "feedback_decay", "outer_learning_rate"),
-    {"sparseloco.num_fragments": "fragments", **_FRAGMENTS})
-noloco = _naming_arguments(optim.noloco, "noloco",
-                           ("sync_every", "group_size", "momentum", "learning_rate", "gamma",
-                            "codec"))
+    optim.sparseloco,
+    _named("outer", _SCHEDULE) | _FRAGMENTS | _named(
+        "sparseloco", ("top_k", "chunk_size", "bits", "feedback_decay", "outer_learning_rate")))
+noloco = _naming_arguments(optim.noloco, _named(
+    "noloco", ("sync_every", "group_size", "momentum", "learning_rate", "gamma", "codec")))
 outer_nesterov = optim.outer_nesterov

@@ -54,13 +54,13 @@ def _is_whole(value) -> bool:
   return math.isfinite(value) and value == int(value)
 
 
-def sync_every(value, option: str = "diloco.sync_every", *, num_steps: int | None = None,
+def sync_every(value, option: str = "outer.sync_every", *, num_steps: int | None = None,
                num_fragments: int = 1) -> int:
   """H, the inner steps between two syncs: THE check of every `sync_every`; returns it as an int.
 
   Args:
     value: the H given.
-    option: the option's name in the message (`diloco.sync_every`, `noloco.sync_every`, ...).
+    option: the option's name in the message (`outer.sync_every`, `noloco.sync_every`, ...).
     num_steps: the run's length when known: H > num_steps would never sync.
     num_fragments: P of a staggered Streaming DiLoCo schedule (counting the non-block fragment):
       fragment p syncs at offset (p+1)·H/P, so P must divide H. 1 when no such constraint holds.

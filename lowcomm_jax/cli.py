@@ -29,6 +29,8 @@ import ml_collections
 from absl import app, flags
 from ml_collections.config_flags import config_flags
 
+from lowcomm_jax import config as config_lib
+
 
 def fail(message: str):
   """Ends the process with `message` as one line on stderr (exit status 1)."""
@@ -105,6 +107,11 @@ def load_config_file(name: str, spec: str):
          f"from get_config() or get_config(variant)")
   try:
     config = module.get_config(*([variant] if ":" in spec else []))
+  except AttributeError as error:  # e.g. c.diloco.sync_every = 10 of a config written before
+    moved = config_lib.moved_key_error(str(error).strip("\"'"))
+    if moved:
+      fail(f"--{name}={spec}: get_config({variant!r}) of {path} sets a key that moved: {moved}")
+    fail(f"--{name}={spec}: get_config({variant!r}) of {path} failed: {_short(error)}")
   except Exception as error:  # pylint: disable=broad-except
     fail(f"--{name}={spec}: get_config({variant!r}) of {path} failed: {_short(error)}")
   if not isinstance(config, ml_collections.ConfigDict):
@@ -119,6 +126,9 @@ def check_overrides(name: str, config, keys: Sequence[str]) -> None:
   for key in keys:
     if key in known:
       continue
+    moved = config_lib.moved_key_error(key)
+    if moved:
+      fail(f"--{name}.{key}: {moved}")
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     hint = ("did you mean " + " or ".join(f"--{name}.{k}" for k in close) + "?") if close else (
         "the keys and their allowed values are listed in lowcomm_jax/config.py")

@@ -8,7 +8,10 @@ pyproject.toml allows).
 
 from __future__ import annotations
 
-from jax._src import cloud_tpu_init, clusters
+import os
+import uuid
+
+from jax._src import cloud_tpu_init, clusters, lru_cache
 
 
 def on_cloud_tpu_vm() -> bool:
@@ -66,3 +69,40 @@ def tpu_flash_attention_backward(q, k, v, o, l, m, d_out, sm_scale: float, block
   dq, dk, dv, _, _ = flash_attention._flash_attention_bwd(  # pylint: disable=protected-access
       False, True, sm_scale, block_sizes, False, (q, k, v, None, None, o, l, m), d_out)
   return dq, dk, dv
+
+
+def atomic_compilation_cache_writes() -> None:
+  """Makes JAX's persistent compilation cache write each entry whole or not at all.
+
+  `lru_cache.LRUCache.put` writes an entry in place and, with no size limit set, takes no lock: a
+  process that reads the entry while another still writes it loads a truncated executable, and
+  XLA aborts that process. The processes of one run share a cache folder (launch_local's
+  processes, elastic learners, HDEE's experts, the test suite's workers). Here an entry without
+  a size limit is written to a temporary file in the same folder and renamed into place, so a
+  reader finds the whole entry or none. A size limit (`jax_compilation_cache_max_size`) would make
+  JAX lock instead, at the price of listing the whole folder at every write; with a limit, JAX's
+  own `put` runs. Replaced by JAX's own once it writes entries atomically. Idempotent.
+  """
+  cache = lru_cache.LRUCache
+  if getattr(cache.put, "_lowcomm_atomic", False):
+    return
+  jax_put = cache.put
+
+  def put(self, key: str, value: bytes) -> None:
+    if self.eviction_enabled or not key or not str(self.path).startswith(os.sep):
+      return jax_put(self, key, value)  # locked (or not a local folder): JAX's own
+    final = os.path.join(str(self.path), f"{key}{lru_cache._CACHE_SUFFIX}")  # pylint: disable=protected-access
+    if os.path.exists(final):
+      return None
+    partial = os.path.join(str(self.path), f".{key}.{os.getpid()}.{uuid.uuid4().hex}.partial")
+    try:
+      with open(partial, "wb") as f:
+        f.write(value)
+      os.replace(partial, final)
+    finally:
+      if os.path.exists(partial):
+        os.remove(partial)
+    return None
+
+  put._lowcomm_atomic = True  # pylint: disable=protected-access
+  cache.put = put

@@ -5,7 +5,9 @@ cannot add keys (`lock_config=True`), so a misspelt key is an error at the comma
 `lowcomm_jax.cli` names it in one line with the closest keys.
 `lowcomm_jax.train.validation.validate` checks values before any compute and before anything is
 written: one ValueError naming the option and its allowed values (each key's comment below gives its
-range). A run's fingerprint (every key but RUNTIME_KEYS) must match to resume it.
+range); it returns them parsed, a frozen `lowcomm_jax.run_config.RunConfig`. A run's fingerprint
+(every key but RUNTIME_KEYS) must match to resume it. A key that moved (MOVED_KEYS) is refused
+naming its place now; a run saved with it is read with the key at that place (`upgrade_saved`).
 """
 
 from __future__ import annotations
@@ -24,13 +26,64 @@ from lowcomm_jax.models import config as model_config, hf_llama
 RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "checkpoint.every",
                 "checkpoint.keep", "hardware.peak_flops_per_device", "hardware.step_seconds",
                 "network", "progress_bar", "distributed.timeout_seconds",
-                "distributed.init_timeout_seconds", "nonfinite", "diloco.codec_kernels",
+                "distributed.init_timeout_seconds", "nonfinite", "outer.codec_kernels",
                 # an elastic run's membership and faults may change when it resumes
                 "elastic.num_learners", "elastic.min_quorum", "elastic.grace_s",
                 "elastic.adaptive_grace", "elastic.late",
                 "elastic.staleness_weight", "elastic.faults", "elastic.faults_per_hour",
                 "elastic.address", "elastic.max_restarts", "elastic.learner_cpus",
                 "elastic.learner_gpus", "elastic.timeout_s")
+
+
+# The keys of the `outer` section that were `diloco.<key>`, and those SparseLoCo read from its own
+# section (`sparseloco.<key>`) before the DiLoCo family shared one schedule.
+_DILOCO_MOVED = ("sync_every", "num_fragments", "fragment_pattern", "non_block_fragment",
+                 "fragment_rules", "staggered", "overlap_steps", "overlap_anchor", "merge_alpha",
+                 "codec", "codec_block_size", "codec_rounding", "error_feedback",
+                 "overlap_executor", "codec_kernels")
+_SPARSELOCO_MOVED = ("sync_every", "num_fragments", "overlap_steps", "merge_alpha")
+# old key -> its place now; a config that sets an old key is refused naming the new one
+MOVED_KEYS = {**{f"diloco.{k}": f"outer.{k}" for k in _DILOCO_MOVED},
+              **{f"sparseloco.{k}": f"outer.{k}" for k in _SPARSELOCO_MOVED}}
+# sections that are gone (all their keys moved)
+MOVED_SECTIONS = {"diloco": "outer"}
+# the diloco.<key> values a SparseLoCo run read (the rest of its diloco section was not read)
+_READ_BY_SPARSELOCO = ("fragment_pattern", "non_block_fragment", "staggered", "overlap_anchor",
+                       "overlap_executor")
+
+
+def moved_key_error(key: str) -> str | None:
+  """"diloco.sync_every moved to outer.sync_every" for a key that moved; None for any other."""
+  section = key.partition(".")[0]
+  if key in MOVED_KEYS:
+    return f"{key} moved to {MOVED_KEYS[key]}"
+  if section in MOVED_SECTIONS and key == section:
+    return f"the {section} section moved to {MOVED_SECTIONS[section]} ({section}.<key> is now " \
+           f"{MOVED_SECTIONS[section]}.<key>)"
+  return None
+
+
+def upgrade_saved(flat: dict) -> dict:
+  """A run's saved {"section.key": value} (its config.json's config or fingerprint) in today's keys.
+
+  A run saved before the `outer` section took its schedule from `diloco.*`, and SparseLoCo half of
+  it from `sparseloco.*`: each moved key takes the value the run read (for algorithm=sparseloco the
+  four `sparseloco.*` schedule keys and the diloco keys it read; the diloco keys it did not read are
+  dropped, so they count as their defaults). A dict with none of the old keys comes back unchanged.
+  """
+  if not any(k in MOVED_KEYS for k in flat):
+    return dict(flat)
+  sparseloco = flat.get("algorithm") == "sparseloco"
+  out = {k: v for k, v in flat.items() if k not in MOVED_KEYS}
+  for key, value in flat.items():
+    section, _, name = key.partition(".")
+    if key not in MOVED_KEYS:
+      continue
+    if section == "sparseloco" and sparseloco:
+      out[MOVED_KEYS[key]] = value
+    elif section == "diloco" and (not sparseloco or name in _READ_BY_SPARSELOCO):
+      out[MOVED_KEYS[key]] = value
+  return out
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -105,7 +158,12 @@ def default_config() -> ml_collections.ConfigDict:
       # gradients=pipeline splits batches with pipeline.slots_per_step instead (1 there).
       accumulation_steps=1,
   ))
-  c.diloco = ml_collections.ConfigDict(dict(
+  # The schedule and wire of the DiLoCo family (diloco, streaming_diloco, sparseloco; the registry
+  # rows in lowcomm_jax.train.algorithms say which algorithm reads which section). SparseLoCo reads
+  # the schedule and the overlap keys; its wire format is its own (the `sparseloco` section), so
+  # codec, codec_block_size, codec_rounding, error_feedback and codec_kernels stay at their defaults
+  # there.
+  c.outer = ml_collections.ConfigDict(dict(
       sync_every=50,  # H: inner steps between two syncs of a fragment, at most num_steps
       num_fragments=1,  # P: block fragments (1 = the whole model, vanilla DiLoCo)
       fragment_pattern="strided",  # strided (blocks p, p+P, ...) | sequential
@@ -158,20 +216,15 @@ def default_config() -> ml_collections.ConfigDict:
       gamma=0.7,  # γ: pull of φ_i toward its group's mean slow weights, >= 0
       # >= 1: random partitions drawn from `seed` (one outer program switches among them)
       num_groupings=16,
-      codec="none",  # none (float32) | a diloco.codec name: the outer gradients' wire format
+      codec="none",  # none (float32) | an outer.codec name: the outer gradients' wire format
       codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2
   ))
   # SparseLoCo (docs/sparseloco.md): fragment p's Δ, plus its error buffer e ← β·e + Δ, travels as
   # the top_k largest entries of every chunk of chunk_size values, each at `bits` bits (all-gather
   # of the sparse payloads, scatter-add mean); the outer step is SGD with no momentum (the error
-  # buffer is the momentum); outer_optimizer.* is not read. The fragments' layout and the overlap
-  # thread follow diloco.fragment_pattern, non_block_fragment, staggered, overlap_anchor and
-  # overlap_executor.
+  # buffer is the momentum); outer_optimizer.* is not read. The schedule (H, fragments, τ, α) and
+  # the overlap thread follow the `outer` section.
   c.sparseloco = ml_collections.ConfigDict(dict(
-      sync_every=50,  # H: inner steps between two syncs of a fragment, at most num_steps
-      num_fragments=1,  # P: block fragments (1 = the whole model, the paper's)
-      overlap_steps=0,  # τ: inner steps a fragment's gather overlaps before it is applied
-      merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied, in [0, 1]
       chunk_size=4096,  # values per top-k chunk, an integer >= 2 (the paper: 4096)
       top_k=64,  # values kept per chunk, in [1, chunk_size] (the paper: 64, 1.56 %)
       bits=2,  # bits per kept value: 1 (scaled sign) or 2 (the paper's)
@@ -179,11 +232,11 @@ def default_config() -> ml_collections.ConfigDict:
       outer_learning_rate=1.0,  # η of the outer SGD step, > 0
   ))
   # Elastic learners on Ray (docs/elastic.md, experiments/elastic.py): num_learners independent
-  # learners, each one replica of algorithm=diloco, streaming_diloco or sparseloco (their sections'
-  # H, P, τ, α, codec apply) on its own devices (mesh.data × mesh.tensor), and a syncer that holds φ
-  # and the outer optimizer state and closes each fragment's round once min_quorum learners sent
-  # their Δ_p and a grace window passed. num_replicas is not read: learner i of N reads shard i of
-  # N of the data.
+  # learners, each one replica of algorithm=diloco, streaming_diloco or sparseloco (the outer
+  # section's H, P, τ, α, codec apply) on its own devices (mesh.data × mesh.tensor), and a syncer
+  # that holds φ and the outer optimizer state and closes each fragment's round once min_quorum
+  # learners sent their Δ_p and a grace window passed. num_replicas is not read: learner i of N
+  # reads shard i of N of the data.
   c.elastic = ml_collections.ConfigDict(dict(
       num_learners=2,  # N: learner actors, >= 1 (may change on resume; while the run goes on,
       #                  learners are added and removed by lowcomm_jax.elastic.start's run object)
@@ -271,6 +324,8 @@ def override(c: ml_collections.ConfigDict, changes: dict) -> ml_collections.Conf
   """Sets dotted keys ("noloco.sync_every": 10) in place and returns `c`; unknown keys raise."""
   for key, value in changes.items():
     section, _, name = key.rpartition(".")
+    if moved_key_error(key):
+      raise ValueError(moved_key_error(key))
     target = c[section] if section else c
     if name not in target:
       raise ValueError(f"unknown config key {key!r}; see lowcomm_jax/config.py for the allowed "
@@ -280,11 +335,11 @@ def override(c: ml_collections.ConfigDict, changes: dict) -> ml_collections.Conf
 
 
 def flatten(c, prefix="") -> dict:
-  """{"section.key": value} of every key of `c`."""
+  """{"section.key": value} of every key of `c` (a ConfigDict or a `run_config.RunConfig`)."""
   out = {}
   for k, v in c.items():
     key = f"{prefix}{k}"
-    if isinstance(v, ml_collections.ConfigDict):
+    if isinstance(v, ml_collections.ConfigDict) or dataclasses.is_dataclass(v):
       out.update(flatten(v, key + "."))
     else:
       out[key] = v
@@ -325,10 +380,10 @@ def model_options(c) -> dict:
 
 
 def load_run_config(workdir) -> ml_collections.ConfigDict:
-  """The config a run directory was started with (from its config.json)."""
+  """The config a run directory was started with (from its config.json, in today's keys)."""
   saved = json.loads((pathlib.Path(workdir) / "config.json").read_text())["config"]
   c = default_config()
-  c.update_from_flattened_dict({k: v for k, v in flatten(ml_collections.ConfigDict(saved)).items()})
+  c.update_from_flattened_dict(upgrade_saved(flatten(ml_collections.ConfigDict(saved))))
   return c
 
 

@@ -66,36 +66,36 @@ _PIPELINE = {"gradients": "pipeline", "num_replicas": 2, "mesh.replica": 2, "mes
 # step (its metrics are computed before it; the step after shows its effect).
 ENGINE_CASES = {
     "dp": {"config": {}, "sync": 1},
-    "diloco": {"config": {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 3},
+    "diloco": {"config": {"algorithm": "diloco", "num_replicas": 2, "outer.sync_every": 3},
                "sync": 3},
     "streaming_diloco": {"config": {
-        "algorithm": "streaming_diloco", "num_replicas": 2, "diloco.num_fragments": 2,
-        "diloco.non_block_fragment": "fold", "diloco.sync_every": 4, "diloco.overlap_steps": 1,
-        "diloco.merge_alpha": 0.5}, "sync": 3},
+        "algorithm": "streaming_diloco", "num_replicas": 2, "outer.num_fragments": 2,
+        "outer.non_block_fragment": "fold", "outer.sync_every": 4, "outer.overlap_steps": 1,
+        "outer.merge_alpha": 0.5}, "sync": 3},
     "noloco": {"config": {"algorithm": "noloco", "num_replicas": 4, "noloco.sync_every": 3,
                           "noloco.num_groupings": 2}, "sync": 3},
     # Streaming DiLoCo's case with SparseLoCo's sparse gather (chunks of 64, 4 kept, 2 bits)
     "sparseloco": {"config": {
-        "algorithm": "sparseloco", "num_replicas": 2, "sparseloco.num_fragments": 2,
-        "diloco.non_block_fragment": "fold", "sparseloco.sync_every": 4,
-        "sparseloco.overlap_steps": 1, "sparseloco.merge_alpha": 0.5, "sparseloco.chunk_size": 64,
+        "algorithm": "sparseloco", "num_replicas": 2, "outer.num_fragments": 2,
+        "outer.non_block_fragment": "fold", "outer.sync_every": 4,
+        "outer.overlap_steps": 1, "outer.merge_alpha": 0.5, "sparseloco.chunk_size": 64,
         "sparseloco.top_k": 4}, "sync": 3},
     "skippipe": {"config": {"gradients": "skippipe", "pipeline.num_stages": 4,
                             "skippipe.paths": "0-1-2,0-2-3,0-3-1,0-1-3"}, "sync": 1},
     "pipeline_noloco": {"config": {**_PIPELINE, "algorithm": "noloco", "noloco.sync_every": 3,
                                    "noloco.num_groupings": 2}, "sync": 3},
-    "pipeline_diloco": {"config": {**_PIPELINE, "algorithm": "diloco", "diloco.sync_every": 3,
+    "pipeline_diloco": {"config": {**_PIPELINE, "algorithm": "diloco", "outer.sync_every": 3,
                                    "outer_optimizer.momentum": 0.3}, "sync": 3},
     # SparseLoCo over the other two sources. Chunks of 32 (2 kept) divide every layer's leaf of the
     # tiny model, so a stage's slice of a leaf is whole chunks and the pipeline's top-k picks what
     # the replicas source's picks; SkipPipe on identity paths (each micro-batch through stages 0,
     # 1).
     "pipeline_sparseloco": {"config": {**_PIPELINE, "algorithm": "sparseloco",
-                                       "sparseloco.sync_every": 3, "sparseloco.chunk_size": 32,
+                                       "outer.sync_every": 3, "sparseloco.chunk_size": 32,
                                        "sparseloco.top_k": 2}, "sync": 3},
     "skippipe_sparseloco": {"config": {
         "gradients": "skippipe", "pipeline.num_stages": 2, "skippipe.paths": "0-1,0-1,0-1,0-1",
-        "algorithm": "sparseloco", "num_replicas": 2, "sparseloco.sync_every": 3,
+        "algorithm": "sparseloco", "num_replicas": 2, "outer.sync_every": 3,
         "sparseloco.chunk_size": 32, "sparseloco.top_k": 2}, "sync": 3},
 }
 # Compositions of an algorithm and a gradient source each proven on its own in the battery: the
@@ -125,8 +125,8 @@ def process_leg_config(case: str, num_processes: int = 1) -> ml_collections.Conf
 # one launch of tests/engine_processes_worker.py --leg=overlap. float32 at τ = 1, and the e3m0
 # codec with error feedback (the residual travels back from the thread into the state) at τ = 2.
 OVERLAP_PROCESS_RUNS = {"tau1": (1, {}),
-                        "tau2-e3m0-ef": (2, {"diloco.codec": "e3m0",
-                                             "diloco.error_feedback": True})}
+                        "tau2-e3m0-ef": (2, {"outer.codec": "e3m0",
+                                             "outer.error_feedback": True})}
 OVERLAP_EXECUTORS = ("inline", "thread")
 
 
@@ -136,10 +136,10 @@ def overlap_leg_configs(num_processes: int = 2) -> dict[str, ml_collections.Conf
   configs = {}
   for run, (tau, codec) in OVERLAP_PROCESS_RUNS.items():
     changes = multiprocess_changes(num_processes, {
-        **STREAMING, "num_steps": 8, "diloco.sync_every": 6, "diloco.overlap_steps": tau, **codec})
+        **STREAMING, "num_steps": 8, "outer.sync_every": 6, "outer.overlap_steps": tau, **codec})
     for mode in OVERLAP_EXECUTORS:
       configs[f"{run}-{mode}"] = make_config("diloco.py",
-                                             {**changes, "diloco.overlap_executor": mode})
+                                             {**changes, "outer.overlap_executor": mode})
   return configs
 
 
@@ -187,13 +187,13 @@ def launcher_module():
 CONFIGS = ROOT / "experiments" / "configs"
 TOLERANCE = 1e-5
 
-COMMON = {"model.size": "tiny", "num_steps": 8, "diloco.sync_every": 4, "data.seq_len": 32,
+COMMON = {"model.size": "tiny", "num_steps": 8, "outer.sync_every": 4, "data.seq_len": 32,
           "data.batch_size": 4, "eval.batch_size": 4, "eval.num_batches": 1, "eval.every": 1000,
           "checkpoint.every": 1000, "log_every": 1, "progress_bar": False,
           "hardware.peak_flops_per_device": 1e10, "distributed.timeout_seconds": 20}
-STREAMING = {"algorithm": "streaming_diloco", "diloco.num_fragments": 2,
-             "diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1,
-             "diloco.merge_alpha": 0.5, "num_steps": 12}
+STREAMING = {"algorithm": "streaming_diloco", "outer.num_fragments": 2,
+             "outer.non_block_fragment": "fold", "outer.overlap_steps": 1,
+             "outer.merge_alpha": 0.5, "num_steps": 12}
 
 
 def tree_hash(directory) -> dict[str, str]:
@@ -427,8 +427,8 @@ def layered_problem(layers=4, replicas=3, steps=12, seed=0):
 
 
 def streaming_config(**changes):
-  base = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 6,
-          "diloco.num_fragments": 2, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5}
+  base = {"algorithm": "streaming_diloco", "num_replicas": 2, "outer.sync_every": 6,
+          "outer.num_fragments": 2, "outer.overlap_steps": 1, "outer.merge_alpha": 0.5}
   base.update(changes)
   return tiny_config(**base)
 

@@ -49,7 +49,7 @@ def main(coordinator, num_processes, process_id, out_path):
     comm.check_layout(mesh_lib.make_mesh({mesh_lib.REPLICA: 1, mesh_lib.DATA: num_processes}))
     refused = False
   except ValueError as error:
-    refused = "diloco.overlap_executor=thread" in str(error)
+    refused = "outer.overlap_executor=thread" in str(error)
   rng = np.random.default_rng(100 + me)  # every replica its own outer gradient
 
   def replicated_rows(*shape):

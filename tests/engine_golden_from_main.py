@@ -8,7 +8,8 @@ redesign.
 Runs the configs of lowcomm_jax.testing.ENGINE_CASES with the code of that commit: its Trainer for
 dp, diloco, streaming_diloco and noloco; its own pipeline loop (parallel/combined.py, since removed)
 for pipeline_noloco and pipeline_diloco; skippipe/training.py's make_path_train_step for skippipe.
-Not collected by pytest (not a test file); kept so the numbers can be reproduced.
+Not collected by pytest (not a test file); kept so the numbers can be reproduced. Its config keys
+are that commit's (`diloco.*`, which `lowcomm_jax.config.MOVED_KEYS` maps to `outer.*` today).
 """
 import json
 import os

@@ -24,11 +24,11 @@ from lowcomm_jax.sim import utilization
 from lowcomm_jax.testing import CONFIGS, ROOT, tiny_config, tree_hash
 from lowcomm_jax.train import Trainer, validation, workdir as workdir_lib
 
-DILOCO = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 4}
-STREAMING = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 6,
-             "diloco.num_fragments": 2, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5}
+DILOCO = {"algorithm": "diloco", "num_replicas": 2, "outer.sync_every": 4}
+STREAMING = {"algorithm": "streaming_diloco", "num_replicas": 2, "outer.sync_every": 6,
+             "outer.num_fragments": 2, "outer.overlap_steps": 1, "outer.merge_alpha": 0.5}
 NOLOCO = {"algorithm": "noloco", "num_replicas": 2, "noloco.sync_every": 4, "mesh.data": 1}
-SPARSELOCO = {"algorithm": "sparseloco", "num_replicas": 2, "sparseloco.sync_every": 4}
+SPARSELOCO = {"algorithm": "sparseloco", "num_replicas": 2, "outer.sync_every": 4}
 SKIPPIPE = {"gradients": "skippipe", "pipeline.num_stages": 6}
 
 # (config changes, the option the message must name, the allowed values it must state)
@@ -48,10 +48,12 @@ CONFIG_CASES = [
     ({**NOLOCO, "noloco.outer_learning_rate": 0.0}, "noloco.outer_learning_rate", "> 0"),
     ({"hardware.peak_flops_per_device": -1.0}, "hardware.peak_flops_per_device", ">= 0"),
     ({"hardware.step_seconds": float("inf")}, "hardware.step_seconds", ">= 0"),
-    ({**DILOCO, "diloco.sync_every": 50, "num_steps": 20}, "diloco.sync_every",
+    ({**DILOCO, "outer.sync_every": 50, "num_steps": 20}, "outer.sync_every",
      "[1, num_steps=20]"),
     ({**NOLOCO, "noloco.sync_every": 50, "num_steps": 20}, "noloco.sync_every",
      "[1, num_steps=20]"),
+    ({**SPARSELOCO, "outer.codec": "int8"}, "outer.codec/error_feedback",
+     "'none'/False for algorithm=sparseloco (its outer gradients travel as sparseloco.top_k"),
     # defect 5: refused only after config.json was written before
     ({"seed": -1}, "seed", "[0, 4294967296)"),
     ({"seed": 2**32}, "seed", "[0, 4294967296)"),
@@ -70,9 +72,9 @@ CONFIG_CASES = [
     ({"data.batch_size": 200_000}, "data.batch_size=200000", "data.batch_size must be <="),
     # defect 10: messages that named the wrong thing
     ({**DILOCO, "num_replicas": 3, "mesh.replica": 3}, "mesh.data=-1", "the 8 devices"),
-    ({**DILOCO, "diloco.codec": "int8", "diloco.codec_block_size": 1}, "diloco.codec_block_size",
+    ({**DILOCO, "outer.codec": "int8", "outer.codec_block_size": 1}, "outer.codec_block_size",
      "an integer >= 2"),
-    ({**DILOCO, "diloco.codec": "int8", "diloco.codec_rounding": "up"}, "diloco.codec_rounding",
+    ({**DILOCO, "outer.codec": "int8", "outer.codec_rounding": "up"}, "outer.codec_rounding",
      "nearest, stochastic"),
     ({**NOLOCO, "noloco.codec": "int8", "noloco.codec_block_size": 0}, "noloco.codec_block_size",
      "an integer >= 2"),
@@ -108,17 +110,17 @@ CONFIG_CASES = [
     ({"num_replicas": 2}, "num_replicas and mesh.replica", "1 for algorithm=dp"),
     ({**DILOCO, "num_replicas": 0}, "num_replicas", ">= 1"),
     ({**DILOCO, "mesh.replica": 3}, "mesh.replica", "a divisor of num_replicas=2"),
-    ({**DILOCO, "diloco.sync_every": 0}, "diloco.sync_every", "an integer >= 1"),
-    ({**DILOCO, "diloco.num_fragments": 2}, "diloco.num_fragments", "algorithm=streaming_diloco"),
-    ({**DILOCO, "diloco.codec": "fp5"}, "diloco.codec", "none or one of"),
-    ({**DILOCO, "diloco.error_feedback": True}, "diloco.error_feedback", "unless diloco.codec"),
+    ({**DILOCO, "outer.sync_every": 0}, "outer.sync_every", "an integer >= 1"),
+    ({**DILOCO, "outer.num_fragments": 2}, "outer.num_fragments", "algorithm=streaming_diloco"),
+    ({**DILOCO, "outer.codec": "fp5"}, "outer.codec", "none or one of"),
+    ({**DILOCO, "outer.error_feedback": True}, "outer.error_feedback", "unless outer.codec"),
     ({**DILOCO, "nonfinite": "ignore"}, "nonfinite", "raise or skip"),
     ({**DILOCO, "outer_optimizer.name": "lamb"}, "outer_optimizer.name", "nesterov, sgd or adam"),
-    ({**STREAMING, "diloco.sync_every": 7}, "diloco.sync_every",
+    ({**STREAMING, "outer.sync_every": 7}, "outer.sync_every",
      "divisible by the number of fragments"),
-    ({**STREAMING, "diloco.overlap_steps": 3}, "diloco.overlap_steps", "smaller than H/P"),
-    ({**STREAMING, "diloco.merge_alpha": 1.5}, "diloco.merge_alpha", "[0, 1]"),
-    ({**STREAMING, "diloco.fragment_pattern": "random"}, "fragment_pattern", "strided"),
+    ({**STREAMING, "outer.overlap_steps": 3}, "outer.overlap_steps", "smaller than H/P"),
+    ({**STREAMING, "outer.merge_alpha": 1.5}, "outer.merge_alpha", "[0, 1]"),
+    ({**STREAMING, "outer.fragment_pattern": "random"}, "fragment_pattern", "strided"),
     ({**NOLOCO, "num_replicas": 1, "noloco.group_size": 1}, "num_replicas", ">= 2"),
     ({**NOLOCO, "num_replicas": 4, "noloco.group_size": 3}, "noloco.group_size", "divisor of"),
     ({**NOLOCO, "num_replicas": 4, "mesh.replica": 2}, "mesh.replica", "num_replicas=4"),
@@ -144,14 +146,14 @@ CONFIG_CASES = [
     ({"data.tokenizer": "data/no_such.json"}, "data.tokenizer", "no such file; allowed: 'bytes'"),
     ({"data.doc_chars": -1}, "data.doc_chars", "an integer >= 0"),
     # a section the algorithm does not read is checked all the same
-    ({**DILOCO, "diloco.codec_rounding": "up"}, "diloco.codec_rounding", "nearest, stochastic"),
-    ({"diloco.codec_rounding": "up"}, "diloco.codec_rounding", "nearest, stochastic"),
+    ({**DILOCO, "outer.codec_rounding": "up"}, "outer.codec_rounding", "nearest, stochastic"),
+    ({"outer.codec_rounding": "up"}, "outer.codec_rounding", "nearest, stochastic"),
     ({"mesh.stage": 2}, "mesh.stage", "1 unless gradients=pipeline"),
     ({**DILOCO, "noloco.gamma": -1.0}, "noloco.gamma", ">= 0"),
     ({"noloco.outer_momentum": -0.5}, "noloco.outer_momentum", "[0, 1)"),
     ({"noloco.num_groupings": 0}, "noloco.num_groupings", ">= 1"),
-    ({"diloco.merge_alpha": 2.0}, "diloco.merge_alpha", "[0, 1]"),
-    ({"diloco.overlap_steps": -1}, "diloco.overlap_steps", ">= 0"),
+    ({"outer.merge_alpha": 2.0}, "outer.merge_alpha", "[0, 1]"),
+    ({"outer.overlap_steps": -1}, "outer.overlap_steps", ">= 0"),
     ({"outer_optimizer.momentum": -0.1}, "outer_optimizer.momentum", "[0, 1)"),
     ({"sparseloco.feedback_decay": 1.5}, "sparseloco.feedback_decay", "[0, 1]"),
     # SparseLoCo's section
@@ -161,14 +163,14 @@ CONFIG_CASES = [
     ({**SPARSELOCO, "sparseloco.bits": 3}, "sparseloco.bits", "1 or 2"),
     ({**SPARSELOCO, "sparseloco.outer_learning_rate": 0.0}, "sparseloco.outer_learning_rate",
      "> 0"),
-    ({**SPARSELOCO, "sparseloco.overlap_steps": 4}, "sparseloco.overlap_steps",
+    ({**SPARSELOCO, "outer.overlap_steps": 4}, "outer.overlap_steps",
      "smaller than H/P = 4"),
-    ({**SPARSELOCO, "sparseloco.merge_alpha": -0.5}, "sparseloco.merge_alpha", "[0, 1]"),
-    ({**SPARSELOCO, "sparseloco.num_fragments": 3, "sparseloco.sync_every": 6},
-     "sparseloco.sync_every", "multiple of"),
+    ({**SPARSELOCO, "outer.merge_alpha": -0.5}, "outer.merge_alpha", "[0, 1]"),
+    ({**SPARSELOCO, "outer.num_fragments": 3, "outer.sync_every": 6},
+     "outer.sync_every", "multiple of"),
     ({**SPARSELOCO, "gradients": "skippipe", "pipeline.num_stages": 6,
-      "sparseloco.num_fragments": 2},
-     "sparseloco.num_fragments", "1 with gradients=skippipe"),
+      "outer.num_fragments": 2},
+     "outer.num_fragments", "1 with gradients=skippipe"),
     # options whose refusal must name them, before compute
     ({**SKIPPIPE, "skippipe.topology": "reference_data"}, "skippipe.topology", "'gcp_12_regions'"),
     ({**SKIPPIPE, "skippipe.placement_seed": -1}, "skippipe.placement_seed", "[0, 4294967296)"),
@@ -176,8 +178,8 @@ CONFIG_CASES = [
     ({**SKIPPIPE, "skippipe.path_length": 7}, "skippipe.path_length",
      "gcp_12_regions has 6 stages"),
     ({"pipeline.routing_seed": -1}, "pipeline.routing_seed", "[0, 4294967296)"),
-    ({**STREAMING, "diloco.num_fragments": 1, "diloco.sync_every": 4,
-      "diloco.fragment_rules": "blocks/.*:0"}, "diloco.fragment_rules",
+    ({**STREAMING, "outer.num_fragments": 1, "outer.sync_every": 4,
+      "outer.fragment_rules": "blocks/.*:0"}, "outer.fragment_rules",
      "must cover every parameter"),
     # gradient accumulation: micro-batches of equal size, each laid out over the data axis
     ({"optimizer.accumulation_steps": 3}, "optimizer.accumulation_steps",
@@ -365,6 +367,17 @@ FLAG_CASES = [
     (["--config={root}/README.md"], "is not a config file that Python runs (SyntaxError"),
     (["--config={root}/lowcomm_jax/checks.py"], "defines no get_config()"),
     (["--config={configs}/dp.py:huge"], "get_config('huge')"),
+    # a key that moved: its place now, whatever it was
+    (["--config={configs}/diloco.py:tiny", "--config.diloco.sync_every=10"],
+     "--config.diloco.sync_every: diloco.sync_every moved to outer.sync_every"),
+    (["--config={configs}/diloco.py:tiny", "--config.diloco.codec_kernels=reference"],
+     "--config.diloco.codec_kernels: diloco.codec_kernels moved to outer.codec_kernels"),
+    (["--config={configs}/sparseloco.py:tiny", "--config.sparseloco.merge_alpha=0.5"],
+     "--config.sparseloco.merge_alpha: sparseloco.merge_alpha moved to outer.merge_alpha"),
+    (["--config={configs}/diloco.py:tiny", "--noconfig.diloco.staggered"],
+     "diloco.staggered moved to outer.staggered"),
+    (["--config={tmp}/old_keys.py"],
+     "sets a key that moved: the diloco section moved to outer (diloco.<key> is now outer.<key>)"),
 ]
 
 
@@ -385,9 +398,12 @@ def _parse_as_train_py(argv):
 
 
 @pytest.mark.parametrize("argv,expected", FLAG_CASES)
-def test_command_line_mistakes_are_one_line_naming_the_flag(argv, expected):
+def test_command_line_mistakes_are_one_line_naming_the_flag(argv, expected, tmp_path):
+  (tmp_path / "old_keys.py").write_text(  # a config file written for the diloco section
+      "from lowcomm_jax import config\n\n\ndef get_config():\n  c = config.default_config()\n"
+      "  c.diloco.sync_every = 10\n  return c\n")
   with pytest.raises(SystemExit) as stop:
-    _parse_as_train_py([a.format(configs=CONFIGS, root=ROOT) for a in argv])
+    _parse_as_train_py([a.format(configs=CONFIGS, root=ROOT, tmp=tmp_path) for a in argv])
   message = stop.value.code
   assert isinstance(message, str) and message.startswith("ValueError: ") and "\n" not in message
   assert expected in message, message
@@ -418,17 +434,17 @@ SYNC_EVERY_ENTRIES = [
     ("sync_every", lambda h: lowcomm_jax.diloco(optax.sgd(0.1), sync_every=h), True),
     ("sync_every", lambda h: lowcomm_jax.streaming_diloco(  # fragments known only at init
         optax.sgd(0.1), sync_every=h, fragments=lambda params: ()), True),
-    ("diloco.sync_every", lambda h: schedule.make_schedule(1, h), True),
+    ("outer.sync_every", lambda h: schedule.make_schedule(1, h), True),
     ("sync_every",
      lambda h: lowcomm_jax.noloco(optax.sgd(0.1), num_replicas=2, sync_every=h), True),
     ("sync_every", lambda h: lowcomm_jax.sparseloco(optax.sgd(0.1), sync_every=h), True),
     ("Method.sync_every", utilization.diloco, True),
-    ("diloco.sync_every",
-     lambda h: validation.validate(tiny_config(**{**DILOCO, "diloco.sync_every": h})), False),
+    ("outer.sync_every",
+     lambda h: validation.validate(tiny_config(**{**DILOCO, "outer.sync_every": h})), False),
     ("noloco.sync_every",
      lambda h: validation.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": h})), False),
-    ("sparseloco.sync_every", lambda h: validation.validate(
-        tiny_config(**{**SPARSELOCO, "sparseloco.sync_every": h})), False),
+    ("outer.sync_every", lambda h: validation.validate(
+        tiny_config(**{**SPARSELOCO, "outer.sync_every": h})), False),
 ]
 
 
@@ -450,12 +466,12 @@ def test_sync_every_knows_the_run_length_and_the_fragments():
     validation.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": 21, "num_steps": 20}))
   validation.validate(tiny_config(**{**NOLOCO, "noloco.sync_every": 20, "num_steps": 20}))
   staggered = (
-    "diloco.sync_every (H=7) must be divisible by the number of fragments (P=3, counting "
+    "outer.sync_every (H=7) must be divisible by the number of fragments (P=3, counting "
     "the non-block fragment) for a staggered schedule: a multiple of 3 such as 6 or 9"
   )
   with pytest.raises(ValueError, match=re.escape(staggered)):
-    validation.validate(tiny_config(**{**STREAMING, "diloco.sync_every": 7}))
-  with pytest.raises(ValueError, match="^" + re.escape(staggered.removeprefix("diloco."))):
+    validation.validate(tiny_config(**{**STREAMING, "outer.sync_every": 7}))
+  with pytest.raises(ValueError, match="^" + re.escape(staggered.removeprefix("outer."))):
     lowcomm_jax.streaming_diloco(optax.sgd(0.1), sync_every=7, fragments=2)  # names the argument
   lowcomm_jax.streaming_diloco(optax.sgd(0.1), sync_every=7, fragments=2, staggered=False)
 
@@ -489,7 +505,71 @@ def test_a_runtime_policy_may_change_on_resume(tmp_path):
   before = tree_hash(tmp_path)
   assert Trainer(tiny_config(**{**DILOCO, "nonfinite": "skip"}), tmp_path / "run").resuming
   assert tree_hash(tmp_path) == before
-  assert _attempt(tiny_config(**{**DILOCO, "diloco.sync_every": 8}), tmp_path / "run") is not None
+  assert _attempt(tiny_config(**{**DILOCO, "outer.sync_every": 8}), tmp_path / "run") is not None
+
+
+def test_a_key_that_moved_is_refused_naming_its_place_now(tmp_path):
+  """From Python (`config.override`), and in a ConfigDict that holds it (a config file that added
+  it, a dict of old keys): one line per key, before anything is written."""
+  for key, now in [("diloco.sync_every", "outer.sync_every"), ("diloco.codec", "outer.codec"),
+                   ("sparseloco.num_fragments", "outer.num_fragments")]:
+    with pytest.raises(ValueError, match=f"^{re.escape(key)} moved to {re.escape(now)}$"):
+      config_lib.override(tiny_config(), {key: 2})
+  c = tiny_config(**SPARSELOCO)
+  c.sparseloco.sync_every = 4  # a config file's get_config() may add keys before the lock
+  c.diloco = {"fragment_rules": ""}
+  with pytest.raises(ValueError, match=r"^diloco\.fragment_rules moved to outer\.fragment_rules; "
+                     r"sparseloco\.sync_every moved to outer\.sync_every$"):
+    Trainer(c, tmp_path / "run")
+  assert list(tmp_path.iterdir()) == []
+
+
+def _saved_with_old_keys(workdir, changes: dict, old: dict):
+  """A run's config.json as it was written before the `outer` section: `changes`' run with its
+  outer.* keys saved under their old names (`old`: outer key -> old key, the rest diloco.*), plus
+  the diloco.* keys a SparseLoCo run did not read, at values that are not their defaults."""
+  _other_run(workdir, **changes)
+  saved = json.loads((workdir / "config.json").read_text())
+  flat = {}
+  for key, value in saved["fingerprint"].items():
+    name = key.removeprefix("outer.")
+    flat[old.get(key, f"diloco.{name}") if key.startswith("outer.") else key] = value
+  if changes.get("algorithm") == "sparseloco":
+    flat |= {"diloco.sync_every": 50, "diloco.codec": "int8", "diloco.error_feedback": True}
+  saved["fingerprint"] = flat
+  (workdir / "config.json").write_text(json.dumps(saved))
+  return flat
+
+
+def test_a_run_saved_with_the_old_keys_resumes_at_their_places_now(tmp_path):
+  """A config.json of diloco.* keys (and SparseLoCo's sparseloco.* schedule) is read at the keys'
+  places now: the same run resumes (nothing is written), another value of a moved key is refused
+  naming it, and the run's readers see its values in today's keys."""
+  streaming = {**STREAMING, "outer.overlap_steps": 1, "outer.codec": "int8"}
+  flat = _saved_with_old_keys(tmp_path / "streaming", streaming, {})
+  assert flat["diloco.overlap_steps"] == 1 and "outer.overlap_steps" not in flat
+  sparse = {**SPARSELOCO, "outer.overlap_steps": 1, "outer.merge_alpha": 0.5}
+  old = {f"outer.{k}": f"sparseloco.{k}" for k in ("sync_every", "num_fragments",
+                                                    "overlap_steps", "merge_alpha")}
+  _saved_with_old_keys(tmp_path / "sparse", sparse, old)
+  upgraded = config_lib.upgrade_saved(flat)
+  assert upgraded == config_lib.fingerprint(tiny_config(**streaming))
+  before = tree_hash(tmp_path)
+  assert Trainer(tiny_config(**streaming), tmp_path / "streaming").resuming
+  assert Trainer(tiny_config(**sparse), tmp_path / "sparse").resuming
+  assert _attempt(tiny_config(**{**sparse, "outer.merge_alpha": 0.25}), tmp_path / "sparse") == (
+      f"workdir {tmp_path / 'sparse'} holds a run of another config (outer.merge_alpha: 0.5 -> "
+      f"0.25); use a new --workdir or the same config to resume")
+  # The fingerprint is every key but the run-time ones, read by the run's algorithm or not: a
+  # section SparseLoCo's row does not declare still fixes the run.
+  assert "outer_optimizer.momentum" in _attempt(
+      tiny_config(**{**sparse, "outer_optimizer.momentum": 0.5}), tmp_path / "sparse")
+  assert tree_hash(tmp_path) == before
+  saved = json.loads((tmp_path / "streaming" / "config.json").read_text())
+  saved["config"]["diloco"] = saved["config"].pop("outer")
+  (tmp_path / "streaming" / "config.json").write_text(json.dumps(saved))
+  assert config_lib.flatten(config_lib.load_run_config(tmp_path / "streaming")) == (
+      config_lib.flatten(tiny_config(**streaming)))
 
 
 def test_summary_is_strict_json_with_the_reason_of_each_null(tmp_path):

@@ -217,7 +217,7 @@ def test_init_from_restores_sharded_onto_the_mesh(tmp_path):
   devices: the state is restored in the first run's layout, never gathered on one device, and the
   new run's parameters are its own shardings with the evaluated values."""
   first = Trainer(tiny_config(**{"algorithm": "diloco", "num_replicas": 2, "mesh.replica": 2,
-                                 "diloco.sync_every": 2, "sharding.layout": "fsdp", "num_steps": 2,
+                                 "outer.sync_every": 2, "sharding.layout": "fsdp", "num_steps": 2,
                                  "checkpoint.every": 2, "eval.num_batches": 1}), tmp_path / "first")
   _, first_final = testing.run_to_end(first)
   evaluated = jax.device_get(first.algorithm.eval_params(first_final.state.params,

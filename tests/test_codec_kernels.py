@@ -99,15 +99,15 @@ def _streaming_e3m0_config(codec_kernels: str):
       "algorithm": "streaming_diloco", "num_replicas": 2, "model.size": "tiny", "num_steps": 6,
       "data.seq_len": 32, "data.batch_size": 4, "eval.batch_size": 4, "eval.num_batches": 1,
       "eval.every": 1000, "checkpoint.every": 1000, "log_every": 1, "progress_bar": False,
-      "hardware.peak_flops_per_device": 1e10, "diloco.sync_every": 2, "diloco.num_fragments": 1,
-      "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5,
-      "diloco.codec": "e3m0", "diloco.codec_block_size": 64, "diloco.error_feedback": True,
-      "diloco.codec_kernels": codec_kernels, "mesh.data": 1})
+      "hardware.peak_flops_per_device": 1e10, "outer.sync_every": 2, "outer.num_fragments": 1,
+      "outer.overlap_steps": 1, "outer.merge_alpha": 0.5,
+      "outer.codec": "e3m0", "outer.codec_block_size": 64, "outer.error_feedback": True,
+      "outer.codec_kernels": codec_kernels, "mesh.data": 1})
 
 
 @pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_training_with_pallas_kernels_on_the_wire_is_bit_identical_to_the_reference(tmp_path):
-  """diloco.codec_kernels=pallas (interpreted on CPU) trains Streaming DiLoCo (e3m0, error
+  """outer.codec_kernels=pallas (interpreted on CPU) trains Streaming DiLoCo (e3m0, error
   feedback, τ = 1, H = 2: two syncs in 6 steps, one compiled sync program) to exactly the
   reference's state."""
   from lowcomm_jax.train import Trainer  # pylint: disable=g-import-not-at-top
@@ -138,10 +138,10 @@ def test_training_with_pallas_kernels_on_the_wire_is_bit_identical_to_the_refere
 
 def test_bad_codec_kernels_is_refused_naming_the_option():
   from lowcomm_jax.train import validation  # pylint: disable=g-import-not-at-top
-  with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of .*auto.*pallas.*"
+  with pytest.raises(ValueError, match=r"outer.codec_kernels must be one of .*auto.*pallas.*"
                                        r"pallas_mosaic_gpu.*pallas_triton.*reference"):
     validation.validate(_streaming_e3m0_config("triton"))
-  with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of"):
+  with pytest.raises(ValueError, match=r"outer.codec_kernels must be one of"):
     codecs.kernel_options("cuda")
   assert codecs.kernel_options("reference") == dict(use_pallas=False, interpret=None)
   # Compiled on GPU/TPU; elsewhere interpreted (pallas*) or the jnp reference (auto); the GPU
@@ -161,16 +161,16 @@ def test_pallas_is_refused_where_no_compiled_kernel_exists():
   for mode in ("pallas", "pallas_mosaic_gpu", "pallas_triton"):
     for platform in ("cuda", "tpu") if mode == "pallas" else ("cuda",):
       assert codecs.kernel_options(mode, e3m0, platform, H100)["use_pallas"]
-      with pytest.raises(ValueError, match=rf"diloco.codec_kernels={mode}: codec 'bf16'"):
+      with pytest.raises(ValueError, match=rf"outer.codec_kernels={mode}: codec 'bf16'"):
         codecs.kernel_options(mode, codecs.get_codec("bf16"), platform, H100)
-      with pytest.raises(ValueError, match=rf"diloco.codec_kernels={mode}: codec 'e3m0' with block "
+      with pytest.raises(ValueError, match=rf"outer.codec_kernels={mode}: codec 'e3m0' with block "
                                            r"size 65536"):
         codecs.kernel_options(mode, codecs.get_codec("e3m0", block_size=1 << 16), platform, H100)
-    with pytest.raises(ValueError, match=rf"diloco.codec_kernels={mode} has no compiled kernel on "
+    with pytest.raises(ValueError, match=rf"outer.codec_kernels={mode} has no compiled kernel on "
                                          r"rocm"):
       codecs.kernel_options(mode, e3m0, "rocm")
   for gpu in kernels.GPU_KERNELS:
-    with pytest.raises(ValueError, match=rf"diloco.codec_kernels=pallas_{gpu} has no compiled "
+    with pytest.raises(ValueError, match=rf"outer.codec_kernels=pallas_{gpu} has no compiled "
                                          r"kernel on tpu \(only on cuda\)"):
       codecs.kernel_options(f"pallas_{gpu}", e3m0, "tpu")
   # Mosaic GPU on an Ampere: refused where this jax compiles it for Hopper and newer only.
@@ -178,8 +178,8 @@ def test_pallas_is_refused_where_no_compiled_kernel_exists():
   assert (refusal is not None) == (tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11))
   if refusal:
     assert "compute capability 9.0 and newer; NVIDIA A100-SXM4-80GB has 8.0" in refusal
-    with pytest.raises(ValueError, match=r"^diloco.codec_kernels=pallas_mosaic_gpu: Pallas "
-                                         r"Mosaic GPU in jax .* use diloco.codec_kernels=auto or "
+    with pytest.raises(ValueError, match=r"^outer.codec_kernels=pallas_mosaic_gpu: Pallas "
+                                         r"Mosaic GPU in jax .* use outer.codec_kernels=auto or "
                                          r"reference$"):
       codecs.kernel_options("pallas_mosaic_gpu", e3m0, "cuda", A100)
   # auto never refuses: the reference runs where no compiled kernel exists.

@@ -90,7 +90,7 @@ def test_one_process_vmap_equals_inline_and_ledger_counts_each_submission():
       plain.submit(5, "fragment 0", delta, residual)
   with pytest.raises(RuntimeError, match="after close"):
     plain.submit(9, "fragment 0", delta)
-  with pytest.raises(ValueError, match=r"diloco.codec_kernels must be one of auto, pallas, "
+  with pytest.raises(ValueError, match=r"outer.codec_kernels must be one of auto, pallas, "
                                        r"pallas_mosaic_gpu, pallas_triton, reference"):
     comm.OuterCommExecutor(codec, kernels="cuda")
 

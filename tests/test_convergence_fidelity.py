@@ -29,7 +29,7 @@ def _config(**changes):
 def test_diloco_one_replica_outer_sgd_lr1_is_data_parallel(tmp_path):
   dp = Trainer(_config(algorithm="dp"), tmp_path / "dp")
   dp_summary, dp_final = testing.run_to_end(dp)
-  diloco = Trainer(_config(**{"algorithm": "diloco", "num_replicas": 1, "diloco.sync_every": 4,
+  diloco = Trainer(_config(**{"algorithm": "diloco", "num_replicas": 1, "outer.sync_every": 4,
                               "outer_optimizer.name": "sgd", "outer_optimizer.learning_rate": 1.0,
                               "outer_optimizer.momentum": 0.0}), tmp_path / "diloco")
   diloco_summary, diloco_final = testing.run_to_end(diloco)

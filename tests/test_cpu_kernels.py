@@ -113,7 +113,7 @@ def test_trainer_on_eight_devices_matches_the_xla_path_without_gathering_the_bat
 
 @pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_diloco_one_replica_per_device_slice_matches_the_xla_path(tmp_path):
-  diloco = {"num_steps": 4, "algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 2,
+  diloco = {"num_steps": 4, "algorithm": "diloco", "num_replicas": 2, "outer.sync_every": 2,
             "mesh.replica": 2, "mesh.data": 1}
   runs = {}
   for name, attention in (("kernel", "cpu_kernel"), ("xla", "xla")):

@@ -102,7 +102,7 @@ def test_three_parameters_two_rounds_by_hand():
 
 
 def diloco_config(**changes):
-  base = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 4,
+  base = {"algorithm": "diloco", "num_replicas": 2, "outer.sync_every": 4,
           "outer_optimizer.learning_rate": 0.7, "outer_optimizer.momentum": 0.9}
   base.update(changes)
   return tiny_config(**base)
@@ -183,8 +183,8 @@ def test_vmap_simulation_equals_device_meshes(tmp_path, num_replicas, meshes):
 
 
 def test_bad_input_is_named_before_compute(tmp_path):
-  with pytest.raises(ValueError, match=r"diloco.sync_every \(H\) must be an integer >= 1"):
-    Trainer(diloco_config(**{"diloco.sync_every": 0}), tmp_path / "a")
+  with pytest.raises(ValueError, match=r"outer.sync_every \(H\) must be an integer >= 1"):
+    Trainer(diloco_config(**{"outer.sync_every": 0}), tmp_path / "a")
   with pytest.raises(ValueError, match=r"mesh .* needs 16 devices but 8 are available"):
     Trainer(diloco_config(num_replicas=16, **{"mesh.replica": 16, "mesh.data": 1}), tmp_path / "b")
   with pytest.raises(ValueError, match=r"mesh.replica must be a divisor of num_replicas=3"):
@@ -215,6 +215,8 @@ API_REFUSALS = {  # a bad argument of the optax-style API → the start of its o
     "group_size": (lambda: lowcomm_jax.noloco(optax.sgd(1.0), 4, group_size=3), "group_size must"),
     "top_k": (lambda: lowcomm_jax.sparseloco(optax.sgd(1.0), top_k=0), "top_k must"),
     "bits": (lambda: lowcomm_jax.sparseloco(optax.sgd(1.0), bits=3), "bits must"),
+    "sparseloco merge_alpha": (lambda: lowcomm_jax.sparseloco(optax.sgd(1.0), merge_alpha=2.0),
+                               "merge_alpha (α)"),
     # checked when init first sees the parameters
     "fragment rules": (lambda: lowcomm_jax.streaming_diloco(
         optax.sgd(1.0), fragments=[("nothing", 0)], sync_every=2).init({"w": jnp.zeros(2)}),
@@ -228,9 +230,9 @@ def test_the_python_api_names_its_arguments_not_config_keys():
       call()
     message = str(error.value)
     assert message.startswith(start), (name, message)
-    assert not re.search(r"\b(diloco|noloco|sparseloco)\.\w", message), (name, message)
+    assert not re.search(r"\b(outer|noloco|sparseloco)\.\w", message), (name, message)
   # The Trainer builds its algorithm through lowcomm_jax.optim, whose refusals name config keys.
-  with pytest.raises(ValueError, match=r"^diloco\.sync_every \(H\)"):
+  with pytest.raises(ValueError, match=r"^outer\.sync_every \(H\)"):
     lowcomm_jax.optim.diloco(optax.sgd(1.0), sync_every=0)
 
 

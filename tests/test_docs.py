@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from lowcomm_jax import config as config_lib
 from lowcomm_jax.testing import ROOT
+from lowcomm_jax.train import algorithms
 
 DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("benchmarks/**/*.md"),
                *ROOT.glob("colabs/*.ipynb")])
@@ -112,6 +114,26 @@ def test_the_checks_find_what_is_stale(tmp_path):
 def test_every_cited_path_link_and_section_exists(doc):
   assert _missing_paths(doc) == []
   assert _broken_links(doc) == []
+
+
+def _moved_keys_named(text: str) -> list[str]:
+  keys = "|".join(map(re.escape, config_lib.MOVED_KEYS))
+  return re.findall(rf"(?<![\w.])(?:{keys})(?!\w)", text)
+
+
+def test_the_docs_name_each_key_at_its_place_now():
+  """No document or notebook names a key that moved (but the table of moves in command_line.md),
+  and the docs' table of the sections each algorithm reads is the registry's rows."""
+  assert _moved_keys_named("x diloco.sync_every, sparseloco.top_k, outer.sync_every") == [
+      "diloco.sync_every"]
+  stale = {str(d.relative_to(ROOT)): _moved_keys_named(_text(d)) for d in DOCS
+           if d.name != "command_line.md"}
+  assert {name: keys for name, keys in stale.items() if keys} == {}
+  doc = (ROOT / "docs/command_line.md").read_text()
+  table = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|$", doc, re.M))
+  rows = {name: ", ".join(f"`{s}`" for s in row.sections) or "none"
+          for name, row in algorithms.ALGORITHMS.items()}
+  assert {name: table.get(name) for name in rows} == rows
 
 
 def _python_blocks(doc) -> list[str]:

@@ -22,7 +22,7 @@ def _config(**changes):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config("tiny")
-  base = {"num_steps": 10, "diloco.sync_every": 5, "data.seq_len": 32, "data.batch_size": 4,
+  base = {"num_steps": 10, "outer.sync_every": 5, "data.seq_len": 32, "data.batch_size": 4,
           "eval.batch_size": 4, "eval.num_batches": 1, "eval.every": 1000, "log_every": 5,
           "checkpoint.every": 5, "checkpoint.keep": 4, "elastic.num_learners": 2,
           "elastic.min_quorum": 0, "num_replicas": 2, "progress_bar": False}
@@ -115,7 +115,7 @@ def test_sparseloco_with_no_faults_and_full_quorum_equals_its_spmd_run(ray_clust
   from lowcomm_jax import comm  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.codecs.topk import TopKCompressor  # pylint: disable=g-import-not-at-top
   summary, spmd_summary, rounds = _equal_to_the_spmd_run(_config(**{
-      "algorithm": "sparseloco", "sparseloco.sync_every": 5, "sparseloco.chunk_size": 64,
+      "algorithm": "sparseloco", "sparseloco.chunk_size": 64,
       "sparseloco.top_k": 8}), tmp_path)
   # not vacuous: the second round's sparse mean moved φ
   assert any(not np.array_equal(np.asarray(a), np.asarray(b))
@@ -199,7 +199,7 @@ def test_a_killed_learner_rejoins_while_the_others_go_on_and_the_syncer_restarts
   learner 1's restart whatever the machine's speed."""
   from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
   grace, steps, h = 1.5, 100, 10
-  config = _config(**{"num_steps": steps, "diloco.sync_every": h, "elastic.num_learners": 3,
+  config = _config(**{"num_steps": steps, "outer.sync_every": h, "elastic.num_learners": 3,
                       "num_replicas": 3, "elastic.min_quorum": 1, "elastic.grace_s": grace,
                       "checkpoint.keep": 2, "elastic.faults": "kill:learner=1:step=10,"
                       "stop:learner=2:step=12:seconds=20,kill_syncer:round=3"})
@@ -249,7 +249,7 @@ def test_a_killed_learner_heals_into_the_run_it_left(ray_cluster, tmp_path):
   from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
   steps, h = 30, 10
   # the stops' own end (600 s) is a fallback: the test wakes them as soon as learner 1 is back
-  config = _config(**{"num_steps": steps, "diloco.sync_every": h, "elastic.num_learners": 3,
+  config = _config(**{"num_steps": steps, "outer.sync_every": h, "elastic.num_learners": 3,
                       "num_replicas": 3, "elastic.min_quorum": 3, "elastic.grace_s": 1.0,
                       "elastic.faults": "kill:learner=1:step=10,stop:learner=0:step=11:seconds=600,"
                                         "stop:learner=2:step=11:seconds=600"})
@@ -283,7 +283,7 @@ def test_a_straggler_does_not_hold_the_others_back_beyond_the_grace_window(ray_c
   on any machine. Every round closes with learner 0's Δ before the straggler's has come."""
   from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
   grace = 0.02
-  config = _config(**{"num_steps": 40, "diloco.sync_every": 20, "elastic.min_quorum": 1,
+  config = _config(**{"num_steps": 40, "outer.sync_every": 20, "elastic.min_quorum": 1,
                       "elastic.grace_s": grace, "elastic.faults": "slow:learner=1:step=1:factor=3"})
   summary = elastic.run(config, tmp_path / "elastic")
   assert summary["rounds"] == [2] and summary["deaths"] == []

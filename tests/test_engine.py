@@ -300,7 +300,7 @@ def test_two_processes_equal_one(tmp_path):
   in one launch), end with every replica's parameters equal to the one-device run's (dp has one
   replica: nothing to split) and the same bytes in the ledger. Streaming DiLoCo and SparseLoCo
   (τ = 1) run their fragments' exchange on the overlap thread in both
-  (diloco.overlap_executor=auto). The reference compiles with XLA's expensive passes off, as the
+  (outer.overlap_executor=auto). The reference compiles with XLA's expensive passes off, as the
   launched processes do; still not bit for bit, since one device runs the replicas' matmuls batched
   under vmap, which rounds differently from one replica per device: measured at most 2.4e-7 (2
   float32 ULPs at 1). SparseLoCo's top-k picks the same entries in both (a pick that flipped on a

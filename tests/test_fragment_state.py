@@ -69,8 +69,8 @@ def test_under_fsdp_every_leaf_of_the_outer_state_is_sharded_like_its_parameter(
   changes = {"algorithm": algorithm, "num_replicas": 2, "mesh.replica": 2, "mesh.data": 4,
              "sharding.layout": "fsdp", "noloco.sync_every": 6}
   if algorithm == "streaming_diloco":  # two one-layer block fragments (slices [1, ...]) + non-block
-    changes.update({"diloco.sync_every": 6, "diloco.num_fragments": 2, "diloco.overlap_steps": 1,
-                    "diloco.codec": "e3m0", "diloco.error_feedback": True})
+    changes.update({"outer.sync_every": 6, "outer.num_fragments": 2, "outer.overlap_steps": 1,
+                    "outer.codec": "e3m0", "outer.error_feedback": True})
   trainer = Trainer(tiny_config(**changes), tmp_path)
   opt_state = trainer.init_state().opt_state
   specs = {frag_lib.path_name(k): tuple(s) for k, s in jax.tree_util.tree_flatten_with_path(
@@ -178,22 +178,22 @@ def test_parse_rules():
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"diloco.fragment_rules": "blocks/.*"},
-     r"diloco.fragment_rules must be comma-separated 'regex:index'"),
-    ({"diloco.fragment_rules": "blocks/.*:0,.*:2"},
+    ({"outer.fragment_rules": "blocks/.*"},
+     r"outer.fragment_rules must be comma-separated 'regex:index'"),
+    ({"outer.fragment_rules": "blocks/.*:0,.*:2"},
      r"fragment indices must be 0, 1, ..., F-1 with none skipped"),
-    ({"diloco.fragment_rules": "blocks/(:0,.*:1"},
-     r"diloco.fragment_rules: 'blocks/\(' is not a regular expression"),
-    ({"diloco.fragment_rules": "blocks/.*:0,.*:1", "diloco.sync_every": 5},
-     r"diloco.sync_every \(H=5\) must be divisible by the number of fragments \(P=2"),
-    ({"diloco.fragment_rules": "blocks/.*:0,.*:1", "diloco.num_fragments": 2},
-     r"diloco.num_fragments must be 1 when diloco.fragment_rules is set"),
-    ({"diloco.fragment_rules": "attn.*:0,.*:1"},
-     r"diloco.fragment_rules: the rules \['attn.\*'\] match no parameter"),
-    ({"diloco.fragment_rules": ".*:0", "algorithm": "diloco"}, r"1/0/0/'' for algorithm=diloco"),
+    ({"outer.fragment_rules": "blocks/(:0,.*:1"},
+     r"outer.fragment_rules: 'blocks/\(' is not a regular expression"),
+    ({"outer.fragment_rules": "blocks/.*:0,.*:1", "outer.sync_every": 5},
+     r"outer.sync_every \(H=5\) must be divisible by the number of fragments \(P=2"),
+    ({"outer.fragment_rules": "blocks/.*:0,.*:1", "outer.num_fragments": 2},
+     r"outer.num_fragments must be 1 when outer.fragment_rules is set"),
+    ({"outer.fragment_rules": "attn.*:0,.*:1"},
+     r"outer.fragment_rules: the rules \['attn.\*'\] match no parameter"),
+    ({"outer.fragment_rules": ".*:0", "algorithm": "diloco"}, r"1/0/0/'' for algorithm=diloco"),
 ])
 def test_bad_fragment_rules_are_named_before_compute(tmp_path, changes, message):
-  base = {"algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 6}
+  base = {"algorithm": "streaming_diloco", "num_replicas": 2, "outer.sync_every": 6}
   with pytest.raises(ValueError, match=message):
     Trainer(tiny_config(**{**base, **changes}), tmp_path / "w")
   assert not (tmp_path / "w").exists()
@@ -201,15 +201,15 @@ def test_bad_fragment_rules_are_named_before_compute(tmp_path, changes, message)
 
 def test_fragment_rules_from_the_config_through_the_trainer(tmp_path):
   base = {"algorithm": "streaming_diloco", "num_replicas": 2, "num_steps": 6,
-          "diloco.sync_every": 6}
+          "outer.sync_every": 6}
   whole = Trainer(tiny_config(**base), tmp_path / "whole")
   whole_summary, whole_final = testing.run_to_end(whole)
-  one_rule = Trainer(tiny_config(**base, **{"diloco.fragment_rules": ".*:0"}), tmp_path / "one")
+  one_rule = Trainer(tiny_config(**base, **{"outer.fragment_rules": ".*:0"}), tmp_path / "one")
   _, one_rule_final = testing.run_to_end(one_rule)
   # one rule matching all = the whole model
   assert_trees_equal(whole_final.state, one_rule_final.state)
   rules = Trainer(tiny_config(**base,
-                              **{"diloco.fragment_rules": "blocks/attn/.*:0,blocks/.*:1,.*:2"}),
+                              **{"outer.fragment_rules": "blocks/attn/.*:0,blocks/.*:1,.*:2"}),
                   tmp_path / "rules")
   summary, rules_final = testing.run_to_end(rules)
   assert rules.fragment_names == ["rule fragment 0", "rule fragment 1", "rule fragment 2"]

@@ -2,15 +2,15 @@
 
 The cross product is every algorithm × gradient source × codec × executor × layout
 (`cross_product`); the Trainer's constructor decides which combinations are allowed. On this CPU
-host, with what a GPU or TPU host would pick (`diloco.codec_kernels=auto`: the compiled Pallas
+host, with what a GPU or TPU host would pick (`outer.codec_kernels=auto`: the compiled Pallas
 kernels, on cuda the GPU kernel the codecs pick for an H100 with this jax version, Mosaic on tpu;
 `model.layer_loop=scan`), each allowed combination's Trainer gives its step programs (one per
-distinct phase and routing), and with `diloco.overlap_executor=thread` also the programs the thread
+distinct phase and routing), and with `outer.overlap_executor=thread` also the programs the thread
 runs (`comm.fragment_mean`). A program is traced and lowered once per key (`programs_of`). A
 program that sends a codec-encoded fragment holds the compiled kernels (their custom calls, by
 target name, and no other GPU kernel's; not the jnp reference) and one that sends nothing holds
 none. The codec kernels alone are lowered for an abstract H100 and A100 in each
-`diloco.codec_kernels` mode (`codec_kernel_rows`). `python tests/test_lowering.py --write-table`
+`outer.codec_kernels` mode (`codec_kernel_rows`). `python tests/test_lowering.py --write-table`
 rewrites the table in docs/accelerators.md from the enumeration
 (`test_table_in_docs_is_the_enumeration` keeps the two equal), `--write-kernel-table` this jax
 version's rows of the GPU kernel table; `--lower` lowers outside pytest. `jax.export` exports the
@@ -108,22 +108,20 @@ def _config(algorithm, gradients="replicas", layout="replicated", codec="none", 
       "algorithm": algorithm, "gradients": gradients, "num_replicas": replicas,
       "model.size": "tiny", "model.layer_loop": "scan", "num_steps": 8, "data.seq_len": 16,
       "data.batch_size": 4, "eval.batch_size": 4, "sharding.layout": layout,
-      "diloco.sync_every": 2, "diloco.codec": codec, "diloco.codec_block_size": 256,
-      "diloco.codec_kernels": "auto", "diloco.overlap_executor": executor,
+      "outer.sync_every": 2, "outer.codec": codec, "outer.codec_block_size": 256,
+      "outer.codec_kernels": "auto", "outer.overlap_executor": executor,
       "noloco.sync_every": 2, "noloco.num_groupings": 1,
       "mesh.replica": replicas, "mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 1,
   }
   if algorithm == "streaming_diloco":  # one fragment (embeddings folded in), τ = 1, α = 0.5
-    changes.update({"diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1,
-                    "diloco.merge_alpha": 0.5})
+    changes.update({"outer.non_block_fragment": "fold", "outer.overlap_steps": 1,
+                    "outer.merge_alpha": 0.5})
   if algorithm == "sparseloco":  # its own wire format (top-k, 2 bits); τ = 1, α = 0.5
-    changes.update({"diloco.codec": "none", "sparseloco.sync_every": 2,
-                    "sparseloco.overlap_steps": 1,
-                    "sparseloco.merge_alpha": 0.5, "sparseloco.chunk_size": 64,
-                    "sparseloco.top_k": 4,
-                    "diloco.non_block_fragment": "fold"})
-  if algorithm == "noloco":  # NoLoCo's own codec (its gossip), diloco's stays none
-    changes.update({"diloco.codec": "none", "noloco.codec": codec, "noloco.codec_block_size": 256})
+    changes.update({"outer.codec": "none", "outer.overlap_steps": 1, "outer.merge_alpha": 0.5,
+                    "outer.non_block_fragment": "fold", "sparseloco.chunk_size": 64,
+                    "sparseloco.top_k": 4})
+  if algorithm == "noloco":  # NoLoCo's own codec (its gossip), the outer section's stays none
+    changes.update({"outer.codec": "none", "noloco.codec": codec, "noloco.codec_block_size": 256})
   if gradients == "skippipe":
     changes.update({"skippipe.paths": "0-1,0-1", "pipeline.num_stages": 2})
   if gradients == "pipeline":
@@ -160,9 +158,9 @@ class Combination(NamedTuple):
 # state, random bits into the kernels), the model's dot_product attention and dots remat.
 EXTRAS = (
     Combination("streaming_diloco", "replicas", "e3m0", "inline", "fsdp_tensor",
-                (("diloco.codec_rounding", "stochastic"), ("diloco.error_feedback", True))),
+                (("outer.codec_rounding", "stochastic"), ("outer.error_feedback", True))),
     Combination("streaming_diloco", "replicas", "e3m0", "thread", "fsdp_tensor",
-                (("diloco.codec_rounding", "stochastic"), ("diloco.error_feedback", True))),
+                (("outer.codec_rounding", "stochastic"), ("outer.error_feedback", True))),
     Combination("dp", "replicas", "none", "inline", "fsdp_tensor",
                 (("model.attention", "dot_product"),)),
     # A sequence of 128: TPU's flash attention kernel (Mosaic, under a shard_map over data and
@@ -514,7 +512,7 @@ def test_codec_kernels_lower_for_cuda_with_each_gpu_kernel(name):
           if gpu_name == name}
   for mode, verdict in rows.items():
     if isinstance(verdict, str):
-      assert verdict.startswith(f"diloco.codec_kernels={mode}: "), verdict
+      assert verdict.startswith(f"outer.codec_kernels={mode}: "), verdict
       continue
     gpu, calls = verdict
     assert calls == {t: (2 * len(KERNEL_CASES) if t == KERNEL_TARGETS[gpu] else 0)
@@ -605,7 +603,7 @@ def test_vmapped_replicas_encode_where_they_live():
   codec kernels' `shard_map` takes each replica's Δ over `replica` (its leading axis mapped), not
   Δ replicated, which would all-gather every replica's Δ onto every device before encoding."""
   config = config_lib.override(_config("streaming_diloco", layout="fsdp_tensor", codec="e3m0"), {
-      "num_replicas": 4, "mesh.replica": 2, "diloco.codec_kernels": "pallas"})
+      "num_replicas": 4, "mesh.replica": 2, "outer.codec_kernels": "pallas"})
   with tempfile.TemporaryDirectory() as workdir:
     trainer = Trainer(config, workdir)
   state = trainer.abstract_state()
@@ -641,10 +639,10 @@ def main(argv) -> int:
     mine = kernel_table_rows()
     others = [row for row in _docs_kernel_table() if not row.startswith(f"| {jax.__version__} |")]
     version = lambda row: tuple(int(v) for v in row.split("|")[1].strip().split("."))
-    table = "\n".join([KERNEL_TABLE_HEAD] + sorted(others + mine, key=version))
+    rows = "\n".join([KERNEL_TABLE_HEAD] + sorted(others + mine, key=version))
     text = DOCS.read_text()
     head, tail = text.split(KERNEL_TABLE_BEGIN)
-    DOCS.write_text(f"{head}{KERNEL_TABLE_BEGIN}\n{table}\n{KERNEL_TABLE_END}"
+    DOCS.write_text(f"{head}{KERNEL_TABLE_BEGIN}\n{rows}\n{KERNEL_TABLE_END}"
                     f"{tail.split(KERNEL_TABLE_END, 1)[1]}")
     print(f"wrote jax {jax.__version__}'s rows in {DOCS}")
   if args.lower:

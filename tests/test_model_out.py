@@ -347,7 +347,7 @@ def test_an_export_that_fails_leaves_no_folder(tmp_path):
 # --- a run started from a Hugging Face folder --------------------------------------------------
 
 HF_RUN = {"num_steps": 2, "data.seq_len": 32, "eval.num_batches": 1, "algorithm": "diloco",
-          "num_replicas": 2, "diloco.sync_every": 2, "mesh.data": 1}
+          "num_replicas": 2, "outer.sync_every": 2, "mesh.data": 1}
 
 
 def test_init_from_hf_starts_from_the_folders_weights(run, exported, tmp_path):

@@ -234,7 +234,7 @@ def test_paper_presets_hold_the_papers_block_parameters(name):
 def test_trainer_with_dot_product_and_remat_follows_the_default_losses(tmp_path):
   # DiLoCo with one replica per device slice (shard_map over `replica`, the batch over `data`):
   # the same losses as the default model to float32 rounding of a ~5.5 loss.
-  diloco = {"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 2, "num_steps": 4}
+  diloco = {"algorithm": "diloco", "num_replicas": 2, "outer.sync_every": 2, "num_steps": 4}
   losses = {}
   for name, changes in (("default", {}),
                         ("changed", {"model.attention": "dot_product", "model.remat": "dots"})):

@@ -124,7 +124,7 @@ def test_in_diloco_each_replica_steps_its_matrices_by_muon_until_the_sync():
 
 @pytest.mark.trainer  # a Trainer run: not in the fast tier
 def test_muon_trains_the_tiny_model_as_diloco_inner_optimizer(tmp_path):
-  c = tiny_config(**{"algorithm": "diloco", "num_replicas": 2, "diloco.sync_every": 5,
+  c = tiny_config(**{"algorithm": "diloco", "num_replicas": 2, "outer.sync_every": 5,
                      "num_steps": 10, "optimizer.name": "muon", "optimizer.warmup_steps": 2,
                      "optimizer.learning_rate": 0.01})
   Trainer(c, tmp_path / "run").run()

@@ -1,4 +1,4 @@
-"""diloco.overlap_anchor on the phase table: which step sends a fragment and which merges it.
+"""outer.overlap_anchor on the phase table: which step sends a fragment and which merges it.
 
 "send" (the paper's): Δ after the nominal sync step n, all-reduce issued with step n + 1, merged
 after step n + τ. "apply" (torchft's): Δ after step n − τ, issued with step n − τ + 1, merged after
@@ -60,24 +60,24 @@ def test_without_overlap_both_anchors_are_the_same_schedule():
 
 
 def test_bad_anchor_is_refused_naming_the_option():
-  with pytest.raises(ValueError, match=r"diloco.overlap_anchor must be one of \('send', 'apply'\)"):
+  with pytest.raises(ValueError, match=r"outer.overlap_anchor must be one of \('send', 'apply'\)"):
     schedule_lib.make_schedule(2, 8, 1, overlap_anchor="before")
   c = config_lib.override(config_lib.default_config(), {
-      "algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 8,
-      "diloco.num_fragments": 2, "diloco.non_block_fragment": "fold", "diloco.overlap_steps": 1,
-      "diloco.overlap_anchor": "torchft"})
-  with pytest.raises(ValueError, match=r"diloco.overlap_anchor must be one of"):
+      "algorithm": "streaming_diloco", "num_replicas": 2, "outer.sync_every": 8,
+      "outer.num_fragments": 2, "outer.non_block_fragment": "fold", "outer.overlap_steps": 1,
+      "outer.overlap_anchor": "torchft"})
+  with pytest.raises(ValueError, match=r"outer.overlap_anchor must be one of"):
     validation.validate(c)
-  c.diloco.overlap_anchor = "apply"
+  c.outer.overlap_anchor = "apply"
   validation.validate(c)  # accepted
 
 
 def test_config_reaches_the_optimizer_schedule():
   from lowcomm_jax.train import algorithms  # pylint: disable=g-import-not-at-top
   c = config_lib.override(config_lib.default_config(), {
-      "algorithm": "streaming_diloco", "num_replicas": 2, "diloco.sync_every": 8,
-      "diloco.num_fragments": 2, "diloco.non_block_fragment": "fold", "diloco.overlap_steps": 2,
-      "diloco.overlap_anchor": "apply", "diloco.codec": "e3m0", "diloco.codec_kernels": "pallas"})
+      "algorithm": "streaming_diloco", "num_replicas": 2, "outer.sync_every": 8,
+      "outer.num_fragments": 2, "outer.non_block_fragment": "fold", "outer.overlap_steps": 2,
+      "outer.overlap_anchor": "apply", "outer.codec": "e3m0", "outer.codec_kernels": "pallas"})
   validation.validate(c)
   tx = algorithms.make_algorithm(c, 2).tx
   assert _events(tx.schedule, 24) == {0: ([3, 11, 19], [4, 12, 20]), 1: ([7, 15, 23], [8, 16, 24])}

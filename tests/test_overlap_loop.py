@@ -1,4 +1,4 @@
-"""The Trainer with `diloco.overlap_executor=thread` (lowcomm_jax.train.overlap) equals the inline
+"""The Trainer with `outer.overlap_executor=thread` (lowcomm_jax.train.overlap) equals the inline
 loop: Streaming DiLoCo (P = 2, H = 6, α = 0.5, 8 steps) for τ = 1 and τ = 2, in one process
 (vmapped replicas), on the 8-device mesh and on two processes (jax.distributed, gloo; also with the
 e3m0 codec and error feedback at τ = 2); SparseLoCo on the same schedule (its sparse gather and
@@ -26,7 +26,7 @@ from lowcomm_jax.optim.schedule import Phase
 from lowcomm_jax.train import Trainer, hooks, overlap
 
 CASE = {**testing.ENGINE_CASES["streaming_diloco"]["config"],
-        "num_steps": 8, "diloco.sync_every": 6, "data.seq_len": 32, "data.batch_size": 4,
+        "num_steps": 8, "outer.sync_every": 6, "data.seq_len": 32, "data.batch_size": 4,
         "eval.batch_size": 4, "eval.num_batches": 1, "log_every": 4, "optimizer.warmup_steps": 2}
 # |thread − inline| per leaf: each of the 8 steps may round differently in the mean over M ≤ 4
 # replicas and the merge's ≤ 4 elementwise ops (1/M, θ + (merged − θ), the outer step), at the
@@ -39,11 +39,11 @@ LAYOUTS = {"vmap": ({"num_replicas": 2, "mesh.replica": 1, "mesh.data": 1}, 1),
 # The algorithm's own schedule keys (the same P, H, α as CASE's) and its section's τ key. SparseLoCo
 # keeps 4 of every 64 values at 2 bits (testing.ENGINE_CASES' sparseloco).
 ALGORITHMS = {
-    "streaming_diloco": ({}, "diloco.overlap_steps"),
-    "sparseloco": ({"algorithm": "sparseloco", "sparseloco.num_fragments": 2,
-                    "sparseloco.sync_every": 6, "sparseloco.merge_alpha": 0.5,
+    "streaming_diloco": ({}, "outer.overlap_steps"),
+    "sparseloco": ({"algorithm": "sparseloco", "outer.num_fragments": 2,
+                    "outer.sync_every": 6, "outer.merge_alpha": 0.5,
                     "sparseloco.chunk_size": 64, "sparseloco.top_k": 4},
-                   "sparseloco.overlap_steps"),
+                   "outer.overlap_steps"),
 }
 
 _runs: dict = {}
@@ -57,7 +57,7 @@ def _run(tmp_path_factory, layout, tau, mode, algorithm="streaming_diloco", **ch
     layout_changes, num_devices = LAYOUTS[layout]
     algorithm_changes, tau_key = ALGORITHMS[algorithm]
     config = testing.tiny_config(**{**CASE, **layout_changes, **algorithm_changes, tau_key: tau,
-                                    "diloco.overlap_executor": mode, **changes})
+                                    "outer.overlap_executor": mode, **changes})
     trainer = Trainer(config, tmp_path_factory.mktemp(f"{layout}{tau}{mode}{algorithm}") / "run",
                       devices=jax.devices()[:num_devices])
     final, timeline = hooks.FinalState(), hooks.CommTimeline()
@@ -179,8 +179,8 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path_factory):
   resumed: the checkpoint holds the in-flight mean (the loop settles the future into the state's
   in-flight buffer before saving), the resumed loop merges it without a future."""
   whole, whole_end, _ = _run(tmp_path_factory, "vmap", 2, "thread")
-  config = testing.tiny_config(**{**CASE, **LAYOUTS["vmap"][0], "diloco.overlap_steps": 2,
-                                  "diloco.overlap_executor": "thread", "stop_at_step": 4})
+  config = testing.tiny_config(**{**CASE, **LAYOUTS["vmap"][0], "outer.overlap_steps": 2,
+                                  "outer.overlap_executor": "thread", "stop_at_step": 4})
   workdir = tmp_path_factory.mktemp("resume") / "run"
   first = Trainer(config, workdir, devices=jax.devices()[:1])
   first_end, first_comm = hooks.FinalState(), hooks.CommTimeline()
@@ -230,15 +230,16 @@ def test_two_processes_thread_equals_inline(process_runs, run):
 
 
 def test_overlap_executor_is_validated_before_compute(tmp_path):
-  bad = testing.tiny_config(**{**CASE, "diloco.overlap_executor": "threads"})
+  bad = testing.tiny_config(**{**CASE, "outer.overlap_executor": "threads"})
   with pytest.raises(ValueError,
-                     match=r"diloco.overlap_executor must be one of auto, thread, inline"):
+                     match=r"outer.overlap_executor must be one of auto, thread, inline"):
     Trainer(bad, tmp_path / "bad", devices=jax.devices()[:1])
-  no_overlap = testing.tiny_config(**{**CASE, "diloco.overlap_steps": 0,
-                                      "diloco.overlap_executor": "thread"})
-  with pytest.raises(ValueError, match=r"overlap_executor=thread: only Streaming DiLoCo with"):
+  no_overlap = testing.tiny_config(**{**CASE, "outer.overlap_steps": 0,
+                                      "outer.overlap_executor": "thread"})
+  with pytest.raises(ValueError, match=r"overlap_executor=thread: only Streaming DiLoCo or "
+                     r"SparseLoCo with outer\.overlap_steps \(τ\) >= 1"):
     Trainer(no_overlap, tmp_path / "none", devices=jax.devices()[:1])
-  auto = Trainer(testing.tiny_config(**{**CASE, "diloco.overlap_steps": 0}), tmp_path / "auto",
+  auto = Trainer(testing.tiny_config(**{**CASE, "outer.overlap_steps": 0}), tmp_path / "auto",
                  devices=jax.devices()[:1])
   assert auto.overlap_executor == "inline"
   assert not (tmp_path / "bad").exists() and not (tmp_path / "none").exists()

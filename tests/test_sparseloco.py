@@ -67,7 +67,7 @@ def test_two_outer_steps_follow_the_papers_update():
 def test_thread_equals_inline_and_the_bytes_are_the_sparse_payloads(tmp_path):
   runs = {}
   for mode in ("inline", "thread"):
-    trainer = Trainer(testing.engine_config("sparseloco", **{"diloco.overlap_executor": mode}),
+    trainer = Trainer(testing.engine_config("sparseloco", **{"outer.overlap_executor": mode}),
                       tmp_path / mode, devices=jax.devices()[:1])
     final, timeline = hooks.FinalState(), hooks.CommTimeline()
     runs[mode] = (trainer, trainer.run(hooks=[final, timeline]), final, timeline)
@@ -94,3 +94,20 @@ def test_thread_equals_inline_and_the_bytes_are_the_sparse_payloads(tmp_path):
           for e in events] == [(1, 3, "all_gather", 2 * payload[0], 2),
                                (3, 5, "all_gather", 2 * payload[1], 2)]
 
+
+
+def test_the_outer_sections_fragment_rules_cut_its_fragments(tmp_path):
+  """SparseLoCo reads the `outer` schedule as Streaming DiLoCo does, fragment rules included: one
+  rule matching every parameter is the whole model, bit for bit."""
+  finals = []
+  for name, rules in (("whole", ""), ("one_rule", ".*:0")):
+    config = testing.engine_config("sparseloco", **{"outer.num_fragments": 1,
+                                                    "outer.fragment_rules": rules})
+    trainer = Trainer(config, tmp_path / name, devices=jax.devices()[:1])
+    trainer.run()
+    finals.append((trainer.fragment_names, trainer.final_state))
+  (whole_names, whole), (rule_names, one_rule) = finals
+  assert (whole_names, rule_names) == (["all"], ["rule fragment 0"])
+  assert jax.tree.structure(whole) == jax.tree.structure(one_rule)
+  pairs = zip(jax.tree.leaves(whole), jax.tree.leaves(one_rule))
+  assert all(np.array_equal(a, b) for a, b in pairs)

@@ -10,7 +10,7 @@ from lowcomm_jax.train import Trainer
 
 def test_the_line_names_model_parameters_mesh_tokens_algorithm_and_workdir(tmp_path):
   config = tiny_config(**{"algorithm": "diloco", "num_replicas": 2, "mesh.replica": 2,
-                          "diloco.sync_every": 4, "optimizer.accumulation_steps": 2,
+                          "outer.sync_every": 4, "optimizer.accumulation_steps": 2,
                           "data.batch_size": 16})
   trainer = Trainer(config, tmp_path / "run")
   line, *warnings = trainer.startup_report()
@@ -31,8 +31,8 @@ def test_the_line_names_what_encodes_the_outer_gradients(tmp_path):
   interpreted."""
   for mode, kernel in (("auto", "reference"), ("pallas_triton", "pallas_interpret_triton")):
     config = tiny_config(**{"algorithm": "streaming_diloco", "num_replicas": 2, "mesh.replica": 2,
-                            "diloco.sync_every": 4, "diloco.codec": "e3m0",
-                            "diloco.codec_kernels": mode})
+                            "outer.sync_every": 4, "outer.codec": "e3m0",
+                            "outer.codec_kernels": mode})
     line = Trainer(config, tmp_path / mode).startup_report()[0]
     assert f"| algorithm streaming_diloco, gradients replicas, codec e3m0 by {kernel} |" in line
 

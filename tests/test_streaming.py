@@ -121,7 +121,7 @@ def test_hlo_overlap_and_only_the_due_fragment_moves(tmp_path):
     peak = max(peak, entries[0].sent_bytes)
   # With τ = 0 the outer gradient is taken after this step's update: the collective waits for it.
   blocking = Trainer(streaming_config(num_replicas=8, **{"mesh.replica": 8, "mesh.data": 1,
-                                                          "diloco.overlap_steps": 0}),
+                                                          "outer.overlap_steps": 0}),
                      tmp_path / "b")
   program, _ = blocking.program(blocking.algorithm.phase_at(2), blocking.init_state())
   assert all(hlo.collective_depends_on_compute(program.as_text()))
@@ -129,10 +129,10 @@ def test_hlo_overlap_and_only_the_due_fragment_moves(tmp_path):
 
 
 def test_run_reports_peak_bytes_about_one_over_p_of_diloco(tmp_path):
-  s = Trainer(streaming_config(num_steps=12, **{"diloco.overlap_steps": 0}), tmp_path / "s").run()[
+  s = Trainer(streaming_config(num_steps=12, **{"outer.overlap_steps": 0}), tmp_path / "s").run()[
       "bytes_sent_per_worker"]
   d = Trainer(
-    tiny_config(algorithm="diloco", num_replicas=2, num_steps=12, **{"diloco.sync_every": 6}),
+    tiny_config(algorithm="diloco", num_replicas=2, num_steps=12, **{"outer.sync_every": 6}),
     tmp_path / "d",
   ).run()["bytes_sent_per_worker"]
   assert d["total"] == pytest.approx(s["total"], rel=1e-9)  # every parameter once per H either way
@@ -141,12 +141,12 @@ def test_run_reports_peak_bytes_about_one_over_p_of_diloco(tmp_path):
 
 def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path):
   # H = 12, 3 fragments, τ = 2: fragment 0 is sent in step 5's program and applied after step 6.
-  c = streaming_config(num_steps=12, **{"diloco.sync_every": 12, "diloco.overlap_steps": 2,
+  c = streaming_config(num_steps=12, **{"outer.sync_every": 12, "outer.overlap_steps": 2,
                                         "checkpoint.every": 4})
   full = Trainer(c, tmp_path / "full")
   _, full_final = testing.run_to_end(full)
-  first = streaming_config(num_steps=12, stop_at_step=5, **{"diloco.sync_every": 12,
-                                                            "diloco.overlap_steps": 2,
+  first = streaming_config(num_steps=12, stop_at_step=5, **{"outer.sync_every": 12,
+                                                            "outer.overlap_steps": 2,
                                                             "checkpoint.every": 5})
   Trainer(first, tmp_path / "r").run()
   resumed = Trainer(c, tmp_path / "r")
@@ -162,14 +162,14 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"diloco.sync_every": 7},
-     r"diloco.sync_every \(H=7\) must be divisible by the number of fragments \(P=3"),
-    ({"diloco.overlap_steps": 2},
-     r"diloco.overlap_steps \(τ=2\) must be >= 0 and smaller than H/P = 2"),
-    ({"diloco.merge_alpha": 1.5}, r"diloco.merge_alpha \(α\) must be in \[0, 1\]"),
-    ({"diloco.num_fragments": 3, "diloco.sync_every": 8},
-     r"diloco.num_fragments=3 must divide the model's 2 layers"),
-    ({"diloco.codec": "fp5"}, r"diloco.codec must be none or one of"),
+    ({"outer.sync_every": 7},
+     r"outer.sync_every \(H=7\) must be divisible by the number of fragments \(P=3"),
+    ({"outer.overlap_steps": 2},
+     r"outer.overlap_steps \(τ=2\) must be >= 0 and smaller than H/P = 2"),
+    ({"outer.merge_alpha": 1.5}, r"outer.merge_alpha \(α\) must be in \[0, 1\]"),
+    ({"outer.num_fragments": 3, "outer.sync_every": 8},
+     r"outer.num_fragments=3 must divide the model's 2 layers"),
+    ({"outer.codec": "fp5"}, r"outer.codec must be none or one of"),
 ])
 def test_bad_input_is_named_before_compute(tmp_path, changes, message):
   with pytest.raises(ValueError, match=message):
@@ -188,7 +188,7 @@ def test_a_fragment_rule_that_misses_parameters_is_refused():
 
 def test_e3m0_codec_sends_about_an_eighth_of_the_bits(tmp_path):
   from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
-  c = streaming_config(num_steps=6, **{"diloco.overlap_steps": 0, "diloco.codec": "e3m0"})
+  c = streaming_config(num_steps=6, **{"outer.overlap_steps": 0, "outer.codec": "e3m0"})
   trainer = Trainer(c, tmp_path)
   summary, trainer_final = testing.run_to_end(trainer)
   params = jax.tree.map(lambda x: x[0], trainer_final.state.params)
@@ -222,7 +222,7 @@ def test_nonfinite_outer_gradient_never_reaches_the_global_params(tmp_path):
   assert any(not np.array_equal(g, p) for g,
              p in zip(jax.tree.leaves(state.outer_params), jax.tree.leaves(params)))
   c = streaming_config(num_steps=6, **{"optimizer.learning_rate": 1e30, "optimizer.grad_clip": 0.0,
-                                       "diloco.overlap_steps": 0})
+                                       "outer.overlap_steps": 0})
   with pytest.raises(lowcomm_jax.codecs.NonFiniteError,
                      match=r"by step \d+: the averaged outer gradient of "
                      r"fragment \d \(blocks strided \d\) held NaN or inf"):
@@ -239,9 +239,9 @@ def test_regex_fragment_table():
                                          lambda p: frag_lib.rule_fragments(p, rules))
   run_replicas(tx, params, xs, loss_fn)
   with pytest.raises(ValueError,
-                     match=r"diloco.fragment_rules: the rules \['emb.*'\] match no parameter"):
+                     match=r"outer.fragment_rules: the rules \['emb.*'\] match no parameter"):
     frag_lib.rule_fragments(params, [("emb.*", 0), (".*", 1)])
   with pytest.raises(ValueError,
-                     match=r"diloco.fragment_rules must cover every parameter, these match no "
+                     match=r"outer.fragment_rules must cover every parameter, these match no "
                            r"rule: \['head'\]"):
     frag_lib.rule_fragments(params, [("blocks/.*", 0)])

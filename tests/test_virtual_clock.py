@@ -17,7 +17,7 @@ def ring_seconds(payload_bytes, m=2):
 
 def test_diloco_run_wall_time_equals_the_hand_sum(tmp_path):
   c = tiny_config(algorithm="diloco", num_replicas=2, num_steps=8, network="100Mbit,30ms",
-                  **{"diloco.sync_every": 4, "hardware.step_seconds": 0.5})
+                  **{"outer.sync_every": 4, "hardware.step_seconds": 0.5})
   trainer = Trainer(c, tmp_path)
   summary = trainer.run()
   # Two blocking syncs of every float32 parameter (after steps 4 and 8): 8 steps of compute plus two

@@ -27,10 +27,10 @@ def get_config(variant: str = ""):
   c.outer_optimizer.momentum = 0.9
   if variant in ("", "default", "small"):
     config_lib.override(c, config_lib.RUN_SIZES["small"])
-    c.diloco.sync_every = 50
+    c.outer.sync_every = 50
   elif variant == "tiny":
     config_lib.override(c, config_lib.RUN_SIZES["tiny"])
-    c.diloco.sync_every = 10
+    c.outer.sync_every = 10
   else:
     raise ValueError(f"config variant must be '', 'default', 'small' or 'tiny', got {variant!r}")
   return c

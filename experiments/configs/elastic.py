@@ -28,15 +28,15 @@ def get_config(variant: str = "tiny"):
   e.num_learners, e.min_quorum, e.grace_s = 4, 3, 1.0
   if variant in ("", "tiny", "streaming"):
     config_lib.override(c, config_lib.RUN_SIZES["tiny"])
-    c.diloco.sync_every = 10
+    c.outer.sync_every = 10
     c.eval.num_batches = 4
     if variant == "streaming":
       c.algorithm = "streaming_diloco"
-      c.diloco.num_fragments, c.diloco.overlap_steps, c.diloco.merge_alpha = 2, 2, 0.5
+      c.outer.num_fragments, c.outer.overlap_steps, c.outer.merge_alpha = 2, 2, 0.5
   elif variant in ("small", "gpu"):
     config_lib.override(c, config_lib.RUN_SIZES["small"])
     c.data.batch_size = 8
-    c.diloco.sync_every = 30
+    c.outer.sync_every = 30
     if variant == "gpu":
       c.mesh.data = -1
       e.address, e.learner_gpus = "auto", 1.0

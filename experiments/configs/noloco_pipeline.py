@@ -38,7 +38,7 @@ def get_config(variant: str = ""):
       "optimizer.b2": 0.95, "optimizer.grad_clip": 0.0,
       "noloco.sync_every": 50, "noloco.outer_momentum": 0.5, "noloco.outer_learning_rate": 0.7,
       "noloco.gamma": 0.7, "noloco.num_groupings": 4,
-      "diloco.sync_every": 100, "outer_optimizer.learning_rate": 0.7,
+      "outer.sync_every": 100, "outer_optimizer.learning_rate": 0.7,
       "outer_optimizer.momentum": 0.3,
       "eval.every": 100, "eval.batch_size": 8, "eval.num_batches": 4, "checkpoint.every": 100,
   })
@@ -50,7 +50,7 @@ def get_config(variant: str = ""):
     c.pipeline.routing = "fixed"
   elif variant == "quick":
     config_lib.override(c, {"num_steps": 20, "eval.every": 10, "checkpoint.every": 10,
-                            "noloco.sync_every": 5, "diloco.sync_every": 10,
+                            "noloco.sync_every": 5, "outer.sync_every": 10,
                             "pipeline.num_routings": 2})
   else:
     raise ValueError(f"config variant must be '', 'diloco', 'fixed' or 'quick', got {variant!r}")

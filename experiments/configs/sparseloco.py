@@ -24,16 +24,16 @@ def get_config(variant: str = ""):
   c = config_lib.default_config()
   c.algorithm = "sparseloco"
   c.num_replicas = 2
-  s = c.sparseloco
+  s, o = c.sparseloco, c.outer
   if variant in ("", "default", "paper", "streaming"):
     config_lib.override(c, config_lib.RUN_SIZES["small"])
-    s.sync_every, s.chunk_size, s.top_k, s.bits = 30, 4096, 64, 2
+    o.sync_every, s.chunk_size, s.top_k, s.bits = 30, 4096, 64, 2
     s.feedback_decay, s.outer_learning_rate = 0.95, 1.0
     if variant == "streaming":
-      s.sync_every, s.num_fragments, s.overlap_steps, s.merge_alpha = 32, 3, 1, 0.5
+      o.sync_every, o.num_fragments, o.overlap_steps, o.merge_alpha = 32, 3, 1, 0.5
   elif variant == "tiny":
     config_lib.override(c, config_lib.RUN_SIZES["tiny"])
-    s.sync_every, s.chunk_size, s.top_k = 10, 256, 8
+    o.sync_every, s.chunk_size, s.top_k = 10, 256, 8
   else:
     raise ValueError(f"config variant must be '', 'default', 'paper', 'streaming' or 'tiny', "
                      f"got {variant!r}")

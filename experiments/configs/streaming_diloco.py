@@ -8,7 +8,7 @@ of the non-block parameters (embedding, final norm, head). Fragment p syncs ever
 inner steps, and is merged as θ ← α·θ_local + (1−α)·θ_global. Peak bytes per sync are about 1/(P+1)
 of DiLoCo's; total bytes are the same. Other fragments as data, whole parameters by a regex table
 over their paths (first full match wins):
-`--config.diloco.fragment_rules="blocks/attn/.*:0,blocks/.*:1,.*:2"` (with num_fragments left at 1;
+`--config.outer.fragment_rules="blocks/attn/.*:0,blocks/.*:1,.*:2"` (with num_fragments left at 1;
 H must be divisible by the number of fragments).
 
 Variants (`--config=experiments/configs/streaming_diloco.py:<variant>`):
@@ -30,19 +30,19 @@ def get_config(variant: str = ""):
   c = config_lib.default_config()
   c.algorithm = "streaming_diloco"
   c.num_replicas = 2
-  c.diloco.fragment_pattern = "strided"
-  c.diloco.overlap_steps = 1
-  c.diloco.merge_alpha = 0.5
+  c.outer.fragment_pattern = "strided"
+  c.outer.overlap_steps = 1
+  c.outer.merge_alpha = 0.5
   if variant in ("", "default", "small", "fp4"):
     config_lib.override(c, config_lib.RUN_SIZES["small"])
-    c.diloco.sync_every = 60
-    c.diloco.num_fragments = 3
+    c.outer.sync_every = 60
+    c.outer.num_fragments = 3
     if variant == "fp4":
-      c.diloco.codec = "e3m0"
+      c.outer.codec = "e3m0"
   elif variant == "tiny":
     config_lib.override(c, config_lib.RUN_SIZES["tiny"])
-    c.diloco.sync_every = 12
-    c.diloco.num_fragments = 2
+    c.outer.sync_every = 12
+    c.outer.num_fragments = 2
   else:
     raise ValueError(f"config variant must be '', 'default', 'small', 'fp4' or 'tiny', "
                      f"got {variant!r}")

@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 ROUNDING_MODES = ("nearest", "stochastic")
-# Which implementation encodes and decodes on the wire path (config key diloco.codec_kernels).
+# Which implementation encodes and decodes on the wire path (config key outer.codec_kernels).
 KERNEL_MODES = ("auto", "pallas", "pallas_mosaic_gpu", "pallas_triton", "reference")
 # The GPU kernel a forced mode names.
 _FORCED_GPU = {"pallas_mosaic_gpu": "mosaic_gpu", "pallas_triton": "triton"}
@@ -118,29 +118,29 @@ def kernel_options(mode: str, codec: "Codec | None" = None,
     device: the GPU it runs on (default: this host's first GPU, on a GPU host).
 
   Raises:
-    ValueError: naming ``diloco.codec_kernels`` and the allowed values, or a ``pallas*`` mode
+    ValueError: naming ``outer.codec_kernels`` and the allowed values, or a ``pallas*`` mode
       where it cannot compile.
   """
   if mode not in KERNEL_MODES:
-    raise ValueError(f"diloco.codec_kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
+    raise ValueError(f"outer.codec_kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
   platform = _platform_of(platform)
   gpu = _FORCED_GPU.get(mode)
   if mode.startswith("pallas") and platform != "cpu":
     if platform not in kernels.COMPILED_PLATFORMS or (gpu and platform != "cuda"):
       where = "cuda" if gpu else ", ".join(kernels.COMPILED_PLATFORMS)
       raise ValueError(
-          f"diloco.codec_kernels={mode} has no compiled kernel on {platform} (only on {where}); "
-          f"use diloco.codec_kernels=auto or reference")
+          f"outer.codec_kernels={mode} has no compiled kernel on {platform} (only on {where}); "
+          f"use outer.codec_kernels=auto or reference")
     if platform == "cuda":
       refusal = kernels.gpu_kernel_refusal(gpu, device)
       if refusal:
-        raise ValueError(f"diloco.codec_kernels={mode}: {refusal}; use diloco.codec_kernels=auto "
+        raise ValueError(f"outer.codec_kernels={mode}: {refusal}; use outer.codec_kernels=auto "
                          f"or reference")
     if codec is not None and not kernels.compiled_supported(codec):
       raise ValueError(
-          f"diloco.codec_kernels={mode}: codec {codec.name!r} with block size {codec.block_size} "
+          f"outer.codec_kernels={mode}: codec {codec.name!r} with block size {codec.block_size} "
           f"has no compiled kernel (scaled codecs with blocks of at most "
-          f"{kernels.MAX_COMPILED_COLUMNS} values do); use diloco.codec_kernels=auto or reference")
+          f"{kernels.MAX_COMPILED_COLUMNS} values do); use outer.codec_kernels=auto or reference")
   if mode == "reference":
     return dict(use_pallas=False, interpret=None)
   return dict(use_pallas=True, interpret=False if mode == "auto" else None, gpu=gpu)

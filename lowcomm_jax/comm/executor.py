@@ -96,10 +96,10 @@ def check_layout(mesh) -> None:
     owners = sorted({d.process_index for d in slot.flat})
     if len(owners) > 1:
       raise ValueError(
-          f"diloco.overlap_executor=thread needs every replica slot inside one process, but slot "
+          f"outer.overlap_executor=thread needs every replica slot inside one process, but slot "
           f"{r} of the mesh's `replica` axis spans processes {owners}: keep mesh.data, mesh.tensor "
           f"and mesh.stage within a process (mesh.replica a multiple of the process count), or "
-          "use diloco.overlap_executor=inline")
+          "use outer.overlap_executor=inline")
 
 
 class OuterCommExecutor:
@@ -157,7 +157,7 @@ class OuterCommExecutor:
     """
     if plan is None:
       if residual is not None and self.codec is None:
-        raise ValueError("residual: error feedback needs a codec (diloco.codec), got codec=None")
+        raise ValueError("residual: error feedback needs a codec (outer.codec), got codec=None")
       plan = Plan("mean" if self.codec is None else "compressed_mean", self.codec,
                   error_feedback=residual is not None, kernels=self.kernels)
     with self._lock:

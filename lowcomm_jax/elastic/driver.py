@@ -65,7 +65,7 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
 def start(config: ml_collections.ConfigDict, workdir) -> "ElasticRun":
   """Starts the run as `config` says and returns at once: learners can be added and removed while
   it goes on (`ElasticRun.add_learner`, `remove_learner`); `wait()` returns the summary."""
-  options.check(config)
+  config = options.check(config)  # checked once, parsed: a RunConfig from here on
   work = workdir_lib.check_path(workdir)
   identity = corpora.corpus_identity(config.data.corpus, config.data.tokenizer)
   inputs = run_inputs.describe(config)
@@ -77,7 +77,7 @@ def start(config: ml_collections.ConfigDict, workdir) -> "ElasticRun":
   lock = workdir_lib.lock_run(work)
   try:
     if state == workdir_lib.NEW:
-      workdir_lib.write_config(work, json.loads(config.to_json_best_effort()),
+      workdir_lib.write_config(work, config.to_dict(),
                                config_lib.fingerprint(config), identity, inputs, kind="elastic")
     return ElasticRun(config, work, lock)
   except BaseException:
@@ -113,7 +113,7 @@ class ElasticRun:
     try:
       from lowcomm_jax.elastic.syncer import Syncer  # pylint: disable=g-import-not-at-top
       self._namespace = options.namespace(work)
-      self._config_json = config.to_json_best_effort()
+      self._config_json = json.dumps(config.to_dict())
       self.began = time.time()
       self.syncer = (
         self._ray.remote(Syncer)
@@ -302,7 +302,7 @@ def _summary(config, work: pathlib.Path, result: dict, finished: dict, deaths: l
   return {
       "algorithm": config.algorithm,
       "elastic": True,
-      "config": json.loads(config.to_json_best_effort()),
+      "config": config.to_dict(),
       "steps": result["step"],
       "final_eval_loss": result["eval_loss"],
       "final_eval_bits_per_byte": result["eval_bits_per_byte"],

@@ -20,9 +20,7 @@ import hashlib
 import os
 import pathlib
 
-import ml_collections
-
-from lowcomm_jax import checks
+from lowcomm_jax import checks, config as config_lib, run_config
 from lowcomm_jax.train import overlap, validation
 
 
@@ -64,36 +62,32 @@ def quorum(config) -> int:
   return int(config.elastic.min_quorum) or num_learners(config)
 
 
-def spmd_config(config) -> ml_collections.ConfigDict:
+def _derived(config, changes: dict):
+  """`config` with dotted keys changed, of its own kind: a checked `run_config.RunConfig` gives one
+  (its sections were checked, the changes keep them valid), a ConfigDict a changed copy."""
+  if isinstance(config, run_config.RunConfig):
+    return run_config.replace(config, changes)
+  return config_lib.override(copy.deepcopy(config), changes)
+
+
+def spmd_config(config):
   """The SPMD run an elastic run equals when nothing fails: num_replicas = N, one replica per
   slot."""
-  c = copy.deepcopy(config)
-  with c.unlocked():
-    c.num_replicas = num_learners(config)
-    c.mesh.replica = 1
-  return c
+  return _derived(config, {"num_replicas": num_learners(config), "mesh.replica": 1})
 
 
-def learner_config(config) -> ml_collections.ConfigDict:
+def learner_config(config):
   """One learner's Trainer config: the run's algorithm on a single replica (its plans carried by
   the syncer, not by a thread)."""
-  c = copy.deepcopy(config)
-  with c.unlocked():
-    c.num_replicas = 1
-    c.mesh.replica = 1
-    c.diloco.overlap_executor = "inline"
-  return c
+  return _derived(config, {"num_replicas": 1, "mesh.replica": 1,
+                           "outer.overlap_executor": "inline"})
 
 
-def evaluation_config(config) -> ml_collections.ConfigDict:
+def evaluation_config(config):
   """The syncer's: one replica of the inner optimizer alone on one device (it evaluates φ and
   holds no accelerator)."""
-  c = learner_config(config)
-  with c.unlocked():
-    c.algorithm = "dp"
-    c.mesh.data, c.mesh.tensor = 1, 1
-    c.sharding.layout = "replicated"
-  return c
+  return _derived(learner_config(config), {"algorithm": "dp", "mesh.data": 1, "mesh.tensor": 1,
+                                           "sharding.layout": "replicated"})
 
 
 def outer_algorithm(config, abstract_params=None):
@@ -111,8 +105,14 @@ def plan_names(tx) -> list[str]:
   return sorted(names, key=lambda n: [int(t) if t.isdigit() else t for t in n.split()])
 
 
-def check(config) -> None:
-  """Every check of an elastic run, before Ray starts: one ValueError line naming the option."""
+def check(config) -> run_config.RunConfig:
+  """Every check of an elastic run, before Ray starts: one ValueError line naming the option.
+
+  The configuration is checked once; the SPMD run's, the learners' and the syncer's differ from it
+  only in the replica count, the overlap executor (the learners' plans go through the syncer), the
+  algorithm of the syncer's evaluation (dp: the inner optimizer) and the mesh, which keep every
+  checked value valid (N >= 1 replicas of one slot each; one replica of data parallel).
+  """
   checks.require(config.gradients == "replicas", "gradients", "replicas for an elastic run",
                  config.gradients)
   try:
@@ -124,10 +124,8 @@ def check(config) -> None:
     overlap.check_remote(tx)
   except ValueError as error:
     raise ValueError(f"algorithm={config.algorithm} cannot run elastic: {error}") from None
-  validation.validate(config)
-  validation.validate(spmd_config(config))
-  validation.validate(learner_config(config))
-  d = config.diloco
-  checks.require(d.codec_rounding == "nearest", "diloco.codec_rounding",
+  run = validation.validate(config)
+  checks.require(run.outer.codec_rounding == "nearest", "outer.codec_rounding",
                  "nearest for an elastic run (stochastic rounding keys follow the SPMD step count)",
-                 d.codec_rounding)
+                 run.outer.codec_rounding)
+  return run

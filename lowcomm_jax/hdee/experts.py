@@ -204,7 +204,7 @@ def _check_finished_run(workdir: pathlib.Path, config: ml_collections.ConfigDict
   like a different run (the Trainer's own resume check is strict about that).
   """
   as_json = lambda d: json.loads(json.dumps(d, default=str))
-  saved = json.loads((workdir / "config.json").read_text())["fingerprint"]
+  saved = config_lib.upgrade_saved(json.loads((workdir / "config.json").read_text())["fingerprint"])
   defaults = as_json(config_lib.fingerprint(config_lib.default_config()))
   current = as_json(config_lib.fingerprint(config))
   differing = sorted(k for k in current if saved.get(k, defaults.get(k)) != current[k])

@@ -109,15 +109,15 @@ def layer_fragments(params, num_fragments: int, pattern: str = "strided",
     raise ValueError("fragments: the parameter tree has no 'blocks/...' leaves to split by layer")
   num_layers = flat[block_paths[0]].shape[0]
   if pattern not in ("strided", "sequential"):
-    raise ValueError(f"diloco.fragment_pattern must be 'strided' or 'sequential', got {pattern!r}")
+    raise ValueError(f"outer.fragment_pattern must be 'strided' or 'sequential', got {pattern!r}")
   if non_block not in ("own", "fold"):
-    raise ValueError(f"diloco.non_block_fragment must be 'own' or 'fold', got {non_block!r}")
+    raise ValueError(f"outer.non_block_fragment must be 'own' or 'fold', got {non_block!r}")
   if non_block == "own" and not other_paths:
-    raise ValueError("diloco.non_block_fragment='own' adds a fragment of the parameters outside "
+    raise ValueError("outer.non_block_fragment='own' adds a fragment of the parameters outside "
                      "'blocks/...', but this tree has only block leaves; use "
                      "non_block_fragment=\"fold\"")
   if num_fragments < 1 or num_layers % num_fragments:
-    raise ValueError(f"diloco.num_fragments={num_fragments} must divide the model's {num_layers} "
+    raise ValueError(f"outer.num_fragments={num_fragments} must divide the model's {num_layers} "
                      f"layers")
   per = num_layers // num_fragments
   fragments = []
@@ -161,20 +161,20 @@ def parse_rules(text: str) -> Rules:
   """The regex table of a config string: "blocks/attn/.*:0,blocks/.*:1,.*:2".
 
   Comma-separated `regex:index` entries, split at each entry's last ':' (so a regex may hold ':'
-  but not ','). Raises one ValueError naming `diloco.fragment_rules` for a malformed entry, a regex
+  but not ','). Raises one ValueError naming `outer.fragment_rules` for a malformed entry, a regex
   that does not compile, or indices that are not 0, 1, ..., F−1.
   """
   rules = []
   for entry in (e.strip() for e in str(text).split(",")):
     pattern, sep, index = entry.rpartition(":")
     if not sep or not pattern or not index.strip().isdigit():
-      raise ValueError(f"diloco.fragment_rules must be comma-separated 'regex:index' entries "
+      raise ValueError(f"outer.fragment_rules must be comma-separated 'regex:index' entries "
                        f"(index an integer >= 0), e.g. 'blocks/.*:0,.*:1'; got entry {entry!r} "
                        f"in {text!r}")
     try:
       re.compile(pattern)
     except re.error as error:
-      raise ValueError(f"diloco.fragment_rules: {pattern!r} is not a regular expression "
+      raise ValueError(f"outer.fragment_rules: {pattern!r} is not a regular expression "
                        f"({error})") from None
     rules.append((pattern, int(index)))
   check_rule_indices(rules)
@@ -186,7 +186,7 @@ def check_rule_indices(rules) -> int:
   ValueError)."""
   indices = sorted({int(index) for _, index in rules})
   if not indices or indices != list(range(len(indices))):
-    raise ValueError(f"diloco.fragment_rules: fragment indices must be 0, 1, ..., F-1 with none "
+    raise ValueError(f"outer.fragment_rules: fragment indices must be 0, 1, ..., F-1 with none "
                      f"skipped, got {indices}")
   return len(indices)
 
@@ -197,7 +197,7 @@ def rule_fragments(params, rules) -> tuple[Fragment, ...]:
   Each parameter path ("blocks/attn/wq") goes, whole, to the fragment of the first rule whose regex
   matches it (`re.fullmatch`). A rule that matches no parameter, or a parameter that no rule
   matches, is an error naming them. `streaming_diloco(..., fragments=rules)` takes the table itself
-  (a schedule of `max(index) + 1` rows); from a config, `--config.diloco.fragment_rules`
+  (a schedule of `max(index) + 1` rows); from a config, `--config.outer.fragment_rules`
   (`parse_rules`).
   """
   compiled = [(re.compile(pattern), int(index)) for pattern, index in rules]
@@ -214,14 +214,14 @@ def rule_fragments(params, rules) -> tuple[Fragment, ...]:
       unmatched.append(path)
   idle = [rules[i][0] for i, u in enumerate(used) if not u]
   if idle:
-    raise ValueError(f"diloco.fragment_rules: the rules {idle} match no parameter; every rule must "
+    raise ValueError(f"outer.fragment_rules: the rules {idle} match no parameter; every rule must "
                      "match at least one parameter path")
   if unmatched:
-    raise ValueError(f"diloco.fragment_rules must cover every parameter, these match no rule: "
+    raise ValueError(f"outer.fragment_rules must cover every parameter, these match no rule: "
                      f"{unmatched}; a last rule '.*:<index>' takes the rest")
   count = max(leaves) + 1
   missing = [i for i in range(count) if i not in leaves]
   if missing:
-    raise ValueError(f"diloco.fragment_rules give no parameter to fragments {missing}; every index "
+    raise ValueError(f"outer.fragment_rules give no parameter to fragments {missing}; every index "
                      "0..F-1 must get at least one")
   return tuple(Fragment(f"rule fragment {i}", tuple(leaves[i])) for i in range(count))

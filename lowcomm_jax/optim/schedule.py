@@ -11,7 +11,7 @@ Staggered offsets are offset_p = (p+1)·H/P (the last fragment syncs at H),
 so one fragment is in flight every H/P steps; unstaggered offsets are all H.
 
 Where the overlap sits around the nominal sync step n_p = offset_p + kH
-(`overlap_anchor`, config key `diloco.overlap_anchor`):
+(`overlap_anchor`, config key `outer.overlap_anchor`):
 
   anchor | Δ taken after step | all-reduce issued with step | merged after step
   send   | n                  | n + 1                       | n + τ     (the paper's, the default)
@@ -56,34 +56,34 @@ OVERLAP_ANCHORS = ("send", "apply")
 
 def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
                   merge_alpha: float = 0.0, staggered: bool = True,
-                  overlap_anchor: str = "send", section: str = "diloco") -> FragmentSchedule:
+                  overlap_anchor: str = "send") -> FragmentSchedule:
   """The Streaming DiLoCo schedule; one clear ValueError per bad option, before any compute.
 
   `overlap_anchor`: "send" sends at the nominal sync step and merges τ steps later (the paper's);
   "apply" sends τ steps before the nominal step and merges at it (torchft's), see the table above.
-  `section` names the config section in the messages (`diloco`, `sparseloco`). Built once per
-  distinct arguments (the config's check and the algorithm share it); its arrays are read-only.
+  The messages name the `outer` keys. Built once per distinct arguments (the config's check and
+  the algorithm share it); its arrays are read-only.
   """
   return _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered,
-                   overlap_anchor, section)
+                   overlap_anchor)
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (H=True is refused)
-def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered, overlap_anchor,
-              section) -> FragmentSchedule:
+def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered,
+              overlap_anchor) -> FragmentSchedule:
   if overlap_anchor not in OVERLAP_ANCHORS:
-    raise ValueError(f"diloco.overlap_anchor must be one of {OVERLAP_ANCHORS}, "
+    raise ValueError(f"outer.overlap_anchor must be one of {OVERLAP_ANCHORS}, "
                      f"got {overlap_anchor!r}")
   if num_fragments < 1:
-    raise ValueError(f"{section}.num_fragments (P) must be >= 1, got {num_fragments}")
-  sync_every = checks.sync_every(sync_every, f"{section}.sync_every",
+    raise ValueError(f"outer.num_fragments (P) must be >= 1, got {num_fragments}")
+  sync_every = checks.sync_every(sync_every, "outer.sync_every",
                                  num_fragments=num_fragments if staggered else 1)
   stride = sync_every // num_fragments if staggered else sync_every
   if overlap_steps < 0 or (overlap_steps and overlap_steps >= stride):
-    raise ValueError(f"{section}.overlap_steps (τ={overlap_steps}) must be >= 0 and smaller than "
+    raise ValueError(f"outer.overlap_steps (τ={overlap_steps}) must be >= 0 and smaller than "
                      f"H/P = {stride} so that one fragment is in flight at a time")
   if not 0.0 <= merge_alpha <= 1.0:
-    raise ValueError(f"{section}.merge_alpha (α) must be in [0, 1], got {merge_alpha}")
+    raise ValueError(f"outer.merge_alpha (α) must be in [0, 1], got {merge_alpha}")
   # τ < H/P keeps the earliest "apply" send, (p+1)·H/P − τ, at step 1 or later.
   shift = overlap_steps if overlap_anchor == "apply" else 0
   offsets = [((p + 1) * stride if staggered else sync_every) - shift for p in range(num_fragments)]

@@ -69,6 +69,6 @@ def sparseloco(inner: optax.GradientTransformation, sync_every: int = 50,
   compressor = TopKCompressor(chunk_size, top_k, bits)
   schedule, resolve = streaming.schedule_and_fragments(
       sync_every, fragments, overlap_steps, merge_alpha, staggered, fragment_pattern,
-      non_block_fragment, overlap_anchor, section="sparseloco")
+      non_block_fragment, overlap_anchor)
   return SparseLoCo(inner, optax.sgd(outer_learning_rate), schedule, resolve, compressor,
                     feedback_decay, axis_name)

@@ -76,7 +76,7 @@ class StreamingDiLoCo:
     check_transformation(inner, "inner optimizer")
     check_transformation(outer, "outer optimizer")
     if error_feedback and codec is None:
-      raise ValueError("diloco.error_feedback needs a lossy diloco.codec (e3m0, e2m1, int4, int8, "
+      raise ValueError("outer.error_feedback needs a lossy outer.codec (e3m0, e2m1, int4, int8, "
                        "bf16)")
     self.inner, self.outer, self.axis_name = optax.with_extra_args_support(inner), outer, axis_name
     self.codec, self.error_feedback = codec, error_feedback
@@ -304,17 +304,17 @@ def streaming_diloco(inner: optax.GradientTransformation,
 
 def schedule_and_fragments(sync_every: int, fragments: FragmentsArg, overlap_steps: int,
                            merge_alpha: float, staggered: bool, fragment_pattern: str,
-                           non_block_fragment: str, overlap_anchor: str, section: str = "diloco"):
+                           non_block_fragment: str, overlap_anchor: str):
   """(the schedule, or the function of the fragment count that makes it; the fragment rule), as
-  `streaming_diloco` takes them. Bad options fail here, before any compute, naming `section`'s
+  `streaming_diloco` takes them. Bad options fail here, before any compute, naming the `outer`
   keys."""
   # now, even when a callable's fragment count is known only at init
-  checks.sync_every(sync_every, f"{section}.sync_every")
+  checks.sync_every(sync_every, "outer.sync_every")
   resolve = _resolve_fragments(fragments, fragment_pattern, non_block_fragment)
   schedule = functools.partial(schedule_lib.make_schedule, sync_every=sync_every,
                                overlap_steps=overlap_steps, merge_alpha=merge_alpha,
                                staggered=staggered,
-                               overlap_anchor=overlap_anchor, section=section)
+                               overlap_anchor=overlap_anchor)
   if not callable(fragments):  # the rows are known now
     schedule = schedule(count_fragments(fragments, non_block_fragment))
   return schedule, resolve
@@ -330,7 +330,7 @@ def count_fragments(fragments: int | frag_lib.Rules, non_block: str) -> int:
   if isinstance(fragments, (tuple, list)):
     return frag_lib.check_rule_indices(fragments)
   if int(fragments) < 1:
-    raise ValueError(f"diloco.num_fragments must be >= 1, got {fragments}")
+    raise ValueError(f"outer.num_fragments must be >= 1, got {fragments}")
   return 1 if fragments == 1 else int(fragments) + (1 if non_block == "own" else 0)
 
 

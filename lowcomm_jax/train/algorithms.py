@@ -7,9 +7,11 @@ is sent or applied) is read on the host for each step; NoLoCo is M replicas with
 with `lowcomm_jax.sparseloco`, phased as Streaming DiLoCo. The loop sees only the
 interface, never the name.
 
-Each entry of ALGORITHMS pairs the builder with `check_config`, the checks of the config sections
-the algorithm reads (`diloco.*`, `noloco.*`, `outer_optimizer.*`, the replica counts it allows);
-`train.validation.validate` calls the selected one, so a sixth algorithm brings its checks with it.
+Each entry of ALGORITHMS pairs the builder with `check_config` (the checks of the config sections
+the algorithm reads and the replica counts it allows) and declares those `sections` (`outer.*`,
+the DiLoCo family's shared schedule and wire; `outer_optimizer.*`; a method's own, `noloco.*`,
+`sparseloco.*`). `train.validation.validate` calls the selected row's check and every declared
+section's value checks, so a sixth algorithm brings its checks with it.
 """
 
 from __future__ import annotations
@@ -43,14 +45,6 @@ def make_outer_optimizer(outer_cfg: ml_collections.ConfigDict) -> optax.Gradient
                  "nesterov, sgd or adam",
                  outer_cfg.name)
   return _OUTER_OPTIMIZERS[outer_cfg.name](outer_cfg)
-
-
-def fragments_of(c: ml_collections.ConfigDict):
-  """`streaming_diloco`'s `fragments`: the parsed diloco.fragment_rules table, else
-  diloco.num_fragments."""
-  if c.diloco.fragment_rules:
-    return frag_lib.parse_rules(c.diloco.fragment_rules)
-  return c.diloco.num_fragments
 
 
 def _codec(name: str, block_size: int, rounding: str = "nearest"):
@@ -108,20 +102,31 @@ def _check_noloco_values(c) -> None:
   _check_codec(c, "noloco")
 
 
-def _diloco_family(config, inner, num_replicas, abstract_params):
-  d = config.diloco
-  tx = optim.streaming_diloco(
-      inner, make_outer_optimizer(config.outer_optimizer), sync_every=d.sync_every,
-      fragments=fragments_of(config), overlap_steps=d.overlap_steps, merge_alpha=d.merge_alpha,
-      staggered=d.staggered, fragment_pattern=d.fragment_pattern,
-      non_block_fragment=d.non_block_fragment,
-      codec=_codec(d.codec, d.codec_block_size, d.codec_rounding), error_feedback=d.error_feedback,
-      codec_kernels=d.codec_kernels, overlap_anchor=d.overlap_anchor)
+def _schedule_arguments(o) -> dict:
+  """The `outer` section's schedule and fragment layout, as the DiLoCo family's transforms take
+  them (fragments: the parsed fragment_rules table, else num_fragments)."""
+  fragments = frag_lib.parse_rules(o.fragment_rules) if o.fragment_rules else o.num_fragments
+  return dict(sync_every=o.sync_every, fragments=fragments, overlap_steps=o.overlap_steps,
+              merge_alpha=o.merge_alpha, staggered=o.staggered,
+              fragment_pattern=o.fragment_pattern, non_block_fragment=o.non_block_fragment,
+              overlap_anchor=o.overlap_anchor)
+
+
+def _family(config, tx, num_replicas, abstract_params) -> replicated.DiLoCoFamily:
   names = []
   if abstract_params is not None:
     # a fragment rule that misses parameters fails here, before compute
     names = [f.name for f in tx.fragments(abstract_params)]
   return replicated.DiLoCoFamily(config.algorithm, tx, num_replicas, names)
+
+
+def _diloco_family(config, inner, num_replicas, abstract_params):
+  o = config.outer
+  tx = optim.streaming_diloco(
+      inner, make_outer_optimizer(config.outer_optimizer), **_schedule_arguments(o),
+      codec=_codec(o.codec, o.codec_block_size, o.codec_rounding), error_feedback=o.error_feedback,
+      codec_kernels=o.codec_kernels)
+  return _family(config, tx, num_replicas, abstract_params)
 
 
 def _check_replica_counts(c) -> None:
@@ -131,38 +136,44 @@ def _check_replica_counts(c) -> None:
                  f"a divisor of num_replicas={c.num_replicas}", c.mesh.replica)
 
 
-def _check_streaming_diloco(c) -> None:
-  d = c.diloco
+def _check_outer_schedule(c) -> None:
+  """The `outer` schedule of a DiLoCo-family run: the replica counts, H against num_steps and the
+  fragment count, τ against H/P, the fragment rules' table (`check_every_section` checks the
+  section's values alone)."""
+  o = c.outer
   _check_replica_counts(c)
-  checks.require(not d.fragment_rules or d.num_fragments == 1, "diloco.num_fragments",
-                 "1 when diloco.fragment_rules is set (the rules give the fragments)",
-                 d.num_fragments)
-  num_rows = streaming.count_fragments(fragments_of(c), d.non_block_fragment)
-  checks.sync_every(d.sync_every, num_steps=c.num_steps,
-                    num_fragments=num_rows if d.staggered else 1)
-  schedule.make_schedule(num_rows, d.sync_every, d.overlap_steps, d.merge_alpha, d.staggered,
-                         d.overlap_anchor)
-  _check_diloco_values(c)
-  checks.require(not d.error_feedback or d.codec != "none", "diloco.error_feedback",
-                 "False unless diloco.codec is set", d.error_feedback)
-  _check_outer_optimizer(c)
+  checks.require(not o.fragment_rules or o.num_fragments == 1, "outer.num_fragments",
+                 "1 when outer.fragment_rules is set (the rules give the fragments)",
+                 o.num_fragments)
+  num_rows = streaming.count_fragments(_schedule_arguments(o)["fragments"], o.non_block_fragment)
+  checks.sync_every(o.sync_every, num_steps=c.num_steps,
+                    num_fragments=num_rows if o.staggered else 1)
+  schedule.make_schedule(num_rows, o.sync_every, o.overlap_steps, o.merge_alpha, o.staggered,
+                         o.overlap_anchor)
 
 
-def _check_diloco_values(c) -> None:
-  """The `diloco` section's values that are wrong whatever the rest of the config says."""
-  d = c.diloco
-  _check_codec(c, "diloco")
-  checks.require(d.codec_rounding in codec_base.ROUNDING_MODES, "diloco.codec_rounding",
-                 f"one of {', '.join(codec_base.ROUNDING_MODES)}", d.codec_rounding)
-  checks.require(d.overlap_executor in overlap.OVERLAP_EXECUTORS, "diloco.overlap_executor",
-                 f"one of {', '.join(overlap.OVERLAP_EXECUTORS)}", d.overlap_executor)
-  checks.require(d.codec_kernels in codecs.KERNEL_MODES, "diloco.codec_kernels",
-                 f"one of {codecs.KERNEL_MODES}", d.codec_kernels)
-  checks.require(d.overlap_anchor in schedule.OVERLAP_ANCHORS, "diloco.overlap_anchor",
-                 f"one of {schedule.OVERLAP_ANCHORS}", d.overlap_anchor)
-  checks.integer(c, "diloco.num_fragments", 1)
-  checks.integer(c, "diloco.overlap_steps", 0)
-  checks.number(c, "diloco.merge_alpha", 0, 1, high_open=False)
+def _check_streaming_diloco(c) -> None:
+  o = c.outer
+  _check_outer_schedule(c)
+  checks.require(not o.error_feedback or o.codec != "none", "outer.error_feedback",
+                 "False unless outer.codec is set", o.error_feedback)
+
+
+def _check_outer_values(c) -> None:
+  """The `outer` section's values that are wrong whatever the rest of the config says."""
+  o = c.outer
+  _check_codec(c, "outer")
+  checks.require(o.codec_rounding in codec_base.ROUNDING_MODES, "outer.codec_rounding",
+                 f"one of {', '.join(codec_base.ROUNDING_MODES)}", o.codec_rounding)
+  checks.require(o.overlap_executor in overlap.OVERLAP_EXECUTORS, "outer.overlap_executor",
+                 f"one of {', '.join(overlap.OVERLAP_EXECUTORS)}", o.overlap_executor)
+  checks.require(o.codec_kernels in codecs.KERNEL_MODES, "outer.codec_kernels",
+                 f"one of {codecs.KERNEL_MODES}", o.codec_kernels)
+  checks.require(o.overlap_anchor in schedule.OVERLAP_ANCHORS, "outer.overlap_anchor",
+                 f"one of {schedule.OVERLAP_ANCHORS}", o.overlap_anchor)
+  checks.integer(c, "outer.num_fragments", 1)
+  checks.integer(c, "outer.overlap_steps", 0)
+  checks.number(c, "outer.merge_alpha", 0, 1, high_open=False)
 
 
 def _check_outer_optimizer(c) -> None:
@@ -172,62 +183,63 @@ def _check_outer_optimizer(c) -> None:
 
 
 def _sparseloco(config, inner, num_replicas, abstract_params):
-  s, d = config.sparseloco, config.diloco
+  s = config.sparseloco
   tx = optim.sparseloco(
-      inner, sync_every=s.sync_every, fragments=s.num_fragments, overlap_steps=s.overlap_steps,
-      merge_alpha=s.merge_alpha, chunk_size=s.chunk_size, top_k=s.top_k, bits=s.bits,
-      feedback_decay=s.feedback_decay, outer_learning_rate=s.outer_learning_rate,
-      staggered=d.staggered, fragment_pattern=d.fragment_pattern,
-      non_block_fragment=d.non_block_fragment, overlap_anchor=d.overlap_anchor)
-  names = [] if abstract_params is None else [f.name for f in tx.fragments(abstract_params)]
-  return replicated.DiLoCoFamily(config.algorithm, tx, num_replicas, names)
+      inner, **_schedule_arguments(config.outer), chunk_size=s.chunk_size, top_k=s.top_k,
+      bits=s.bits, feedback_decay=s.feedback_decay, outer_learning_rate=s.outer_learning_rate)
+  return _family(config, tx, num_replicas, abstract_params)
 
 
 def _check_sparseloco(c) -> None:
-  s, d = c.sparseloco, c.diloco
-  _check_replica_counts(c)
-  checks.require(c.gradients == "replicas" or s.num_fragments == 1, "sparseloco.num_fragments",
-                 f"1 with gradients={c.gradients} (fragments are cut by layer, stages too)",
-                 s.num_fragments)
-  num_rows = streaming.count_fragments(s.num_fragments, d.non_block_fragment)
-  checks.sync_every(s.sync_every, "sparseloco.sync_every", num_steps=c.num_steps,
-                    num_fragments=num_rows if d.staggered else 1)
-  _check_sparseloco_values(c)
-  schedule.make_schedule(num_rows, s.sync_every, s.overlap_steps, s.merge_alpha, d.staggered,
-                         d.overlap_anchor, "sparseloco")
+  o = c.outer
+  # its wire format is the sparseloco section's: a codec set here would be silently unused
+  checks.require(o.codec == "none" and not o.error_feedback, "outer.codec/error_feedback",
+                 "'none'/False for algorithm=sparseloco (its outer gradients travel as "
+                 "sparseloco.top_k of each sparseloco.chunk_size, at sparseloco.bits bits)",
+                 (o.codec, o.error_feedback))
+  checks.require(c.gradients == "replicas" or (o.num_fragments == 1 and not o.fragment_rules),
+                 "outer.num_fragments/fragment_rules",
+                 f"1/'' with gradients={c.gradients} (fragments are cut by layer, stages too)",
+                 (o.num_fragments, o.fragment_rules))
+  _check_outer_schedule(c)
 
 
 def _check_sparseloco_values(c) -> None:
   """The `sparseloco` section's values that are wrong whatever the rest of the config says."""
   s = c.sparseloco
-  checks.integer(c, "sparseloco.num_fragments", 1)
-  checks.integer(c, "sparseloco.overlap_steps", 0)
-  checks.number(c, "sparseloco.merge_alpha", 0, 1, high_open=False)
   checks.number(c, "sparseloco.feedback_decay", 0, 1, high_open=False)
   checks.number(c, "sparseloco.outer_learning_rate", 0, low_open=True)
   TopKCompressor(s.chunk_size, s.top_k, s.bits)  # chunk_size, top_k <= chunk_size, bits: named
 
 
-def check_every_section(c: ml_collections.ConfigDict) -> None:
-  """The values of every algorithm's section, read or not by the config's algorithm.
+# Each section an algorithm may read, and the checks of its values that hold whatever the rest of
+# the config says (`check_every_section`).
+SECTION_CHECKS = {
+    "outer": _check_outer_values,
+    "outer_optimizer": _check_outer_optimizer,
+    "noloco": _check_noloco_values,
+    "sparseloco": _check_sparseloco_values,
+}
 
-  A value that no algorithm accepts (`noloco.gamma=-1` in a DiLoCo run, `diloco.codec_rounding=up`
+
+def check_every_section(c: ml_collections.ConfigDict) -> None:
+  """The values of every section an algorithm reads, read or not by the config's algorithm.
+
+  A value that no algorithm accepts (`noloco.gamma=-1` in a DiLoCo run, `outer.codec_rounding=up`
   without a codec) is a mistake in the command line or the config file, not a harmless leftover.
   """
-  _check_diloco_values(c)
-  _check_noloco_values(c)
-  _check_sparseloco_values(c)
-  _check_outer_optimizer(c)
+  for section in sorted({s for row in ALGORITHMS.values() for s in row.sections}):
+    SECTION_CHECKS[section](c)
 
 
 def _check_diloco(c) -> None:
   """Vanilla DiLoCo: Streaming DiLoCo with one fragment, τ = 0, α = 0 (docs/algorithms.md §1.1)."""
-  d = c.diloco
-  checks.require(d.num_fragments == 1 and d.overlap_steps == 0 and d.merge_alpha == 0.0
-                 and not d.fragment_rules,
-                 "diloco.num_fragments/overlap_steps/merge_alpha/fragment_rules",
+  o = c.outer
+  checks.require(o.num_fragments == 1 and o.overlap_steps == 0 and o.merge_alpha == 0.0
+                 and not o.fragment_rules,
+                 "outer.num_fragments/overlap_steps/merge_alpha/fragment_rules",
                  "1/0/0/'' for algorithm=diloco (use algorithm=streaming_diloco)",
-                 (d.num_fragments, d.overlap_steps, d.merge_alpha, d.fragment_rules))
+                 (o.num_fragments, o.overlap_steps, o.merge_alpha, o.fragment_rules))
   _check_streaming_diloco(c)
 
 
@@ -238,14 +250,18 @@ class Algorithm(NamedTuple):
   build: Callable[..., replicated.ReplicatedAlgorithm]
   # config -> None; one ValueError naming the option and its allowed values, before any compute
   check_config: Callable[[ml_collections.ConfigDict], None]
+  # the config sections of SECTION_CHECKS it reads (every algorithm reads the general ones:
+  # model, data, optimizer, mesh, ...): the docs' table of who reads what follows from these
+  sections: tuple[str, ...] = ()
 
 
 ALGORITHMS = {
     "dp": Algorithm(_data_parallel, _check_data_parallel),
-    "diloco": Algorithm(_diloco_family, _check_diloco),
-    "streaming_diloco": Algorithm(_diloco_family, _check_streaming_diloco),
-    "noloco": Algorithm(_noloco, _check_noloco),
-    "sparseloco": Algorithm(_sparseloco, _check_sparseloco),
+    "diloco": Algorithm(_diloco_family, _check_diloco, ("outer", "outer_optimizer")),
+    "streaming_diloco": Algorithm(_diloco_family, _check_streaming_diloco,
+                                  ("outer", "outer_optimizer")),
+    "noloco": Algorithm(_noloco, _check_noloco, ("noloco",)),
+    "sparseloco": Algorithm(_sparseloco, _check_sparseloco, ("outer", "sparseloco")),
 }
 
 

@@ -47,7 +47,7 @@ def run_config(workdir, changes: dict | None = None):
       c[section][name] = type(old)(value)  # from the command line: a string
     except ValueError:
       raise ValueError(f"--config.{key}={value!r} must be of type {type(old).__name__}") from None
-  validation.validate(c)
+  c = validation.validate(c)
   if c.data.seq_len > max_len:
     raise ValueError(f"--config.data.seq_len={c.data.seq_len}: the model's rotary table holds "
                      f"{max_len} positions; data.seq_len must be <= {max_len}")

@@ -26,7 +26,7 @@ def outer_gradient_config(model_size: str = "small", num_replicas: int = 2, inne
   c = config_lib.default_config()
   return config_lib.override(c, {
       "model.size": model_size, "algorithm": "diloco", "num_replicas": num_replicas, "seed": seed,
-      "num_steps": inner_steps + 1, "diloco.sync_every": inner_steps + 1,
+      "num_steps": inner_steps + 1, "outer.sync_every": inner_steps + 1,
       "stop_at_step": inner_steps,
       "data.batch_size": 8, "data.seq_len": 128, "optimizer.warmup_steps": min(30, inner_steps),
       "progress_bar": False, "log_every": inner_steps, "eval.every": 10 * inner_steps,

@@ -1,7 +1,7 @@
 """The carriers of the outer communication, as the Trainer's loop runs them: in the step's program,
 on a thread of its own, or through an elastic run's syncer.
 
-`diloco.overlap_executor` picks how a plan (`comm.Plan`) with τ ≥ 1 travels (docs/overlap.md):
+`outer.overlap_executor` picks how a plan (`comm.Plan`) with τ ≥ 1 travels (docs/overlap.md):
 
   inline  its collective sits in the send step's own program (`comm.dispatch.carry_phase`), issued
           by the training thread: on XLA:CPU the steps dispatched after it wait for every peer.
@@ -69,7 +69,7 @@ class Inline:
 
 
 def choose(mode: str, algorithm, source, mesh) -> str:
-  """"thread" or "inline": what `diloco.overlap_executor=mode` means for this algorithm, gradient
+  """"thread" or "inline": what `outer.overlap_executor=mode` means for this algorithm, gradient
   source and mesh (checked in the Trainer's constructor, before any compute).
 
   Raises:
@@ -77,7 +77,7 @@ def choose(mode: str, algorithm, source, mesh) -> str:
       why); `thread` on a mesh whose inner axes cross processes (`comm.check_layout`).
   """
   if mode not in OVERLAP_EXECUTORS:
-    raise ValueError(f"diloco.overlap_executor must be one of {', '.join(OVERLAP_EXECUTORS)}, "
+    raise ValueError(f"outer.overlap_executor must be one of {', '.join(OVERLAP_EXECUTORS)}, "
                      f"got {mode!r}")
   tx = getattr(algorithm, "tx", None)
   plans = [plan for phase in getattr(tx, "phases", ()) for plan in _plans(tx, phase).values()]
@@ -88,9 +88,9 @@ def choose(mode: str, algorithm, source, mesh) -> str:
     return "inline"
   if not works:
     why = ("gradients=pipeline keeps its state in grid layout" if carried else
-           "only Streaming DiLoCo with diloco.overlap_steps (τ) >= 1 (or SparseLoCo with "
-           "sparseloco.overlap_steps >= 1) has a collective to overlap")
-    raise ValueError(f"diloco.overlap_executor=thread: {why}; use diloco.overlap_executor=inline "
+           "only Streaming DiLoCo or SparseLoCo with outer.overlap_steps (τ) >= 1 has a "
+           "collective to overlap")
+    raise ValueError(f"outer.overlap_executor=thread: {why}; use outer.overlap_executor=inline "
                      "or auto")
   comm.check_layout(mesh)
   return "thread"

@@ -301,9 +301,9 @@ def _skippipe(config, graphdef, model_cfg, algorithm, mesh):
 
 
 def _check_one_fragment(c) -> None:
-  checks.require(c.diloco.num_fragments == 1, "diloco.num_fragments",
+  checks.require(c.outer.num_fragments == 1, "outer.num_fragments",
                  f"1 with gradients={c.gradients} (fragments are cut by layer, stages too)",
-                 c.diloco.num_fragments)
+                 c.outer.num_fragments)
 
 
 def _check_skippipe(c) -> None:

@@ -35,7 +35,7 @@ def startup_line(config, model_cfg, num_params: int, mesh, workdir,
   per_step = f"{replicas} × {c.data.batch_size} sequences × {c.data.seq_len} tokens"
   if c.optimizer.accumulation_steps > 1:
     per_step += f", in {c.optimizer.accumulation_steps} micro-batches"
-  codec = f", codec {c.diloco.codec} by {codec_kernel}" if codec_kernel else ""
+  codec = f", codec {c.outer.codec} by {codec_kernel}" if codec_kernel else ""
   return (f"model {c.model.size} ({model_cfg.num_layers} layers, d_model {model_cfg.d_model}, "
           f"{num_params:,} parameters) | mesh {axes} on {mesh.devices.size} {platforms} "
           f"device{'s' if mesh.devices.size > 1 else ''} | "

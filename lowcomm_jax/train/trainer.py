@@ -14,7 +14,6 @@ the loop knows neither.
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 import time
 
@@ -25,7 +24,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lowcomm_jax import codecs, comm, config as config_lib, distributed, mesh as mesh_lib, sharding
+from lowcomm_jax import (
+  codecs,
+  comm,
+  config as config_lib,
+  distributed,
+  mesh as mesh_lib,
+  run_config,
+  sharding,
+)
 from lowcomm_jax.cpu_kernels import attention as cpu_attention
 from lowcomm_jax.data import corpora, pipeline, tokenizer as tokenizer_lib
 from lowcomm_jax.models import config as model_config, hf_llama, llama, loss as loss_lib
@@ -59,9 +66,9 @@ class Trainer:
   constructor, before any compute and before anything is written.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, devices=None):
-    validation.validate(config)
-    self.config = config
+  def __init__(self, config: run_config.RunConfig | ml_collections.ConfigDict,
+               workdir: str | pathlib.Path, devices=None):
+    self.config = config = validation.checked(config)  # a ConfigDict is checked and parsed here
     self.workdir = workdir_lib.check_path(workdir)  # reliability: empty, a file, unwritable
     try:
       self.mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
@@ -117,7 +124,7 @@ class Trainer:
     self.source = sources.make_source(config, self.graphdef, self.model_cfg, self.algorithm,
                                       self.mesh)
     # thread | inline: where an overlapped fragment's mean is issued (train.overlap)
-    self.overlap_executor = overlap_lib.choose(config.diloco.overlap_executor, self.algorithm,
+    self.overlap_executor = overlap_lib.choose(config.outer.overlap_executor, self.algorithm,
                                                self.source, self.mesh)
     self._carrier = overlap_lib.Inline()  # the running loop's (run() starts the configured one)
     self.axes = dict(axes)
@@ -362,7 +369,7 @@ class Trainer:
     if self.run_state == workdir_lib.COMPLETE:
       return None
     if not self.resuming and distributed.is_primary():  # config.json, then the tokenizer's copy
-      workdir_lib.write_config(self.workdir, json.loads(c.to_json_best_effort()),
+      workdir_lib.write_config(self.workdir, c.to_dict(),
                                config_lib.fingerprint(c), self.corpus_identity, self.inputs)
     elif distributed.is_primary() and run_inputs.saved_inputs(self.workdir):
       run_inputs.copy_tokenizer(self.workdir, self.inputs)  # a first start cut short before it
@@ -472,7 +479,7 @@ class Trainer:
     summary = {
         "algorithm": c.algorithm,
         "gradients": c.gradients,
-        "config": json.loads(c.to_json_best_effort()),
+        "config": c.to_dict(),
         "steps": steps,
         "tokens": steps * tokens_per_step,
         "final_eval_loss": eval_losses.get("eval_loss"),
@@ -512,6 +519,7 @@ class Trainer:
     return summary
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
+def run(config: run_config.RunConfig | ml_collections.ConfigDict,
+        workdir: str | pathlib.Path) -> dict:
   """Trains as `config` says and returns the summary (also written to workdir/summary.json)."""
   return Trainer(config, workdir).run()

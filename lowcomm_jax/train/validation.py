@@ -1,6 +1,7 @@
 """The run configuration's validation: every value checked before any compute and before anything
 is written, one ValueError naming the option and its allowed values (each key's comment in
-`lowcomm_jax.config` gives its range).
+`lowcomm_jax.config` gives its range); what passes comes back parsed, a frozen
+`lowcomm_jax.run_config.RunConfig` that the Trainer and the elastic driver take.
 
 The sections an algorithm reads are checked by that algorithm's `check_config`
 (`train.algorithms.ALGORITHMS`), the sections a gradient source reads by that source's
@@ -10,39 +11,36 @@ run (a `noloco.gamma` of -1 is refused in a DiLoCo run too).
 
 from __future__ import annotations
 
-import json
 import math
 
 import ml_collections
 
-from lowcomm_jax import checks, config as config_lib, mesh as mesh_lib, sharding
+from lowcomm_jax import checks, config as config_lib, mesh as mesh_lib, run_config, sharding
 from lowcomm_jax.data import corpora, files, pipeline, tokenizer as tokenizer_lib
 from lowcomm_jax.models import config as model_config, hf_llama
 from lowcomm_jax.optim import inner
 from lowcomm_jax.sim import network
 from lowcomm_jax.train import algorithms, faults, sources
 
-# The values of the last config that passed: the Trainer built right after a binary's early check
-# (experiments/train.py checks before any process waits for another) does not check them again.
-_last_valid = None
 
-
-def validate(c: ml_collections.ConfigDict) -> None:
-  """One clear ValueError naming the option and the allowed values; no compute happens before.
-
-  A config with the same values as the last one that passed in this process is not checked again.
-  """
-  global _last_valid
-  values = json.dumps(sorted(config_lib.flatten(c).items()), default=repr)
-  if values == _last_valid:
-    return
+def validate(c: ml_collections.ConfigDict) -> run_config.RunConfig:
+  """`c` checked and parsed: its frozen `RunConfig`, or one clear ValueError naming the option and
+  the allowed values; no compute happens before."""
   _check(c)
-  _last_valid = values
+  return run_config.parse(c)
+
+
+def checked(config) -> run_config.RunConfig:
+  """A RunConfig as it is (it was checked when it was made), a ConfigDict `validate`d."""
+  return config if isinstance(config, run_config.RunConfig) else validate(config)
 
 
 def _check(c: ml_collections.ConfigDict) -> None:
   known = set(config_lib.flatten(config_lib.default_config()))
   given = set(config_lib.flatten(c))
+  moved = [config_lib.moved_key_error(k) for k in sorted(given - known)]
+  if any(moved):
+    raise ValueError("; ".join(m for m in moved if m))
   unknown = sorted(given - known)
   if unknown:
     raise ValueError(f"unknown config keys {unknown}; see lowcomm_jax/config.py for the allowed "

@@ -33,6 +33,7 @@ import socket
 import tempfile
 import time
 
+from lowcomm_jax import config as config_lib
 from lowcomm_jax.train import run_inputs
 
 # Files and folders a run writes; any of them without config.json is a damaged or foreign run.
@@ -135,9 +136,10 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | Non
 
   A key the saved run does not know (added to the config since) counts as its default value; a key
   it saved that is fingerprinted no more (e.g. diloco.nonfinite, now the run-time key nonfinite) is
-  not compared. A saved corpus identity (`lowcomm_jax.data.corpora.corpus_identity`) must equal
-  `corpus_identity`, so a resume never trains on other text (another Python's stdlib, another Debian
-  release) unnoticed. Reads only: an existing run directory is never changed by a refused start.
+  not compared; one that moved (`config.MOVED_KEYS`) is compared at its new place. A saved corpus
+  identity (`lowcomm_jax.data.corpora.corpus_identity`) must equal `corpus_identity`, so a resume
+  never trains on other text (another Python's stdlib, another Debian release) unnoticed. Reads
+  only: an existing run directory is never changed by a refused start.
   """
   run = read_run(pathlib.Path(workdir))
   if run is None:
@@ -149,8 +151,10 @@ def check_workdir(workdir: pathlib.Path, fingerprint: dict, defaults: dict | Non
                      f"overwrite; use a new --workdir, or {KINDS[found][0]} to resume it")
   current = json.loads(json.dumps(fingerprint, default=str))
   defaults = json.loads(json.dumps(defaults or {}, default=str))
-  # A saved key fingerprinted no more (now a run-time key, or gone from the config) is not compared.
-  previous = {k: v for k, v in run["fingerprint"].items() if k in current or k in defaults}
+  # A saved key fingerprinted no more (now a run-time key, or gone from the config) is not compared;
+  # one that moved (diloco.sync_every, now outer.sync_every) is compared at its new place.
+  saved = config_lib.upgrade_saved(run["fingerprint"])
+  previous = {k: v for k, v in saved.items() if k in current or k in defaults}
   for key, value in defaults.items():
     previous.setdefault(key, value)
   differing = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
