@@ -104,8 +104,9 @@ def test_the_outer_sections_fragment_rules_cut_its_fragments(tmp_path):
     config = testing.engine_config("sparseloco", **{"outer.num_fragments": 1,
                                                     "outer.fragment_rules": rules})
     trainer = Trainer(config, tmp_path / name, devices=jax.devices()[:1])
-    trainer.run()
-    finals.append((trainer.fragment_names, trainer.final_state))
+    final = hooks.FinalState()
+    trainer.run(hooks=[final])
+    finals.append((trainer.fragment_names, final.state))
   (whole_names, whole), (rule_names, one_rule) = finals
   assert (whole_names, rule_names) == (["all"], ["rule fragment 0"])
   assert jax.tree.structure(whole) == jax.tree.structure(one_rule)
