@@ -316,7 +316,7 @@ def _param_shapes(config) -> list:
   from lowcomm_jax.elastic import options  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as tmp:
-    abstract = Trainer(options.learner_config(config), tmp)._abstract_params()  # pylint: disable=protected-access
+    abstract = Trainer(options.learner_config(config), tmp).abstract_params()
   return [list(x.shape) for x in jax.tree.leaves(abstract)]
 
 

@@ -1,6 +1,6 @@
 """experiments/train.py, plus a timeline: process 0 writes <workdir>/timeline.json with when each
-step's program finished (`Trainer.step_times`) and when each of the executor's collectives ran
-(`Trainer.comm_issued`), all on this process's `time.perf_counter`. Run by benchmarks/slow_link.py
+step's program finished (`hooks.StepTimes`) and when each of the executor's collectives ran
+(`hooks.CommTimeline`), all on this process's `time.perf_counter`. Run by benchmarks/slow_link.py
 through launch_local (same flags as train.py)."""
 
 import json
@@ -13,20 +13,21 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import train as train_script  # pylint: disable=wrong-import-position
 
 from lowcomm_jax import cli, distributed, train  # pylint: disable=wrong-import-position
+from lowcomm_jax.train import hooks as hooks_lib  # pylint: disable=wrong-import-position
 
 
 class TimedTrainer(train.Trainer):
 
-  def run(self):
-    self.watch_steps = True
-    summary = super().run()
+  def run(self, hooks=()):  # pylint: disable=redefined-outer-name
+    steps, timeline = hooks_lib.StepTimes(), hooks_lib.CommTimeline()
+    summary = super().run(hooks=[*hooks, steps, timeline])
     if distributed.is_primary():
       (self.workdir / "timeline.json").write_text(json.dumps({
           "executor": self.overlap_executor,
-          "steps": [{"step": s, "dispatched_s": d, "finished_s": f} for s, d, f in self.step_times],
+          "steps": [{"step": s, "dispatched_s": d, "finished_s": f} for s, d, f in steps.times],
           "issued": [{"step": i.step, "plan": i.name, "submitted_s": i.submitted_s,
                       "started_s": i.started_s, "finished_s": i.finished_s}
-                     for i in self.comm_issued]}))
+                     for i in timeline.issued]}))
     return summary
 
 

@@ -67,7 +67,7 @@ def main(argv):
 
   from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.skippipe import training  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.train import Trainer  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import Trainer, hooks  # pylint: disable=g-import-not-at-top
 
   steps, mb_size, eval_n = _STEPS.value, _MB_SIZE.value, 8
   if _QUICK.value:
@@ -105,10 +105,11 @@ def main(argv):
   for name, trainer in trainers.items():
     print(f"training {name} for {steps} steps", flush=True)
     t0 = time.perf_counter()
-    summary = trainer.run()
+    final = hooks.FinalState()
+    summary = trainer.run(hooks=[final])
     rows = [json.loads(l) for l in (workdir / name / "metrics.jsonl").read_text().splitlines()]
     runs[name] = {"graphdef": trainer.graphdef,
-                  "params": trainer.source.eval_params(trainer.final_state),
+                  "params": trainer.source.eval_params(final.state),
                   "train_loss": [(r["step"], r["loss"]) for r in rows if "loss" in r],
                   "eval": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
                   "seconds": time.perf_counter() - t0, "summary": summary}

@@ -232,11 +232,11 @@ def default_config() -> ml_collections.ConfigDict:
       outer_learning_rate=1.0,  # η of the outer SGD step, > 0
   ))
   # Elastic learners on Ray (docs/elastic.md, experiments/elastic.py): num_learners independent
-  # learners, each one replica of algorithm=diloco or streaming_diloco (the outer section's H, P,
-  # τ, α apply) on its own devices (mesh.data × mesh.tensor), and a syncer that holds φ and the
-  # outer optimizer state and closes each fragment's round once min_quorum learners sent their Δ_p
-  # and a grace window passed. num_replicas is not read: learner i of N reads shard i of N of the
-  # data.
+  # learners, each one replica of algorithm=diloco, streaming_diloco or sparseloco (the outer
+  # section's H, P, τ, α, codec apply) on its own devices (mesh.data × mesh.tensor), and a syncer
+  # that holds φ and the outer optimizer state and closes each fragment's round once min_quorum
+  # learners sent their Δ_p and a grace window passed. num_replicas is not read: learner i of N
+  # reads shard i of N of the data.
   c.elastic = ml_collections.ConfigDict(dict(
       num_learners=2,  # N: learner actors, >= 1 (may change on resume; while the run goes on,
       #                  learners are added and removed by lowcomm_jax.elastic.start's run object)

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from lowcomm_jax import config as config_lib
-from lowcomm_jax.train import Trainer
+from lowcomm_jax.train import Trainer, hooks
 
 # -- run configs and outputs (the engine battery, tests/test_engine.py) ---------------------------
 
@@ -284,8 +284,13 @@ def single_process(tmp_path, num_replicas: int, changes: dict, config_file: str 
   c = make_config(config_file, {**COMMON, "num_replicas": num_replicas, "mesh.replica": 1,
                                 "mesh.data": 1, **changes})
   trainer = Trainer(c, tmp_path / f"single{num_replicas}", devices=jax.devices()[:1])
-  trainer.run()
-  return trainer.final_state
+  return run_to_end(trainer)[1].state
+
+
+def run_to_end(trainer, *more_hooks) -> tuple[dict, hooks.FinalState]:
+  """(summary, the `hooks.FinalState` attached: its `state` and `data_state`) of `trainer.run`."""
+  final = hooks.FinalState()
+  return trainer.run(hooks=[final, *more_hooks]), final
 
 
 def run_streaming_two_processes(workdir) -> None:

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from lowcomm_jax import distributed
+from lowcomm_jax import distributed, testing
 from lowcomm_jax.testing import PROCESS_CASES, overlap_leg_configs, process_leg_config
 from lowcomm_jax.train import Trainer
 
@@ -39,9 +39,9 @@ def main(argv):
              {case: process_leg_config(case, _NUM_PROCESSES.value) for case in PROCESS_CASES})
   for case, config in configs.items():
     trainer = Trainer(config, out / case)
-    trainer.run()
+    _, trainer_final = testing.run_to_end(trainer)
     if _LEG.value == "engine":
-      params = distributed.fetch(trainer.final_state.params)  # every process takes part
+      params = distributed.fetch(trainer_final.state.params)  # every process takes part
       if distributed.is_primary():
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         np.savez(out / f"{case}.npz", **{jax.tree_util.keystr(k): v for k, v in leaves})

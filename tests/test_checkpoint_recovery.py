@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax import codecs, distributed
+from lowcomm_jax import codecs, distributed, testing
 from lowcomm_jax.testing import CONFIGS, ROOT, tiny_config, tree_hash
 from lowcomm_jax.train import Trainer, checkpoint
 
@@ -78,11 +78,11 @@ def runs(tmp_path_factory):
   another learning rate stopped there too."""
   root = tmp_path_factory.mktemp("recovery")
   full = Trainer(tiny_config(**CHANGES), root / "full")
-  full.run()
+  _, full_final = testing.run_to_end(full)
   Trainer(tiny_config(stop_at_step=6, **CHANGES), root / "stopped").run()
   Trainer(tiny_config(**{**CHANGES, "stop_at_step": 6, "optimizer.learning_rate": 1e-3}),
           root / "other").run()
-  return full.final_state, root / "stopped", root / "full", root / "other"
+  return full_final.state, root / "stopped", root / "full", root / "other"
 
 
 @pytest.mark.parametrize("how", ["bit_flip", "truncated", "missing", "wrong_metadata",
@@ -99,7 +99,7 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restored(
   capfd.readouterr()
 
   resumed = Trainer(tiny_config(**CHANGES), workdir)
-  resumed.run()
+  _, resumed_final = testing.run_to_end(resumed)
   out = capfd.readouterr()
   assert f"checkpoint step 6 in {checkpoints} cannot be restored (DamagedCheckpoint: " in out.out
   assert named in out.out.split("checkpoint step 6")[1].splitlines()[0]
@@ -107,7 +107,7 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restored(
   assert f"resumed from {checkpoints}/4" in out.out
   assert "Event loop is closed" not in out.out + out.err  # orbax never saw the damaged step
   assert (workdir / "checkpoints_unreadable" / "6").is_dir()
-  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed.final_state), strict=True):
+  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed_final.state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -193,9 +193,9 @@ def test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_bit_ident
   assert signal.getsignal(signal.SIGTERM) == handler  # the run's handler lives as long as the run
   capsys.readouterr()
   resumed = Trainer(c, tmp_path / "run")
-  resumed.run()
+  _, resumed_final = testing.run_to_end(resumed)
   assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/{step}" in capsys.readouterr().out
-  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed.final_state), strict=True):
+  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed_final.state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -219,9 +219,9 @@ def test_init_from_restores_sharded_onto_the_mesh(tmp_path):
   first = Trainer(tiny_config(**{"algorithm": "diloco", "num_replicas": 2, "mesh.replica": 2,
                                  "outer.sync_every": 2, "sharding.layout": "fsdp", "num_steps": 2,
                                  "checkpoint.every": 2, "eval.num_batches": 1}), tmp_path / "first")
-  first.run()
-  evaluated = jax.device_get(first.algorithm.eval_params(first.final_state.params,
-                                                         first.final_state.opt_state))
+  _, first_final = testing.run_to_end(first)
+  evaluated = jax.device_get(first.algorithm.eval_params(first_final.state.params,
+                                                         first_final.state.opt_state))
   _, restored = checkpoint.restore_eval_params(tmp_path / "first")
   for leaf, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(first.param_shardings),
                             strict=True):
@@ -279,8 +279,8 @@ def test_a_failed_save_stops_the_run_in_one_line_naming_the_intact_checkpoint(tm
   assert steps[-1] < 8  # stopped once the failure was known, not at the end of the run
 
   resumed = Trainer(tiny_config(**CHANGES), workdir)  # the disk has room again
-  resumed.run()
-  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed.final_state), strict=True):
+  _, resumed_final = testing.run_to_end(resumed)
+  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(resumed_final.state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

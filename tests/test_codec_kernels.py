@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowcomm_jax import codecs, comm
+from lowcomm_jax import codecs, comm, testing
 from lowcomm_jax.codecs import kernels
 
 CASES = [(name, "nearest") for name in ("e3m0", "e2m1", "int4", "int8", "bf16", "fp32")] + [
@@ -122,12 +122,12 @@ def test_training_with_pallas_kernels_on_the_wire_is_bit_identical_to_the_refere
         lambda d: comm.compressed_mean(d, "replica", tx.codec, kernels=tx.codec_kernels),
         axis_name="replica"))(jnp.ones((2, 300))))
     assert ("pallas_call" in jaxpr) == (mode == "pallas")
-    summary = trainer.run()
+    summary, trainer_final = testing.run_to_end(trainer)
     # What encoded on the wire, as summary.json records it: on CPU, pallas interprets the kernel
     # body of the GPU kernel picked for this jax version.
     assert summary["codec_kernel"] == ("reference" if mode == "reference" else
                                        f"pallas_interpret_{kernels.gpu_kernel()}")
-    final[mode] = trainer.final_state
+    final[mode] = trainer_final.state
   state_p, state_r = final["pallas"], final["reference"]
   for a, b in zip(jax.tree.leaves((state_p.params, state_p.opt_state)),
                   jax.tree.leaves((state_r.params, state_r.opt_state)), strict=True):

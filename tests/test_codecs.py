@@ -317,8 +317,8 @@ def test_the_outer_gradient_is_replica_0s_progress_from_the_start(tmp_path):
   config = outer_gradient.outer_gradient_config("tiny", 2, 3)
   again = Trainer(config, tmp_path)  # the same run again (runs are deterministic)
   start = jax.device_get(again.init_params())
-  again.run()
-  end = jax.device_get(jax.tree.map(lambda x: x[0], again.final_state.params))
+  _, again_final = testing.run_to_end(again)
+  end = jax.device_get(jax.tree.map(lambda x: x[0], again_final.state.params))
   assert jax.tree.structure(delta) == jax.tree.structure(start)
   for d, s, e in zip(jax.tree.leaves(delta), jax.tree.leaves(start), jax.tree.leaves(end),
                      strict=True):

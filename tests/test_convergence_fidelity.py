@@ -28,11 +28,11 @@ def _config(**changes):
 
 def test_diloco_one_replica_outer_sgd_lr1_is_data_parallel(tmp_path):
   dp = Trainer(_config(algorithm="dp"), tmp_path / "dp")
-  dp_summary = dp.run()
+  dp_summary, dp_final = testing.run_to_end(dp)
   diloco = Trainer(_config(**{"algorithm": "diloco", "num_replicas": 1, "outer.sync_every": 4,
                               "outer_optimizer.name": "sgd", "outer_optimizer.learning_rate": 1.0,
                               "outer_optimizer.momentum": 0.0}), tmp_path / "diloco")
-  diloco_summary = diloco.run()
+  diloco_summary, diloco_final = testing.run_to_end(diloco)
   curve = lambda wd: [r["eval_loss"] for r in map(json.loads,
                                                   (wd / "metrics.jsonl").read_text().splitlines())
                       if "eval_loss" in r]
@@ -45,7 +45,7 @@ def test_diloco_one_replica_outer_sgd_lr1_is_data_parallel(tmp_path):
   testing.assert_within(diloco_summary["final_eval_loss"], dp_summary["final_eval_loss"],
                         curve_bound,
                         "final eval loss")
-  phi = diloco.final_state.opt_state.outer_params
-  dp_params = jax.tree.map(lambda b: np.asarray(b)[0], dp.final_state.params)
+  phi = diloco_final.state.opt_state.outer_params
+  dp_params = jax.tree.map(lambda b: np.asarray(b)[0], dp_final.state.params)
   testing.assert_trees_within(phi, dp_params, lambda b: testing.trajectory_error_bound(b, 12, 2),
                               "φ")

@@ -129,7 +129,7 @@ def test_compiled_non_sync_step_has_no_collective_and_the_ledger_counts_the_sync
 def test_run_reports_bytes_and_evaluates_the_global_params(tmp_path):
   c = diloco_config(num_steps=8, **{"eval.every": 8})
   trainer = Trainer(c, tmp_path)
-  summary = trainer.run()
+  summary, trainer_final = testing.run_to_end(trainer)
   sent = summary["bytes_sent_per_worker"]
   per_sync = comm.ring_factor(2) * 4 * trainer.num_params  # = 4 bytes per parameter at M = 2
   assert sent["total"] == pytest.approx(2 * per_sync) and sent["peak_per_sync"] == pytest.approx(
@@ -138,7 +138,7 @@ def test_run_reports_bytes_and_evaluates_the_global_params(tmp_path):
   assert sent["bits_per_param_per_step"] == pytest.approx(
     8 * 2 * per_sync / (trainer.num_params * 8)
   )
-  state = trainer.final_state
+  state = trainer_final.state
   # Right after the sync at step 8 every replica equals φ (up to the rounding of θ + (φ − θ), since
   # optax transformations return updates, not new values).
   # θ + (φ − θ): two roundings of values within twice the leaf's scale (θ is a few inner steps from
@@ -173,8 +173,7 @@ def test_vmap_simulation_equals_device_meshes(tmp_path, num_replicas, meshes):
                       **{f"mesh.{k}": v for k, v in mesh.items()})
     devices = jax.devices()[:mesh["replica"] * mesh["data"]]
     t = Trainer(c, tmp_path / str(i), devices=devices)
-    t.run()
-    finals.append(t.final_state)
+    finals.append(testing.run_to_end(t)[1].state)
   # A mesh sums the gradient's and the outer mean's terms in other orders than vmap on one device:
   # per step at most the tiny model's longest chain of sums (≈ 2·(4·32 + 16 + 64 + 64) + 32 + a
   # batch of 4·64 tokens ≈ 1000 terms), over 8 steps, at each leaf's scale.

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import config as config_lib
-from lowcomm_jax.elastic import faults as faults_lib, options
+from lowcomm_jax.elastic import options
+from lowcomm_jax.train import faults as faults_lib
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "experiments" / "configs"
 
@@ -71,29 +72,58 @@ def _syncer_globals(workdir):
   return found
 
 
-def test_no_faults_and_full_quorum_equal_the_spmd_run(ray_cluster, tmp_path):
+def _equal_to_the_spmd_run(config, tmp_path):
+  """(elastic summary, SPMD summary, φ per round) of `config` (2 rounds of 5 steps, no faults, full
+  quorum), φ after each round checked against the SPMD run's: within float32 rounding of 5 r inner
+  steps (θ + (θ' − θ) vs θ', the mean's sum order), a few units in the last place of the
+  parameters' scale per step, the budget 8 ulp per step."""
   from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
-  config = _config()
   summary = elastic.run(config, tmp_path / "elastic")
   spmd, spmd_summary = _spmd_globals(config, tmp_path / "spmd")
   rounds = _syncer_globals(tmp_path / "elastic")
   assert len(rounds) == len(spmd) == 2
   for r, (ours, theirs) in enumerate(zip(rounds, spmd)):
+    worst = 0.0
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-      # float32 rounding of 5 r inner steps (θ + (θ' − θ) vs θ', the mean's sum order): a few
-      # units in the last place of the parameters' scale per step, the budget 8 ulp per step
       bound = 8 * np.finfo(np.float32).eps * float(np.abs(b).max()) * 5 * (r + 1)
       assert float(np.abs(a - b).max()) <= bound, (r, jax.tree_util.keystr(path))
+      worst = max(worst, float(np.abs(a - b).max()) / bound)
+    print(f"{config.algorithm} round {r}: max |φ − φ_spmd| is {worst:.3g} of its leaf's bound")
   assert summary["goodput"] == 1.0 and summary["participation"] == 1.0
+  return summary, spmd_summary, rounds
+
+
+def test_no_faults_and_full_quorum_equal_the_spmd_run(ray_cluster, tmp_path):
+  summary, spmd_summary, _ = _equal_to_the_spmd_run(_config(), tmp_path)
   assert summary["deaths"] == [] and summary["rounds"] == [2]
   np.testing.assert_allclose(summary["final_eval_loss"], spmd_summary["final_eval_loss"], rtol=1e-4)
-  # bytes on the wire: each learner sends Δ (float32, the whole model) and receives φ every round
+  # bytes on the wire: each learner sends Δ (float32, the whole model) and receives the mean Δ
+  # every round
   param_bytes = 4 * spmd_summary["num_params"]
   assert summary["bytes_sent_per_learner"] == [2 * param_bytes] * 2
   assert summary["bytes_received_per_learner"] == [2 * param_bytes] * 2
   lines = [json.loads(l) for l in (tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines()]
   assert [l["step"] for l in lines if "participation" in l] == [5, 10]
+
+
+def test_sparseloco_with_no_faults_and_full_quorum_equals_its_spmd_run(ray_cluster, tmp_path):
+  """SparseLoCo's sparse payloads through the syncer (`comm.remote`'s sparse_gather wire format),
+  merged as the all-gather's scatter-add mean: φ after each round equal to the SPMD run's, within
+  the same rounding bound as DiLoCo's (a top-k choice or a 2-bit level that flipped would be a
+  whole quantization level off)."""
+  from lowcomm_jax import comm  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.codecs.topk import TopKCompressor  # pylint: disable=g-import-not-at-top
+  summary, spmd_summary, rounds = _equal_to_the_spmd_run(_config(**{
+      "algorithm": "sparseloco", "sparseloco.chunk_size": 64,
+      "sparseloco.top_k": 8}), tmp_path)
+  # not vacuous: the second round's sparse mean moved φ
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(rounds[0]), jax.tree.leaves(rounds[1])))
+  # bytes on the wire: each learner sends its sparse payload per round and receives the dense mean
+  payload = comm.sparse_mean_wire_bytes(rounds[0], TopKCompressor(64, 8, 2))
+  assert summary["bytes_sent_per_learner"] == [2 * payload] * 2
+  assert summary["bytes_received_per_learner"] == [2 * 4 * spmd_summary["num_params"]] * 2
 
 
 def test_bad_input_is_refused_before_anything_starts(tmp_path):
@@ -103,8 +133,8 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
       "elastic.grace_s": (-1.0, "elastic.grace_s must be"),
       "elastic.faults": ("explode:learner=0:step=3",
                          "elastic.faults: unknown fault kind 'explode'"),
-      "algorithm": ("noloco",
-                    "algorithm must be one of diloco, streaming_diloco for an elastic run"),
+      "algorithm": ("noloco", "algorithm=noloco cannot run elastic: a syncer carries plans of "
+                              "kind mean, compressed_mean, sparse_gather"),
   }
   for key, (value, message) in cases.items():
     workdir = tmp_path / key
@@ -371,7 +401,6 @@ def test_the_syncer_stops_waiting_for_an_overdue_learner_with_the_adaptive_windo
 
   from lowcomm_jax.comm import remote  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.elastic import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.optim import fragments as frag_lib  # pylint: disable=g-import-not-at-top
   cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
            "jax_persistent_cache_min_compile_time_secs",
                                                "jax_persistent_cache_min_entry_size_bytes")}
@@ -382,8 +411,7 @@ def test_the_syncer_stops_waiting_for_an_overdue_learner_with_the_adaptive_windo
                           "elastic.min_quorum": 2, "elastic.grace_s": 3.0,
                           "elastic.adaptive_grace": adaptive})
       syncer = syncer_lib.Syncer(config.to_json_best_effort(), str(tmp_path / str(adaptive)))
-      zeros = jax.tree.map(np.zeros_like, frag_lib.extract(syncer.frags[0], syncer.phi))
-      payload, _ = remote.encode(syncer.plans[0], syncer.tx.plan_name(0), zeros)
+      payload, _ = remote.encode(syncer.plans[0], syncer.names[0], syncer.zeros(0))
 
       async def rounds(syncer=syncer, payload=payload):
         for i in range(3):

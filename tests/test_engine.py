@@ -23,7 +23,7 @@ from lowcomm_jax.testing import (
   read_metrics,
   tree_hash,
 )
-from lowcomm_jax.train import Trainer, algorithms
+from lowcomm_jax.train import Trainer, algorithms, hooks
 
 CASES = sorted(ENGINE_CASES)
 ONE_DEVICE = {"pipeline_noloco": None, "pipeline_diloco": None,  # the pipeline needs its grid
@@ -82,20 +82,21 @@ def _devices(case):
 _runs: dict = {}
 
 
-def _whole(tmp_path_factory, case) -> tuple[Trainer, dict]:
-  """The finished 6-step run of engine_config(case) on _devices(case) and its summary, trained once
+def _whole(tmp_path_factory, case) -> tuple[Trainer, dict, hooks.FinalState]:
+  """The finished 6-step run of engine_config(case) on _devices(case), its summary and its final
+  state, trained once
   per test module (the golden test and the one-device side of the mesh test both read it; neither
   writes to its directory)."""
   if case not in _runs:
     trainer = Trainer(engine_config(case), tmp_path_factory.mktemp(case) / "whole",
                       devices=_devices(case))
-    _runs[case] = trainer, trainer.run()
+    _runs[case] = trainer, *testing.run_to_end(trainer)
   return _runs[case]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in COMPOSED_CASES])
 def test_golden_metrics_and_resume_mid_round_is_bit_identical(case, tmp_path, tmp_path_factory):
-  whole, summary = _whole(tmp_path_factory, case)
+  whole, summary, whole_final = _whole(tmp_path_factory, case)
   rows = {r["step"]: r for r in read_metrics(whole.workdir)}
   # Another CPU sums in other orders: each step's values within the float32 bound of the tiny
   # model's chain of sums, accumulated over the steps run to get there.
@@ -111,10 +112,10 @@ def test_golden_metrics_and_resume_mid_round_is_bit_identical(case, tmp_path, tm
   assert not (tmp_path / "resumed" / "summary.json").exists()
   resumed = Trainer(engine_config(case, **{"checkpoint.every": 4}), tmp_path / "resumed",
                     devices=_devices(case))
-  again = resumed.run()
-  for a, b in zip(jax.tree.leaves(whole.final_state), jax.tree.leaves(resumed.final_state)):
+  again, resumed_final = testing.run_to_end(resumed)
+  for a, b in zip(jax.tree.leaves(whole_final.state), jax.tree.leaves(resumed_final.state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert whole.final_data_state == resumed.final_data_state
+  assert whole_final.data_state == resumed_final.data_state
   assert again["final_eval_loss"] == summary["final_eval_loss"]
   assert again["bytes_sent_per_worker"] == summary["bytes_sent_per_worker"]
   strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "tokens_per_s", "mfu")}
@@ -165,13 +166,14 @@ def test_one_device_equals_the_mesh(case, extra, tmp_path, tmp_path_factory):
   a = Trainer(engine_config(case, **on_mesh, **extra), tmp_path / "mesh")
   if alone or extra or case in ONE_DEVICE:
     b = Trainer(engine_config(case, **alone, **extra), tmp_path / "one", devices=jax.devices()[:1])
-    sent_b = b.run()["bytes_sent_per_worker"]
+    summary_b, b_final = testing.run_to_end(b)
   else:  # the golden test's run: the same config on one device
-    b, summary_b = _whole(tmp_path_factory, case)
-    sent_b = summary_b["bytes_sent_per_worker"]
+    b, summary_b, b_final = _whole(tmp_path_factory, case)
+  sent_b = summary_b["bytes_sent_per_worker"]
   seq_len = a.config.data.seq_len
   chain = testing.tiny_chain_of_sums(seq_len, a.config.data.batch_size * seq_len)
-  sent_a = a.run()["bytes_sent_per_worker"]
+  summary_a, a_final = testing.run_to_end(a)
+  sent_a = summary_a["bytes_sent_per_worker"]
   # The replicas' exchange moves the same bytes either way; dp's bytes are the data axis's gradient
   # all-reduce, which one device does not run, and the pipeline's ledger counts per device.
   assert a.config.algorithm == "dp" or a.config.gradients == "pipeline" or sent_a == sent_b
@@ -183,9 +185,10 @@ def test_one_device_equals_the_mesh(case, extra, tmp_path, tmp_path_factory):
       testing.assert_within(x[name], y[name],
                             testing.trajectory_error_bound(y[name], y["step"], chain),
                             f"{name} at step {y['step']}")
-  first = lambda t: jax.tree.leaves(jax.device_get(t.source.eval_params(t.final_state)))[0]
-  testing.assert_within(first(a), first(b),
-                        testing.trajectory_error_bound(first(b), a.config.num_steps, chain),
+  first = lambda t, final: jax.tree.leaves(jax.device_get(t.source.eval_params(final.state)))[0]
+  first_a, first_b = first(a, a_final), first(b, b_final)
+  testing.assert_within(first_a, first_b,
+                        testing.trajectory_error_bound(first_b, a.config.num_steps, chain),
                         "first parameter leaf")
 
 
@@ -229,9 +232,9 @@ def test_a_huge_learning_rate_never_reaches_the_global_model(case, tmp_path):
     Trainer(engine_config(case, **huge, **sync), tmp_path / "raise", devices=_devices(case)).run()
   trainer = Trainer(engine_config(case, nonfinite="skip", **huge, **sync), tmp_path / "skip",
                     devices=_devices(case))
-  summary = trainer.run()
+  summary, trainer_final = testing.run_to_end(trainer)
   assert summary["refused_outer_steps"] >= 1
-  model = jax.device_get(trainer.source.eval_params(trainer.final_state))
+  model = jax.device_get(trainer.source.eval_params(trainer_final.state))
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(model))
   json.loads((tmp_path / "skip" / "summary.json").read_text(),
              parse_constant=lambda name: pytest.fail(f"summary.json holds {name}"))
@@ -285,8 +288,8 @@ def test_an_algorithm_is_reached_only_through_its_entry(tmp_path, monkeypatch):
   for name in ("dp_sgd", "dp"):
     trainer = Trainer(engine_config("dp", algorithm=name, num_steps=2, **{"optimizer.name": "sgd"}),
                       tmp_path / name, devices=jax.devices()[:1])
-    trainer.run()
-    finals.append(jax.device_get(trainer.final_state.params))
+    _, trainer_final = testing.run_to_end(trainer)
+    finals.append(jax.device_get(trainer_final.state.params))
   for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1]), strict=True):
     np.testing.assert_array_equal(a, b)
 
@@ -315,11 +318,11 @@ def test_two_processes_equal_one(tmp_path):
     for case in PROCESS_CASES:
       multi = np.load(tmp_path / f"{case}.npz")
       one = Trainer(process_leg_config(case), tmp_path / f"{case}_one", devices=jax.devices()[:1])
-      summary = one.run()
+      summary, one_final = testing.run_to_end(one)
       assert one.overlap_executor == executors[case]
       sent = json.loads((tmp_path / case / "summary.json").read_text())["bytes_sent_per_worker"]
       assert sent == summary["bytes_sent_per_worker"] and sent["total"] > 0, case
-      leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(one.final_state.params))[0]
+      leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(one_final.state.params))[0]
       assert sorted(multi.files) == sorted(jax.tree_util.keystr(k) for k, _ in leaves)
       diff = max(float(np.max(np.abs(multi[jax.tree_util.keystr(k)] - v))) for k, v in leaves)
       print(f"{case}: 2 processes vs one device, max abs diff of the parameters {diff:.3g}")

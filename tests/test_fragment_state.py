@@ -203,24 +203,24 @@ def test_fragment_rules_from_the_config_through_the_trainer(tmp_path):
   base = {"algorithm": "streaming_diloco", "num_replicas": 2, "num_steps": 6,
           "outer.sync_every": 6}
   whole = Trainer(tiny_config(**base), tmp_path / "whole")
-  whole_summary = whole.run()
+  whole_summary, whole_final = testing.run_to_end(whole)
   one_rule = Trainer(tiny_config(**base, **{"outer.fragment_rules": ".*:0"}), tmp_path / "one")
-  one_rule.run()
+  _, one_rule_final = testing.run_to_end(one_rule)
   # one rule matching all = the whole model
-  assert_trees_equal(whole.final_state, one_rule.final_state)
+  assert_trees_equal(whole_final.state, one_rule_final.state)
   rules = Trainer(tiny_config(**base,
                               **{"outer.fragment_rules": "blocks/attn/.*:0,blocks/.*:1,.*:2"}),
                   tmp_path / "rules")
-  summary = rules.run()
+  summary, rules_final = testing.run_to_end(rules)
   assert rules.fragment_names == ["rule fragment 0", "rule fragment 1", "rule fragment 2"]
-  params = jax.tree.map(lambda x: x[0], rules.final_state.params)
+  params = jax.tree.map(lambda x: x[0], rules_final.state.params)
   attn = sum(v.size for p, v in frag_lib.flatten(params).items() if p.startswith("blocks/attn/"))
   sent = summary["bytes_sent_per_worker"]
   # every parameter once per H
   assert sent["total"] == whole_summary["bytes_sent_per_worker"]["total"]
   assert sent["peak_per_sync"] < whole_summary["bytes_sent_per_worker"]["peak_per_sync"]
   assert any(e.name == "fragment 0" and e.payload_bytes == 4 * attn for e in rules.program(
-      rules.algorithm.phase_at(2), rules.final_state)[1])
+      rules.algorithm.phase_at(2), rules_final.state)[1])
 
 
 # -- optax fit: extra arguments and injected hyperparameters ---------------------------------------

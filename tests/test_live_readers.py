@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from lowcomm_jax.testing import CONFIGS, ROOT, make_config, restored, tree_state
+from lowcomm_jax.testing import CONFIGS, ROOT, make_config, restored, run_to_end, tree_state
 from lowcomm_jax.train import Trainer
 
 CHANGES = {"num_steps": 200, "checkpoint.every": 1, "checkpoint.keep": 1, "data.seq_len": 32,
@@ -80,8 +80,8 @@ def test_readers_leave_a_live_and_a_finished_run_as_they_are(tmp_path):
   # saving every step or only at the end, the same parameters: the reference saves once
   undisturbed = Trainer(make_config("dp.py", {**CHANGES, "checkpoint.every": 1000}),
                         tmp_path / "undisturbed")
-  undisturbed.run()
-  for a, b in zip(jax.tree.leaves(undisturbed.final_state), jax.tree.leaves(restored(workdir)),
+  _, undisturbed_final = run_to_end(undisturbed)
+  for a, b in zip(jax.tree.leaves(undisturbed_final.state), jax.tree.leaves(restored(workdir)),
                   strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

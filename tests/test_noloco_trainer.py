@@ -29,13 +29,14 @@ def test_replica_per_device_equals_simulated_replicas_and_logs_spread_and_replic
                        devices=jax.devices()[:M])
   simulated = Trainer(noloco_config(**{"mesh.replica": 1, "eval.every": H}), tmp_path / "one",
                       devices=jax.devices()[:1])
-  a, b = on_devices.run(), simulated.run()
+  (a, on_devices_final), (b, simulated_final) = (testing.run_to_end(on_devices),
+                                                   testing.run_to_end(simulated))
   # Devices sum the gossip means and gradients in other orders than vmap: within the tiny model's
   # chain-of-sums bound per step (4·H steps), each leaf at its own scale.
   chain = testing.tiny_chain_of_sums(32, 4 * 32)
   testing.assert_trees_within(
-    on_devices.final_state,
-    simulated.final_state,
+    on_devices_final.state,
+    simulated_final.state,
     lambda y: testing.trajectory_error_bound(y, 4 * H, chain) if np.size(y) else 0,
   )
   testing.assert_within(a["final_eval_loss_replicas"], b["final_eval_loss_replicas"],
@@ -43,7 +44,7 @@ def test_replica_per_device_equals_simulated_replicas_and_logs_spread_and_replic
 
   # The replicas differ (no global average), and the logged spread is the RMS distance from the
   # mean.
-  slow = [np.asarray(x) for x in jax.tree.leaves(on_devices.final_state.opt_state.slow)]
+  slow = [np.asarray(x) for x in jax.tree.leaves(on_devices_final.state.opt_state.slow)]
   expected = np.sqrt(sum(((x - x.mean(0)) ** 2).sum() for x in slow) / sum(x.size for x in slow))
   assert expected > 0
   # Sums of n squares in other orders (the program's vs numpy's): within γ_n of Σ squares each, the

@@ -23,7 +23,7 @@ import pytest
 
 from lowcomm_jax import hlo, testing
 from lowcomm_jax.optim.schedule import Phase
-from lowcomm_jax.train import Trainer, overlap
+from lowcomm_jax.train import Trainer, hooks, overlap
 
 CASE = {**testing.ENGINE_CASES["streaming_diloco"]["config"],
         "num_steps": 8, "outer.sync_every": 6, "data.seq_len": 32, "data.batch_size": 4,
@@ -49,7 +49,9 @@ ALGORITHMS = {
 _runs: dict = {}
 
 
-def _run(tmp_path_factory, layout, tau, mode, algorithm="streaming_diloco", **changes) -> Trainer:
+def _run(tmp_path_factory, layout, tau, mode, algorithm="streaming_diloco", **changes):
+  """(the Trainer, its final state and its executor timeline: `hooks.FinalState`,
+  `hooks.CommTimeline`) of a finished run, trained once per test module."""
   key = (layout, tau, mode, algorithm, tuple(sorted(changes.items())))
   if key not in _runs:
     layout_changes, num_devices = LAYOUTS[layout]
@@ -58,8 +60,9 @@ def _run(tmp_path_factory, layout, tau, mode, algorithm="streaming_diloco", **ch
                                     "outer.overlap_executor": mode, **changes})
     trainer = Trainer(config, tmp_path_factory.mktemp(f"{layout}{tau}{mode}{algorithm}") / "run",
                       devices=jax.devices()[:num_devices])
-    trainer.run()
-    _runs[key] = trainer
+    final, timeline = hooks.FinalState(), hooks.CommTimeline()
+    trainer.run(hooks=[final, timeline])
+    _runs[key] = trainer, final, timeline
   return _runs[key]
 
 
@@ -78,19 +81,19 @@ def _assert_close(a, b, exact: bool = False):
     *((layout, tau, "streaming_diloco") for tau in (1, 2) for layout in ("vmap", "mesh")),
     ("mesh", 1, "sparseloco")])
 def test_thread_equals_inline(tmp_path_factory, layout, tau, algorithm):
-  inline = _run(tmp_path_factory, layout, tau, "inline", algorithm)
-  threaded = _run(tmp_path_factory, layout, tau, "thread", algorithm)
+  inline, inline_end, inline_comm = _run(tmp_path_factory, layout, tau, "inline", algorithm)
+  threaded, threaded_end, threaded_comm = _run(tmp_path_factory, layout, tau, "thread", algorithm)
   assert inline.config.algorithm == algorithm
   assert (inline.overlap_executor, threaded.overlap_executor) == ("inline", "thread")
-  assert [(i.step, int(i.name.split()[-1])) for i in threaded.comm_issued] == ISSUED
-  assert inline.comm_issued == []
-  _assert_close(inline.final_state, threaded.final_state)
+  assert [(i.step, int(i.name.split()[-1])) for i in threaded_comm.issued] == ISSUED
+  assert inline_comm.issued == []
+  _assert_close(inline_end.state, threaded_end.state)
   # Not vacuous: the replicas trained apart and both outer steps moved φ.
-  params, outer = inline.final_state.params, inline.final_state.opt_state.outer_params
+  params, outer = inline_end.state.params, inline_end.state.opt_state.outer_params
   assert all(
     not np.array_equal(np.asarray(x[0]), np.asarray(x[1])) for x in jax.tree.leaves(params)
   )
-  assert inline.final_state.opt_state.nonfinite.tolist() == [0, 0]
+  assert inline_end.state.opt_state.nonfinite.tolist() == [0, 0]
   start = inline.init_params()
   assert all(not np.array_equal(np.asarray(a), np.asarray(b))
              for a, b in zip(jax.tree.leaves(outer), jax.tree.leaves(start)))
@@ -119,8 +122,8 @@ def test_thread_step_programs_hold_no_cross_replica_collective(tmp_path_factory)
   step programs (at τ = 2 the send and merge steps run the non-sync step's program) and the merge
   programs that apply each fragment's mean once it arrived; the inline run's send step
   all-reduces across slots."""
-  threaded = _run(tmp_path_factory, "mesh", 2, "thread")
-  inline = _run(tmp_path_factory, "mesh", 2, "inline")
+  threaded, threaded_end, _ = _run(tmp_path_factory, "mesh", 2, "thread")
+  inline, _, _ = _run(tmp_path_factory, "mesh", 2, "inline")
   replica_of = {i: i // 2 for i in range(8)}  # logical device i sits in slot i // data
   assert threaded.mesh.devices.shape[:2] == (4, 2)
 
@@ -136,7 +139,7 @@ def test_thread_step_programs_hold_no_cross_replica_collective(tmp_path_factory)
   assert list(threaded_found) == [Phase((), ())] and not any(threaded_found.values()), (
     threaded_found
   )
-  state = threaded.final_state
+  state = threaded_end.state
   merges = overlap.Threaded(threaded.algorithm.tx, threaded.mesh)
   try:
     for p in (0, 1):
@@ -160,7 +163,7 @@ def test_thread_leaves_the_non_sync_step_program_unchanged(tmp_path_factory):
   send and merge steps."""
   programs = {}
   for mode in ("thread", "inline"):
-    trainer = _run(tmp_path_factory, "mesh", 2, mode)
+    trainer, _, _ = _run(tmp_path_factory, "mesh", 2, mode)
     programs[mode] = {phase: compiled.as_text()
                       for (phase, _), (compiled, _) in trainer._programs.items()}  # pylint: disable=protected-access
   quiet = [ph for ph in programs["thread"] if not ph.send and not ph.receive]
@@ -175,20 +178,22 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path_factory):
   """Stopped after step 4 (fragment 0 issued with step 4, merged after step 5 at τ = 2) and
   resumed: the checkpoint holds the in-flight mean (the loop settles the future into the state's
   in-flight buffer before saving), the resumed loop merges it without a future."""
-  whole = _run(tmp_path_factory, "vmap", 2, "thread")
+  whole, whole_end, _ = _run(tmp_path_factory, "vmap", 2, "thread")
   config = testing.tiny_config(**{**CASE, **LAYOUTS["vmap"][0], "outer.overlap_steps": 2,
                                   "outer.overlap_executor": "thread", "stop_at_step": 4})
   workdir = tmp_path_factory.mktemp("resume") / "run"
   first = Trainer(config, workdir, devices=jax.devices()[:1])
-  first.run()
-  in_flight = first.final_state.opt_state.comm.in_flight["fragment 0"]
+  first_end, first_comm = hooks.FinalState(), hooks.CommTimeline()
+  first.run(hooks=[first_end, first_comm])
+  in_flight = first_end.state.opt_state.comm.in_flight["fragment 0"]
   assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(in_flight))
-  assert [(i.step, int(i.name.split()[-1])) for i in first.comm_issued] == [(4, 0)]
+  assert [(i.step, int(i.name.split()[-1])) for i in first_comm.issued] == [(4, 0)]
   config.stop_at_step = -1
   second = Trainer(config, workdir, devices=jax.devices()[:1])
-  second.run()
-  assert [(i.step, int(i.name.split()[-1])) for i in second.comm_issued] == [(7, 1)]
-  _assert_close(whole.final_state, second.final_state, exact=True)
+  second_end, second_comm = hooks.FinalState(), hooks.CommTimeline()
+  second.run(hooks=[second_end, second_comm])
+  assert [(i.step, int(i.name.split()[-1])) for i in second_comm.issued] == [(7, 1)]
+  _assert_close(whole_end.state, second_end.state, exact=True)
 
 
 @pytest.fixture(scope="module")

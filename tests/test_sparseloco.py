@@ -17,7 +17,7 @@ from lowcomm_jax import comm, testing
 from lowcomm_jax.codecs.topk import TopKCompressor
 from lowcomm_jax.comm.sparse_mean import sparse_mean_wire_bytes
 from lowcomm_jax.optim import fragments as frag_lib
-from lowcomm_jax.train import Trainer
+from lowcomm_jax.train import Trainer, hooks
 
 M, H, LR, BETA, ETA = 3, 2, 0.1, 0.5, 0.8
 
@@ -69,15 +69,17 @@ def test_thread_equals_inline_and_the_bytes_are_the_sparse_payloads(tmp_path):
   for mode in ("inline", "thread"):
     trainer = Trainer(testing.engine_config("sparseloco", **{"outer.overlap_executor": mode}),
                       tmp_path / mode, devices=jax.devices()[:1])
-    runs[mode] = (trainer, trainer.run())
-  (inline, summary), (threaded, threaded_summary) = runs["inline"], runs["thread"]
+    final, timeline = hooks.FinalState(), hooks.CommTimeline()
+    runs[mode] = (trainer, trainer.run(hooks=[final, timeline]), final, timeline)
+  (inline, summary, inline_end, _), (threaded, threaded_summary, threaded_end, threaded_comm) = (
+      runs["inline"], runs["thread"])
   assert (inline.overlap_executor, threaded.overlap_executor) == ("inline", "thread")
-  assert [(i.step, i.name) for i in threaded.comm_issued] == [(3, "fragment 0"), (5, "fragment 1")]
+  assert [(i.step, i.name) for i in threaded_comm.issued] == [(3, "fragment 0"), (5, "fragment 1")]
   # 6 steps; the thread's separate merge program rounds at the ulp scale (as Streaming DiLoCo's)
-  testing.assert_trees_within(threaded.final_state, inline.final_state, lambda x: (
+  testing.assert_trees_within(threaded_end.state, inline_end.state, lambda x: (
       testing.trajectory_error_bound(x, 6, 8) if np.size(x) else 0), "state")
   # Each sync sends its fragment's payload to the M − 1 = 1 other replica: indices, codes, levels.
-  params = jax.tree.map(lambda x: x[0], inline.final_state.params)
+  params = jax.tree.map(lambda x: x[0], inline_end.state.params)
   frags = inline.algorithm.tx.fragments(params)
   compressor = TopKCompressor(64, 4, 2)
   payload = [sparse_mean_wire_bytes(frag_lib.extract(f, params), compressor) for f in frags]
@@ -87,7 +89,7 @@ def test_thread_equals_inline_and_the_bytes_are_the_sparse_payloads(tmp_path):
   assert payload[0] + payload[1] < 4 * inline.num_params / 20  # a twentieth of one float32 sync
   # The virtual clock: each gather, issued from the parameters entering steps 3 and 5 (ready when
   # steps 2 and 4 end, clock steps 1 and 3), needed one step later; an all-gather of M payloads.
-  events = inline.comm_events(6, inline.final_state)
+  events = inline.comm_events(6, inline_end.state)
   assert [(e.issued_step, e.consumed_step, e.kind, e.payload_bytes, e.num_workers)
           for e in events] == [(1, 3, "all_gather", 2 * payload[0], 2),
                                (3, 5, "all_gather", 2 * payload[1], 2)]
@@ -102,8 +104,9 @@ def test_the_outer_sections_fragment_rules_cut_its_fragments(tmp_path):
     config = testing.engine_config("sparseloco", **{"outer.num_fragments": 1,
                                                     "outer.fragment_rules": rules})
     trainer = Trainer(config, tmp_path / name, devices=jax.devices()[:1])
-    trainer.run()
-    finals.append((trainer.fragment_names, trainer.final_state))
+    final = hooks.FinalState()
+    trainer.run(hooks=[final])
+    finals.append((trainer.fragment_names, final.state))
   (whole_names, whole), (rule_names, one_rule) = finals
   assert (whole_names, rule_names) == (["all"], ["rule fragment 0"])
   assert jax.tree.structure(whole) == jax.tree.structure(one_rule)

@@ -144,7 +144,7 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path):
   c = streaming_config(num_steps=12, **{"outer.sync_every": 12, "outer.overlap_steps": 2,
                                         "checkpoint.every": 4})
   full = Trainer(c, tmp_path / "full")
-  full.run()
+  _, full_final = testing.run_to_end(full)
   first = streaming_config(num_steps=12, stop_at_step=5, **{"outer.sync_every": 12,
                                                             "outer.overlap_steps": 2,
                                                             "checkpoint.every": 5})
@@ -153,8 +153,8 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical(tmp_path):
   assert resumed.algorithm.phase_at(5).send == (0,) and resumed.algorithm.phase_at(6).receive == (
     0,
   )
-  resumed.run()
-  for a, b in zip(jax.tree.leaves(full.final_state), jax.tree.leaves(resumed.final_state)):
+  _, resumed_final = testing.run_to_end(resumed)
+  for a, b in zip(jax.tree.leaves(full_final.state), jax.tree.leaves(resumed_final.state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert [m["loss"] for m in read_metrics(tmp_path / "full")] == [
     m["loss"] for m in read_metrics(tmp_path / "r")
@@ -190,8 +190,8 @@ def test_e3m0_codec_sends_about_an_eighth_of_the_bits(tmp_path):
   from lowcomm_jax import codecs  # pylint: disable=g-import-not-at-top
   c = streaming_config(num_steps=6, **{"outer.overlap_steps": 0, "outer.codec": "e3m0"})
   trainer = Trainer(c, tmp_path)
-  summary = trainer.run()
-  params = jax.tree.map(lambda x: x[0], trainer.final_state.params)
+  summary, trainer_final = testing.run_to_end(trainer)
+  params = jax.tree.map(lambda x: x[0], trainer_final.state.params)
   codec = codecs.get_codec("e3m0", block_size=1024)
   expected = sum(comm.compressed_mean_wire_bytes(frag_lib.extract(f, params), codec, 2)
                  for f in trainer.algorithm.tx.fragments(params))  # each fragment once in 6 steps

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowcomm_jax.codecs import kernels, packing
+from lowcomm_jax.codecs.scales import scales_from_absmax
 
 __all__ = [
     "ROUNDING_MODES",
@@ -179,19 +180,6 @@ def block_scales(x: jax.Array, grid_max: float):
   Returns ``(scale, divisor, finite)``, each ``[R, 1]``: see :func:`scales_from_absmax`.
   """
   return scales_from_absmax(jnp.max(jnp.abs(x), axis=1, keepdims=True), grid_max)
-
-
-def scales_from_absmax(absmax: jax.Array, grid_max: float):
-  """``(scale, divisor, finite)`` of blocks whose largest magnitude is ``absmax``.
-
-  The scale is NaN for a block holding NaN or inf (the NaN/inf policy above),
-  and the divisor is the scale where that is safe to divide by and 1 for an
-  all-zero (or flushed) block, whose values then all code to zero.
-  """
-  finite = absmax < jnp.inf  # isfinite of a magnitude (no rule for is_finite in Mosaic GPU)
-  scale = jnp.where(finite, absmax / grid_max, jnp.nan)
-  divisor = jnp.where(finite & (scale > 0), scale, 1.0)
-  return scale, divisor, finite
 
 
 def blocks_from_flat(flat: jax.Array, num_blocks: int, block_len: int) -> jax.Array:

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from lowcomm_jax import mesh as mesh_lib
 from lowcomm_jax.codecs import packing
+from lowcomm_jax.codecs.scales import scales_from_absmax
 
 __all__ = ["COMPILED_PLATFORMS", "GPU_KERNELS", "MAX_COMPILED_COLUMNS", "TILE_VALUES",
            "compiled_supported", "gpu_kernel", "gpu_kernel_available", "gpu_kernel_refusal",
@@ -298,7 +299,6 @@ def _quantize_kernel(codec, backend, x_blocks, bits, rows_per_step):
     codes = [codec.encode_values(x, divisor, finite, b) for x, b in zip(xs, bs)]
     out_refs[0][...] = packing.pack_pair(*codes) if codec.packed else codes[0]
 
-  from lowcomm_jax.codecs.base import scales_from_absmax  # pylint: disable=g-import-not-at-top
   out_specs = [(width, codec.code_dtype)] + ([(1, jnp.float32)] if codec.has_scales else [])
   outputs = _rowwise_call(kernel, inputs, out_specs, backend, rows_per_step, columns)
   codes = outputs[0][:, :codec.code_columns(block_len)]
@@ -405,7 +405,6 @@ def _part(ref, row, start: int, width: int):
 
 
 def _mosaic_gpu_quantize(codec, interpret, x_blocks, bits, rows_per_step):
-  from lowcomm_jax.codecs.base import scales_from_absmax  # pylint: disable=g-import-not-at-top
   block_len = x_blocks.shape[1]
   columns, parts, width = _layout(codec, block_len, MOSAIC_GPU_MIN_WIDTH)
   inputs = _arranged(codec, [x_blocks, bits], columns, width)

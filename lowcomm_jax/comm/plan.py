@@ -164,3 +164,23 @@ def clock_events(num_steps: int, phase_at, plans_at, entries_of) -> list[tuple]:
                          plan.clock_bytes(e.payload_bytes, e.num_workers), plan.clock_kind,
                          e.num_workers))
   return events
+
+
+def shared_part(axes, state):
+  """`state` with its per-replica fields (vmap axis 0 in `axes`, the algorithm's `state_axes`) set
+  to None: what is the same on every replica (the global parameters, the outer optimizer's state).
+  """
+  if axes is None:
+    return state
+  if axes == 0:
+    return None
+  return type(state)(*(shared_part(a, s) for a, s in zip(axes, state)))
+
+
+def with_shared(axes, state, shared):
+  """`state` (one replica's, or replicated) with the fields of `shared_part` taken from `shared`."""
+  if axes is None:
+    return shared
+  if axes == 0:
+    return state
+  return type(state)(*(with_shared(a, s, h) for a, s, h in zip(axes, state, shared)))

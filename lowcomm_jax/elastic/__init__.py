@@ -1,11 +1,11 @@
-"""Elastic learners on Ray: DiLoCo that keeps training while learners fail, straggle, leave and
-join.
+"""Elastic learners on Ray: DiLoCo, Streaming DiLoCo and SparseLoCo that keep training while
+learners fail, straggle, leave and join.
 
 `run(config, workdir)` (experiments/elastic.py) starts a syncer and `elastic.num_learners` learners
 as Ray actors and returns the summary (docs/elastic.md); `start(config, workdir)` returns the run
 going on, to add and remove learners (`add_learner`, `remove_learner`) before `wait()`. The
-submodules: `options` (the derived configs and checks), `faults` (fault injection), `grace` (the
-grace window), `syncer`, `learner` and `driver`.
+submodules: `options` (the derived configs and checks), `grace` (the grace window), `syncer`,
+`learner` and `driver`; the faults it injects are `train.faults`.
 """
 
 

@@ -32,8 +32,8 @@ import ml_collections
 
 from lowcomm_jax import checks, config as config_lib
 from lowcomm_jax.data import corpora
-from lowcomm_jax.elastic import faults as faults_lib, options
-from lowcomm_jax.train import run_inputs, workdir as workdir_lib
+from lowcomm_jax.elastic import options
+from lowcomm_jax.train import faults as faults_lib, run_inputs, workdir as workdir_lib
 
 
 def start_ray(address: str, num_cpus: float, temp_dir: str | None = None):

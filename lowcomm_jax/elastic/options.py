@@ -1,12 +1,16 @@
 """The configs an elastic run derives from the user's, and its checks before anything starts.
 
-An elastic run of `algorithm=diloco` or `streaming_diloco` with N = `elastic.num_learners` is the
-SPMD run of the same config with `num_replicas = N`, cut in two:
+An elastic run with N = `elastic.num_learners` is the SPMD run of the same config with
+`num_replicas = N`, cut in two:
 
-  learner i   `learner_config`: one replica (algorithm=dp over a single replica: the inner
-              optimizer alone) on its own mesh (mesh.data × mesh.tensor), reading shard i of N
-  syncer      φ and the outer optimizer state per fragment, of `outer_transform` (the SPMD run's
-              `StreamingDiLoCo`, whose schedule also tells every learner when fragment p is due)
+  learner i   `learner_config`: the run's algorithm on one replica, on its own mesh
+              (mesh.data × mesh.tensor), reading shard i of N; its plans travel through the syncer
+              (`train.overlap.Remote`)
+  syncer      φ and the outer optimizer state, the shared part of `outer_algorithm`'s state (the
+              SPMD run's algorithm), and the rounds of its plans
+
+Any algorithm whose plans a syncer carries runs elastic (`comm.remote.REMOTE_KINDS`: DiLoCo,
+Streaming DiLoCo, SparseLoCo); another is refused in one line (`check`).
 """
 
 from __future__ import annotations
@@ -17,9 +21,7 @@ import os
 import pathlib
 
 from lowcomm_jax import checks, config as config_lib, run_config
-from lowcomm_jax.train import validation
-
-ALGORITHMS = ("diloco", "streaming_diloco")
+from lowcomm_jax.train import overlap, validation
 
 
 def namespace(run_dir) -> str:
@@ -75,33 +77,53 @@ def spmd_config(config):
 
 
 def learner_config(config):
-  """One learner's Trainer config: a single replica running the inner optimizer alone."""
-  return _derived(config, {"algorithm": "dp", "num_replicas": 1, "mesh.replica": 1})
+  """One learner's Trainer config: the run's algorithm on a single replica (its plans carried by
+  the syncer, not by a thread)."""
+  return _derived(config, {"num_replicas": 1, "mesh.replica": 1,
+                           "outer.overlap_executor": "inline"})
 
 
 def evaluation_config(config):
-  """The syncer's: one replica on one device (it evaluates φ and holds no accelerator)."""
-  return _derived(learner_config(config), {"mesh.data": 1, "mesh.tensor": 1,
+  """The syncer's: one replica of the inner optimizer alone on one device (it evaluates φ and
+  holds no accelerator)."""
+  return _derived(learner_config(config), {"algorithm": "dp", "mesh.data": 1, "mesh.tensor": 1,
                                            "sharding.layout": "replicated"})
 
 
-def outer_transform(config, abstract_params):
-  """The SPMD run's `StreamingDiLoCo` (schedule, fragments, outer optimizer, plans)."""
+def outer_algorithm(config, abstract_params=None):
+  """The SPMD run's algorithm (`optim.replicated`: schedule, fragments, outer optimizer, plans)."""
   from lowcomm_jax.train import algorithms  # pylint: disable=g-import-not-at-top
-  return algorithms.make_algorithm(spmd_config(config), num_learners(config), abstract_params).tx
+  return algorithms.make_algorithm(spmd_config(config), num_learners(config), abstract_params)
+
+
+def plan_names(tx) -> list[str]:
+  """The names of the algorithm's plans in natural order ("fragment 0", "fragment 1", …): plan p
+  of the syncer's rounds."""
+  names = []
+  for phase in tx.phases:
+    names += [n for n in tx.plans(phase) if n not in names]
+  return sorted(names, key=lambda n: [int(t) if t.isdigit() else t for t in n.split()])
 
 
 def check(config) -> run_config.RunConfig:
   """Every check of an elastic run, before Ray starts: one ValueError line naming the option.
 
   The configuration is checked once; the SPMD run's, the learners' and the syncer's differ from it
-  only in the replica count, the algorithm (dp: the inner optimizer) and the mesh, which keep every
+  only in the replica count, the overlap executor (the learners' plans go through the syncer), the
+  algorithm of the syncer's evaluation (dp: the inner optimizer) and the mesh, which keep every
   checked value valid (N >= 1 replicas of one slot each; one replica of data parallel).
   """
-  checks.require(config.algorithm in ALGORITHMS, "algorithm",
-                 f"one of {', '.join(ALGORITHMS)} for an elastic run", config.algorithm)
   checks.require(config.gradients == "replicas", "gradients", "replicas for an elastic run",
                  config.gradients)
+  try:
+    tx = outer_algorithm(config).tx
+  except (KeyError, ValueError):
+    validation.validate(config)  # names the option the algorithm could not be built from
+    raise
+  try:
+    overlap.check_remote(tx)
+  except ValueError as error:
+    raise ValueError(f"algorithm={config.algorithm} cannot run elastic: {error}") from None
   run = validation.validate(config)
   checks.require(run.outer.codec_rounding == "nearest", "outer.codec_rounding",
                  "nearest for an elastic run (stochastic rounding keys follow the SPMD step count)",

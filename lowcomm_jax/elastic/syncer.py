@@ -1,17 +1,21 @@
-"""The syncer of an elastic run: φ, the outer optimizer state per fragment, and the fragment rounds.
+"""The syncer of an elastic run: φ and the outer optimizer state, and the rounds of each plan.
 
-One Ray actor (`ray.remote(Syncer)`, async: every learner's `exchange` waits on it at once). For
-fragment p, round r collects the learners' Δ_p (`comm.remote` payloads, decoded here). It closes
+One Ray actor (`ray.remote(Syncer)`, async: every learner's `exchange` waits on it at once). The
+plans are the algorithm's (`options.plan_names`: fragment p of DiLoCo, Streaming DiLoCo or
+SparseLoCo); round r of plan p collects the learners' trees, Δ_p (`comm.remote` payloads, decoded
+here). It closes
 
   - at once when every live learner has sent, or
   - when the grace window ends (`grace.window_end`: `elastic.grace_s` seconds after
     `min(quorum, live learners)` Δ_p were accepted, or earlier with `elastic.adaptive_grace`, once
     the learners still expected in time have sent),
 
-merges what it accepted weighted by tokens (equal weights: Σ Δ / n, the all-reduce's mean; else
-Σ w_i Δ_i / Σ w_i, in learner order), takes the SPMD run's outer step on φ_p
-(`StreamingDiLoCo.outer_step`), saves φ, the outer states and the counters (orbax, through the
-Trainer's `Checkpointer`, before anyone is answered) and answers every waiting learner with φ_p.
+merges what it accepted weighted by tokens (`remote.mean`; equal weights: Σ Δ / n, the collective's
+mean; else Σ w_i Δ_i / Σ w_i, in learner order), runs the algorithm's `apply` of that mean on its
+copy of the state's shared part (φ, the outer optimizer state: `comm.plan.shared_part`), the outer
+step every learner runs on the same mean, saves φ, the shared state and the counters (orbax,
+through the Trainer's `Checkpointer`, before anyone is answered) and answers every waiting learner
+with the mean. The syncer's φ is what a (re)joining learner starts from and what is evaluated.
 
 A Δ_p computed from an older φ_p than the open round's (its learner missed rounds) is late:
 `elastic.late=drop` drops it, `weight` merges it with weight tokens · staleness_weight^(rounds
@@ -26,6 +30,7 @@ saved with φ. Only members are live; a removed learner's last Δ already sent i
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import pathlib
@@ -35,9 +40,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from lowcomm_jax.comm import remote
-from lowcomm_jax.elastic import faults as faults_lib, grace as grace_lib, options
-from lowcomm_jax.optim import fragments as frag_lib, schedule as schedule_lib
+from lowcomm_jax.comm import plan as plan_lib, remote
+from lowcomm_jax.elastic import grace as grace_lib, options
+from lowcomm_jax.train import faults as faults_lib
 
 
 def host(tree):
@@ -57,18 +62,22 @@ class Syncer:
     # one device is enough: φ's evaluation and the outer steps (the syncer holds no accelerator)
     self.trainer = Trainer(options.evaluation_config(c), self.dir / "model", jax.devices()[:1])
     self.params = host(self.trainer.init_params())
-    self.tx = options.outer_transform(c, self.params)
-    self.frags = self.tx.fragments(self.params)
-    self.num_fragments = len(self.frags)
-    self.plans = [self.tx.plans(schedule_lib.Phase(send=(p,)))[self.tx.plan_name(p)]
-                  for p in range(self.num_fragments)]
-    self.final_rounds = [sum(p in self.tx.phase_at(s).send for s in range(1, c.num_steps + 1))
-                         for p in range(self.num_fragments)]
+    self.algorithm = options.outer_algorithm(c, self.params)
+    self.tx = tx = self.algorithm.tx
+    self.names = options.plan_names(tx)
+    self.num_fragments = len(self.names)
+    sends = {n: ph for ph in tx.phases for n in tx.plans(ph)}
+    self.plans = [tx.plans(sends[n])[n] for n in self.names]
+    self.final_rounds = [
+        sum(n in tx.plans(self.algorithm.phase_at(s)) for s in range(1, c.num_steps + 1))
+        for n in self.names]
     self.quorum = options.quorum(c)
-    self.phi = jax.tree.map(lambda x: x.astype(np.float32), self.params)
-    self.outer_states = [
-      host(self.tx.outer.init(frag_lib.extract(f, self.phi))) for f in self.frags
-    ]
+    # φ and the outer optimizer state: what every learner's state holds the same
+    self.shared = host(plan_lib.shared_part(tx.state_axes, tx.init(self.params)))
+    self._treedef = jax.tree.structure(self.shared)
+    # each plan's tree, as `local` takes it (its shapes)
+    self.shapes = [jax.eval_shape(lambda n=n: tx.local(self.shared, self.params, sends[n])[n])
+                   for n in self.names]
     self.rounds = [0] * self.num_fragments
     self.step = 0  # the latest step a closed round merged
     self.live: set[int] = set()
@@ -81,7 +90,7 @@ class Syncer:
     restored = self.ckpt.restore_latest(self._template())
     if restored:
       self.saves, state, data = restored
-      self.phi, self.outer_states = host(state["phi"]), list(host(state["outer_states"]))
+      self.shared = jax.tree.unflatten(self._treedef, list(host(state["shared"])))
       self.rounds, self.step, self.stats = data["rounds"], data["step"], data["stats"]
       for key in ("added", "removed"):  # a run saved before membership changes were counted
         self.stats.setdefault(key, [])
@@ -99,32 +108,44 @@ class Syncer:
     self._quorum_at = {}  # (p, r) -> when the round's quorum was in
     self.arrivals = grace_lib.Arrivals()
     self._based_on = {}  # (p, learner) -> the round of the φ_p its next Δ_p starts from
-    self._results = {}  # (p, r) -> φ_p after round r
+    self._results = {}  # (p, r) -> the mean round r of plan p merged
     # compiled now, not in the first round that needs it (a round's time is the learners' wait)
-    self._outer_steps = [jax.jit(self.tx.outer_step).lower(
-        *self._outer_inputs(p)).compile() for p in range(self.num_fragments)]
+    consumed = {n: ph for ph in tx.phases for n in tx.consumes(ph)}
+
+    def outer_step(shared, params, mean, name, phase):
+      return tx.apply(shared, params, {name: mean}, phase)[1]
+
+    self._outer_steps = [
+        jax.jit(functools.partial(outer_step, name=n, phase=consumed[n])).lower(
+            self.shared, self.params, self.zeros(p)).compile()
+        for p, n in enumerate(self.names)]
     self._faults = [f for f in faults_lib.parse(c.elastic.faults, c.elastic.num_learners)
                     if f.kind == "kill_syncer"]
     self.writer = metrics.MetricWriter(self.run_dir, c.num_steps, self.step, progress_bar=False)
     self.started = time.time()
 
-  def _outer_inputs(self, p: int, mean_delta=None):
-    """`StreamingDiLoCo.outer_step`'s arguments for fragment p (zeros for Δ_p: its shapes)."""
-    global_p = frag_lib.extract(self.frags[p], self.phi)
-    if mean_delta is None:
-      mean_delta = jax.tree.map(np.zeros_like, global_p)
-    return mean_delta, global_p, self.outer_states[p]
+  @property
+  def phi(self):
+    """φ: the global parameters (float32), as the algorithm evaluates them."""
+    return self.algorithm.eval_params(None, self.shared)
+
+  def zeros(self, p: int):
+    """Zeros shaped as plan p's tree."""
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self.shapes[p])
+
+  def _saved(self) -> dict:
+    return {"phi": self.phi, "shared": tuple(jax.tree.leaves(self.shared))}
 
   def _template(self):
     cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=cpu)
-    return jax.tree.map(spec, {"phi": self.phi, "outer_states": tuple(self.outer_states)})
+    return jax.tree.map(spec, self._saved())
 
   # -- membership ------------------------------------------------------------------------------
 
   def join(self, learner: int) -> dict:
-    """A learner (re)starts: φ, the rounds, the step to start from and a live peer (or None);
-    `member` False for a learner removed from the run (it stops)."""
+    """A learner (re)starts: φ and the state's shared part, the rounds, the step to start from and
+    a live peer (or None); `member` False for a learner removed from the run (it stops)."""
     if learner not in self.members:
       return {"member": False, "step": self.step}
     peers = sorted(self.live - {learner})
@@ -132,8 +153,8 @@ class Syncer:
     self.stats["joins"].append((time.time(), learner))
     for p, r in enumerate(self.rounds):
       self._based_on[(p, learner)] = r
-    return {"member": True, "phi": self.phi, "rounds": list(self.rounds), "step": self.step,
-            "peer": peers[0] if peers else None}
+    return {"member": True, "phi": self.phi, "shared": self.shared, "rounds": list(self.rounds),
+            "step": self.step, "peer": peers[0] if peers else None}
 
   def add(self) -> int:
     """A learner added while the run goes on: its index (a member from now on, live once it
@@ -187,11 +208,12 @@ class Syncer:
   async def exchange(self, learner: int, p: int, base_round: int, payload, tokens: int, step: int,
                      loss: float) -> dict:
     """Learner `learner`'s Δ_p, computed from φ_p of round `base_round` over `tokens` tokens up to
-    its step `step`: returns φ_p once the open round closes, with the next round's number."""
+    its step `step`: returns the mean the open round merged once it closes, with the next round's
+    number (`accepted` False: dropped or the end, no mean; `behind`: computed from an older φ_p)."""
     r = self.rounds[p]
     if r >= self.final_rounds[p] or learner not in self.members:  # the end, or removed: it stops
-      return {"phi": frag_lib.extract(self.frags[p], self.phi), "round": r, "done": True,
-              "accepted": False, "step": self.step}
+      return {"mean": None, "round": r, "done": True, "accepted": False, "behind": False,
+              "step": self.step}
     self.arrivals.arrived(p, learner, time.time())
     behind = max(r - base_round, 0)
     if behind == 0:
@@ -204,8 +226,8 @@ class Syncer:
       self.stats["tokens_dropped"] += int(tokens)
       self.stats["dropped"].append((time.time(), learner, p, r, behind))
       self._based_on[(p, learner)] = r
-      return {"phi": frag_lib.extract(self.frags[p], self.phi), "round": r, "done": False,
-              "accepted": False, "step": self.step}
+      return {"mean": None, "round": r, "done": False, "accepted": False, "behind": True,
+              "step": self.step}
     self._open[p][learner] = dict(delta=remote.decode(self.plans[p], payload), weight=weight,
                                   tokens=int(tokens), step=int(step), loss=float(loss),
                                   behind=behind)
@@ -213,8 +235,9 @@ class Syncer:
     self._check_close(p)
     await event.wait()
     self._based_on[(p, learner)] = r + 1
-    return {"phi": self._results[(p, r)], "round": r + 1, "done": r + 1 >= self.final_rounds[p],
-            "accepted": weight > 0, "step": self.step}
+    return {"mean": self._results[(p, r)], "round": r + 1,
+            "done": r + 1 >= self.final_rounds[p], "accepted": True, "behind": behind > 0,
+            "step": self.step}
 
   def _check_close(self, p: int) -> None:
     r, contributions = self.rounds[p], self._open[p]
@@ -255,23 +278,15 @@ class Syncer:
       self._close(p)
 
   def _close(self, p: int) -> None:
-    r, frag = self.rounds[p], self.frags[p]
+    r = self.rounds[p]
     contributions = sorted(self._open[p].items())
     taken = [(i, x) for i, x in contributions if x["weight"] > 0]
+    mean = None
     if taken:
-      weights = [x["weight"] for _, x in taken]
-      deltas = [x["delta"] for _, x in taken]
-      if len(set(weights)) == 1:  # the all-reduce's mean: sum in learner order, then divide
-        mean = jax.tree.map(lambda *d: (sum(d[1:], d[0]) / np.float32(len(d))).astype(np.float32),
-                            *deltas)
-      else:
-        total = sum(weights)
-        mean = jax.tree.map(lambda *d: sum(np.float32(w / total) * x for w, x in zip(weights, d))
-                            .astype(np.float32), *deltas)
-      global_p, outer_state, finite = host(self._outer_steps[p](*self._outer_inputs(p, mean)))
-      self.phi = host(frag_lib.insert(frag, self.phi, global_p))
-      self.outer_states[p] = outer_state
-      self.stats["refused"] += int(not finite)
+      mean = remote.mean([x["delta"] for _, x in taken], [x["weight"] for _, x in taken])
+      refused = int(np.sum(self.algorithm.refused(self.shared)))
+      self.shared = host(self._outer_steps[p](self.shared, self.params, mean))
+      self.stats["refused"] += int(np.sum(self.algorithm.refused(self.shared))) - refused
       self.step = max(self.step, max(x["step"] for _, x in taken))
     merged = sum(x["tokens"] for _, x in taken)
     self.stats["tokens_merged"] += merged
@@ -285,7 +300,7 @@ class Syncer:
               "grace_waited_s": 0.0 if quorum_at is None else now - quorum_at}
     self.stats["rounds"].append(record)
     self.rounds[p] = r + 1
-    self._results[(p, r)] = frag_lib.extract(frag, self.phi)
+    self._results[(p, r)] = mean
     self._results.pop((p, r - 3), None)
     self._open[p] = {}
     _, timer = self._timers.pop((p, r), (None, None))
@@ -301,7 +316,7 @@ class Syncer:
 
   def _save(self) -> None:
     self.saves += 1
-    self.ckpt.save(self.saves, {"phi": self.phi, "outer_states": tuple(self.outer_states)},
+    self.ckpt.save(self.saves, self._saved(),
                    {"rounds": self.rounds, "step": self.step, "stats": self.stats,
                     "live": sorted(self.live), "members": sorted(self.members),
                     "num_learners": self.config.elastic.num_learners,

@@ -15,6 +15,7 @@ import jax
 import ml_collections
 
 from lowcomm_jax import config as config_lib
+from lowcomm_jax.train import hooks
 from lowcomm_jax.train.trainer import Trainer
 
 
@@ -40,8 +41,9 @@ def diloco_outer_gradient(model_size: str = "small", num_replicas: int = 2, inne
   c = outer_gradient_config(model_size, num_replicas, inner_steps, seed)
   with tempfile.TemporaryDirectory() as workdir:
     trainer = Trainer(c, workdir)
-    trainer.run()
-    state = trainer.final_state
+    final = hooks.FinalState()
+    trainer.run(hooks=[final])
+    state = final.state
     delta = jax.device_get(jax.tree.map(lambda phi, theta: phi - theta[0],
                                         state.opt_state.outer_params, state.params))
     last = json.loads((pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()[-1])

@@ -1,4 +1,5 @@
-"""Outer communication with delay τ ≥ 1 on its own thread, as the Trainer's loop runs it.
+"""The carriers of the outer communication, as the Trainer's loop runs them: in the step's program,
+on a thread of its own, or through an elastic run's syncer.
 
 `outer.overlap_executor` picks how a plan (`comm.Plan`) with τ ≥ 1 travels (docs/overlap.md):
 
@@ -14,6 +15,9 @@
   auto    (default) thread where it works: an algorithm with a plan of τ ≥ 1 on the `replicas` or
           `skippipe` gradient sources; inline elsewhere (nothing to overlap, or the pipeline's
           grid layout).
+
+An elastic learner's loop carries every plan through the syncer instead (`Remote`, one replica,
+the plans of kind mean, compressed_mean and sparse_gather: `comm.remote`).
 
 The loop knows only the plan interface (`comm.plan.OuterStep` plus `phases`, `consumes` and
 `without_delayed`), not the algorithm. It sees `Overlap`: `before_step` (the phase the step's
@@ -35,7 +39,7 @@ import jax
 import numpy as np
 
 from lowcomm_jax import comm, distributed
-from lowcomm_jax.comm import dispatch
+from lowcomm_jax.comm import dispatch, remote
 from lowcomm_jax.optim.schedule import Phase, without_delayed
 
 OVERLAP_EXECUTORS = ("auto", "thread", "inline")
@@ -245,3 +249,123 @@ def _first_row(rows: jax.Array, like: jax.Array) -> jax.Array:
 
 def _normalized(index, shape) -> tuple:
   return tuple(s.indices(n) for s, n in zip(index, shape))
+
+
+class Remote:
+  """Every plan of the algorithm carried by a syncer: an elastic learner's loop (one replica).
+
+  At a send the trees of the algorithm's `local` are encoded by their plan's codec
+  (`comm.remote.encode`; with error feedback the new residual goes into the state's `CommState`)
+  and handed to `link.send(step, name, payload)`; `link.receive(handle)` gives the syncer's reply,
+  the mean of what the round merged (float32), and the algorithm's `apply` runs on it as a program
+  of its own, as `Threaded` does with its futures. A plan of τ = 0 is sent after the step's
+  program (from the parameters it wrote) and waited for at once; one of τ ≥ 1 is sent before the
+  step's program (from the parameters entering it) and waited for after step s + τ. The step's
+  program runs without any plan (`program_phase`). A consumption whose send this loop never made
+  (the learner joined after it) is left out.
+  """
+
+  executor = None
+
+  def __init__(self, tx, link):
+    check_remote(tx)
+    self.tx, self.link = tx, link
+    self._handles: dict = {}  # plan name -> the link's handle of its reply, while in flight
+    self._locals: dict = {}  # (phase, names) -> the compiled program of their trees
+    self._applies: dict = {}  # (phase, names) -> the compiled apply program
+    self._step, self._phase = 0, None
+
+  @staticmethod
+  def program_phase(tx, phase):
+    """The phase a step's program runs with this carrier: `phase` without any plan."""
+    return program_phase((1,) * tx.schedule.num_fragments, phase)
+
+  def before_step(self, step: int, phase, state):
+    self._step, self._phase = step, phase
+    sends = {n: p for n, p in self.tx.plans(phase).items() if p.delay}
+    if sends:
+      state = self._send(step, phase, sends, state)
+    return self.program_phase(self.tx, phase), state
+
+  def after_step(self, state):
+    step, phase = self._step, self._phase
+    sends = {n: p for n, p in self.tx.plans(phase).items() if not p.delay}
+    if sends:
+      state = self._send(step, phase, sends, state)
+    due = tuple(n for n in self.tx.consumes(phase) if n in self._handles)
+    if not due:
+      return state
+    incoming = {n: self.link.receive(self._handles.pop(n)) for n in due}
+    params, opt_state = self._apply_program(phase, due, state)(state.params, state.opt_state,
+                                                               incoming)
+    return state._replace(params=params, opt_state=opt_state)
+
+  def _send(self, step: int, phase, plans: dict, state):
+    trees, residuals = self._local_program(phase, tuple(plans))(state.params, state.opt_state)
+    trees, residuals = jax.device_get((trees, residuals))
+    kept = dict(state.opt_state.comm.residuals)
+    for name, plan in plans.items():  # the algorithm's order
+      first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+      residual = first(residuals[name]) if name in residuals else None
+      payload, new_residual = remote.encode(plan, name, first(trees[name]), residual)
+      self._handles[name] = self.link.send(step, name, payload)
+      if new_residual is not None:
+        kept[name] = jax.tree.map(lambda x, like: jax.device_put(x[None], like.sharding),
+                                  new_residual, kept[name])
+    opt = state.opt_state
+    return state._replace(opt_state=opt._replace(comm=opt.comm._replace(residuals=kept)))
+
+  def _local_program(self, phase, names: tuple):
+    """(θ_R, opt_state) -> (each name's tree per replica, its residual per replica)."""
+    if (phase, names) not in self._locals:
+      tx = self.tx
+
+      def trees(params_r, opt):
+        per_replica = jax.vmap(lambda params, state: tx.local(state, params, phase),
+                               in_axes=(0, tx.state_axes))(params_r, opt)
+        return ({n: per_replica[n] for n in names},
+                {n: opt.comm.residuals[n] for n in names if n in opt.comm.residuals})
+
+      self._locals[(phase, names)] = jax.jit(trees)
+    return self._locals[(phase, names)]
+
+  def _apply_program(self, phase, due: tuple, state):
+    """(params_R, opt_state, the replies) -> the same after the algorithm's apply of `due`."""
+    if (phase, due) not in self._applies:
+      tx, axes = self.tx, self.tx.state_axes
+      apply = lambda params, opt, incoming: tx.apply(opt, params, incoming, phase)
+      per_replica = jax.vmap(apply, in_axes=(0, axes, None), out_axes=(0, axes))
+      layout = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
+      self._applies[(phase, due)] = jax.jit(per_replica, out_shardings=layout,
+                                            donate_argnums=(0, 1))
+    return self._applies[(phase, due)]
+
+  def settle(self, state):
+    """Every reply in flight waited for and written into the state's in-flight buffers."""
+    opt = state.opt_state
+    in_flight = dict(opt.comm.in_flight)
+    for name in list(self._handles):
+      reply = self.link.receive(self._handles.pop(name))
+      if name in in_flight:
+        in_flight[name] = jax.tree.map(lambda x, like: jax.device_put(x, like.sharding), reply,
+                                       in_flight[name])
+    return state._replace(opt_state=opt._replace(comm=opt.comm._replace(in_flight=in_flight)))
+
+  def quiet(self) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+def check_remote(tx) -> None:
+  """Refuses, in one line, an algorithm whose plans a syncer cannot carry."""
+  kinds = {plan.kind for plan in _all_plans(tx)}
+  if not isinstance(tx, comm.OuterStep) or not kinds or not kinds <= set(remote.REMOTE_KINDS):
+    raise ValueError(f"a syncer carries plans of kind {', '.join(remote.REMOTE_KINDS)} "
+                     f"(DiLoCo, Streaming DiLoCo, SparseLoCo); this algorithm's are "
+                     f"{sorted(kinds) or 'none'}")
+
+
+def _all_plans(tx) -> list:
+  return [plan for phase in getattr(tx, "phases", ()) for plan in _plans(tx, phase).values()]

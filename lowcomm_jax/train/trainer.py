@@ -40,8 +40,7 @@ from lowcomm_jax.optim.inner import TrainState
 from lowcomm_jax.train import (
   algorithms,
   checkpoint,
-  metrics as metrics_lib,
-  mfu as mfu_lib,
+  hooks as hooks_lib,
   overlap as overlap_lib,
   run_inputs,
   sources,
@@ -127,10 +126,7 @@ class Trainer:
     # thread | inline: where an overlapped fragment's mean is issued (train.overlap)
     self.overlap_executor = overlap_lib.choose(config.outer.overlap_executor, self.algorithm,
                                                self.source, self.mesh)
-    self._overlap = overlap_lib.Inline()  # the running loop's (run() starts the configured one)
-    self.comm_issued: list = []  # the last run's executor timeline (`comm.Issued`), for benchmarks
-    self.watch_steps = False  # set before run() to record step_times (metrics.StepTimes)
-    self.step_times: list = []
+    self._carrier = overlap_lib.Inline()  # the running loop's (run() starts the configured one)
     self.axes = dict(axes)
     self.param_specs = sharding.param_specs(self.axes, abstract_params, self.rules, self.mesh)
     self.param_shardings = sharding.named(self.mesh, self.param_specs)
@@ -205,9 +201,10 @@ class Trainer:
     return TrainState(params_r, opt_state, jnp.zeros((), jnp.int32))
 
   def state_shardings(self, abstract_state):
-    return self.source.state_shardings(abstract_state, self.param_specs, self._abstract_params())
+    return self.source.state_shardings(abstract_state, self.param_specs, self.abstract_params())
 
-  def _abstract_params(self):
+  def abstract_params(self):
+    """The model's (unreplicated) parameters as `ShapeDtypeStruct`s (no compute)."""
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
                         jax.eval_shape(lambda: nnx.state(llama.Decoder(self.model_cfg, nnx.Rngs(0)),
                                                          nnx.Param).to_pure_dict()))
@@ -249,7 +246,7 @@ class Trainer:
 
   def abstract_state(self):
     """The train state as `ShapeDtypeStruct`s laid out as `init_state` lays it out (no compute)."""
-    abstract = jax.eval_shape(self._init_fn, self._abstract_params())
+    abstract = jax.eval_shape(self._init_fn, self.abstract_params())
     return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                         abstract, self.state_shardings(abstract))
 
@@ -309,7 +306,7 @@ class Trainer:
   def evaluate(self, eval_step, state, eval_batches, splits=None) -> dict:
     """Mean eval losses (nats per token) over `eval_batches`, and with `splits` the eval loss in
     bits per byte of the eval text (`eval_bits_per_byte`, `pipeline.TokenSplits.bits_per_byte`)."""
-    self._overlap.quiet()  # before dispatching: the evaluation's programs span every process
+    self._carrier.quiet()  # before dispatching: the evaluation's programs span every process
     losses = distributed.fetch([eval_step(state, b) for b in eval_batches])
     means = {k: float(np.mean([l[k] for l in losses])) for k in losses[0]}
     if splits is not None:
@@ -326,226 +323,138 @@ class Trainer:
   def refused(self, state) -> np.ndarray:
     """Outer steps refused so far because the global model would hold NaN or inf (flat int
     array)."""
-    return np.asarray(self._fetch(self._refused_array(state))).reshape(-1)
+    return np.asarray(self.fetch(self.refused_array(state))).reshape(-1)
 
-  def _fetch(self, tree):
+  def fetch(self, tree):
     """`distributed.fetch`, once no collective of the outer-communication thread is running (with
     several processes, the two threads' collectives must not interleave differently per process)."""
-    self._overlap.quiet()
+    self._carrier.quiet()
     return distributed.fetch(tree)
 
-  def _refused_array(self, state) -> jax.Array:
+  def refused_array(self, state) -> jax.Array:
+    """The refusal counts of `state` as a device array (`refused` fetches them)."""
     return self.algorithm.refused(self.source.opt_state_view(state.opt_state))
 
   # -- the run -----------------------------------------------------------------------------------
 
-  def run(self) -> dict:
-    """Trains to the end (or `stop_at_step`) holding the workdir's lock (`workdir.RunLock`)."""
+  def run(self, hooks=()) -> dict:
+    """Trains to the end (or `stop_at_step`) holding the workdir's lock (`workdir.RunLock`);
+    `hooks` (`train.hooks.Hook`) run after the loop's own at every step."""
     if self.run_state == workdir_lib.COMPLETE:  # reliability: a finished run is left as it is
       return workdir_lib.report_complete(self.workdir)
-    self._lock, self._ckpt = None, None
+    self._lock, self._hooks = None, []
     workdir_lib.check_not_locked(self.workdir)  # a second start: refused before its first line
     try:
-      return self._run()
+      return self._run(list(hooks))
     except BaseException:
-      if self._ckpt is not None:  # a save in flight is finished and sealed, never abandoned at exit
-        try:
-          self._ckpt.close()
-        except Exception:  # pylint: disable=broad-except
-          pass  # the error that stopped the run is the one to report
+      hooks_lib.close_quietly(self._hooks)  # a save in flight is finished and sealed
       raise
     finally:  # the kernel would release it at exit; a process that starts another run must not wait
+      self._carrier = overlap_lib.Inline()
       if self._lock is not None:
         self._lock.release()
 
-  def _run(self) -> dict:
+  def _start(self, splits):
+    """Locks the workdir, writes config.json (a new run) and returns (the step this start resumes
+    from, its state, what the checkpoint recorded of the starts before, the checkpointer)."""
     c = self.config
-    splits = pipeline.splits_of(c)  # the data's refusals (binary text, too few tokens) come first
-    data_iters = self.data_iterators(splits.train)
-    eval_batches = [distributed.replicated_array(b, self.eval_sharding())
-                    for b in pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
-                                                   c.eval.num_batches)]
     if distributed.is_primary():
       for line in self.startup_report():
         print(line, flush=True)
-    # reliability: config.json only once the data checks above passed (a refusal writes nothing),
+    # reliability: config.json only once the data checks passed (a refusal writes nothing),
     # and only by the start holding the workdir (a second start is refused, naming the first)
     self._lock = workdir_lib.lock_run(self.workdir)
     self._check_workdir()  # again, now that no other start can change it (one may have ended since)
     distributed.barrier("workdir checked")  # by every process, before process 0 writes to it
     if self.run_state == workdir_lib.COMPLETE:
-      return workdir_lib.report_complete(self.workdir)
+      return None
     if not self.resuming and distributed.is_primary():  # config.json, then the tokenizer's copy
       workdir_lib.write_config(self.workdir, c.to_dict(),
                                config_lib.fingerprint(c), self.corpus_identity, self.inputs)
     elif distributed.is_primary() and run_inputs.saved_inputs(self.workdir):
       run_inputs.copy_tokenizer(self.workdir, self.inputs)  # a first start cut short before it
     distributed.barrier("config.json written")
-    preemption = distributed.Preemption()  # reliability: SIGTERM saves at a step boundary
     state = self.init_state()
-    eval_step = self.eval_fn()
-
     checkpoint.check_writable(self.workdir)  # reliability: before the first step, not at a save
-    ckpt = self._ckpt = checkpoint.Checkpointer(self.workdir, c.checkpoint.keep)
+    ckpt = checkpoint.Checkpointer(self.workdir, c.checkpoint.keep)
     restored = ckpt.restore_latest(jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
-    start = restored[0] if restored else 0
-    sent_bytes, peak_sync_bytes = 0.0, 0.0  # the ledger's bytes per worker, over the whole run
-    timing = {}  # the wall time and timed windows of the starts before this one, up to `start`
-    self._refused_seen = np.zeros_like(self.refused(state))
+    if not restored:
+      self._refused_seen = np.zeros_like(self.refused(state))
+      return 0, state, {}, ckpt
+    start, state, data_state = restored
+    self._refused_seen = self.refused(state)  # refusals before the checkpoint were reported
+    print(f"resumed from {ckpt.directory}/{start}", flush=True)
+    return start, state, data_state, ckpt
+
+  def _run(self, user_hooks: list) -> dict:
+    c = self.config
+    splits = pipeline.splits_of(c)  # the data's refusals (binary text, too few tokens) come first
+    data_iters = self.data_iterators(splits.train)
+    eval_batches = [distributed.replicated_array(b, self.eval_sharding())
+                    for b in pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
+                                                   c.eval.num_batches)]
+    started = self._start(splits)
+    if started is None:
+      return workdir_lib.report_complete(self.workdir)
+    start, state, restored, ckpt = started
     if start:
-      _, state, data_state = restored
       mine = distributed.local_replicas(self.mesh, c.num_replicas)
-      for it, s in zip(data_iters, data_state["replicas"][mine.start:mine.stop]):
+      for it, s in zip(data_iters, restored["replicas"][mine.start:mine.stop]):
         it.set_state(s)
-      sent_bytes, peak_sync_bytes = data_state["sent_bytes"], data_state["peak_sync_bytes"]
-      timing = data_state.get("timing", {})  # absent from checkpoints written before it was kept
-      # refusals before the checkpoint were already reported
-      self._refused_seen = self.refused(state)
-      print(f"resumed from {ckpt.directory}/{start}", flush=True)
-
     stop = c.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, c.num_steps)
-    writer = metrics_lib.MetricWriter(self.workdir, c.num_steps, start, c.progress_bar,
-                                      enabled=distributed.is_primary())
-    tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
-    flops_per_token = model_config.flops_per_token(self.model_cfg, c.data.seq_len)
-    peak = mfu_lib.run_peak(c.hardware.peak_flops_per_device, self.mesh.devices.size,
-                            self.mesh.devices.flat)
-    eval_loss, eval_losses = None, {}
-    throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, peak, start,
-                                        timing.get("throughput"))
-    earlier_wall = float(timing.get("wall_time_s", 0.0))
-    # Logged metrics are fetched one step late (metrics.OneStepBehind), so that logging never makes
-    # the host wait for a step before dispatching the next; throughput windows end at the fetch.
-    behind = metrics_lib.OneStepBehind(self._fetch)
+    step_metrics = hooks_lib.StepMetrics(self, start, stop, restored)
+    refusals = hooks_lib.Refusals(self, stop)
+    evaluation = hooks_lib.Evaluation(self, step_metrics, eval_batches, splits)
+    hooks = self._hooks = [step_metrics, refusals, evaluation,
+                           hooks_lib.Checkpoints(self, ckpt, step_metrics, refusals, stop),
+                           *user_hooks]
+    carrier = overlap_lib.start(self.overlap_executor, self.algorithm, self.mesh)
+    state = self.train(state, start, stop, data_iters, carrier, hooks)
+    if evaluation.losses is None and start == stop == c.num_steps:  # killed before the summary
+      evaluation.evaluate(state)
+    eval_losses = evaluation.losses or {}
+    self._carrier = overlap_lib.Inline()
+    for hook in hooks:
+      hook.close()
+    return self._summary(stop, start, eval_losses, step_metrics, splits, state)
 
-    def take_ready():
-      record = behind.ready()
-      if record is None:
-        return None
-      held_step, values, fetched_at = record
-      window = int(values.pop("_window_steps", 0))
-      if window:
-        values.update(throughput.window(held_step, window, fetched_at))
-      return held_step, values
-
-    pending_refusals = None  # (counts, step) of the last logged step, read once the next is queued
-    run_start = time.perf_counter()
-    self._overlap = overlap = overlap_lib.start(self.overlap_executor, self.algorithm, self.mesh)
-    step_times = metrics_lib.StepTimes() if self.watch_steps else None
+  def train(self, state, start: int, stop: int, data_iters: list, carrier, hooks: list):
+    """The loop: steps start + 1 … stop from `state` on the batches of `data_iters` (this process's
+    replicas), the outer communication through `carrier` (`train.overlap`: Inline, Threaded,
+    Remote), `hooks` (`train.hooks`) around each step; returns the state after the last step."""
+    c = self.config
+    self._carrier = carrier
+    loop = hooks_lib.Loop(self, carrier, start, stop, data_iters)
+    for hook in hooks:
+      hook.begin(loop)
     for step in range(start + 1, stop + 1):
       phase = self.algorithm.phase_at(step)
       route = self.source.route_at(step)
-      # With the thread, the step's program leaves out the overlapped sends (submitted here) and
-      # the merges of fragments in flight (after_step runs them once their means arrive, so the
-      # step's compute overlaps the all-reduce); the ledger counts the phase's collectives anyway.
-      step_phase, state = overlap.before_step(step, phase, state)
+      # The carrier picks the phase the step's program runs: with a thread or a syncer, without the
+      # sends it carries itself (submitted here) and the merges of their results (its after_step
+      # runs them once they arrived, so the step's compute overlaps the transfer).
+      step_phase, state = carrier.before_step(step, phase, state)
       program, _ = self.program(step_phase, state, route)
-      entries = self.phase_entries(phase, state, route)
       batch = distributed.global_array(  # this process's replicas only
           np.stack([next(it) for it in data_iters]), self.batch_sharding(),
           (c.num_replicas, c.data.batch_size, c.data.seq_len + 1))
-      state, step_metrics = program(state, batch)
-      if step_times is not None:
-        step_times.watch(step, [step_metrics["loss"]])
-      state = overlap.after_step(state)  # the thread's merges, once their means arrived
-      ready = take_ready()  # the last logged step's metrics, fetched now that this step is queued
-      if ready:
-        writer.write(*ready)
-      if pending_refusals is not None:  # the last logged step's refusal counts, read one step late
-        self._check_refused(*pending_refusals)
-        pending_refusals = None
-      logged = {k: float(self._fetch(v)) for k, v in self.algorithm.diagnostics(
-          self.source.opt_state_view(state.opt_state), phase).items()}
-      step_bytes = sum(e.sent_bytes for e in entries)
-      sent_bytes += step_bytes
-      peak_sync_bytes = max(peak_sync_bytes, step_bytes)
-      throughput.count_step()
-      log_now = step % c.log_every == 0 or step == stop
-      if self.algorithm.checks_refusals(phase):  # a sync step: read now
-        self._check_refused(self._refused_array(state), step)
-      elif log_now:  # a copy (the state is donated to the next step), read after it is dispatched
-        pending_refusals = (jnp.copy(self._refused_array(state)), step)
-      if log_now:
-        logged["_window_steps"] = throughput.take_window_steps()
-      if logged:
-        behind.hold(step, step_metrics if log_now else {}, logged)
-      if step % c.eval.every == 0 or step == c.num_steps:
-        _, held = take_ready() or (step, {})  # evaluating waits for this step anyway
-        eval_losses = self.evaluate(eval_step, state, eval_batches, splits)
-        eval_loss = eval_losses["eval_loss"]
-        writer.write(step, {**held, **eval_losses})
-        throughput.restart()
-      preempted = preemption.reached(step)  # reliability: every process, every step
-      saving = step % c.checkpoint.every == 0 or step == stop or preempted
-      ckpt.check(saving)  # reliability: a failed save stops the run at once, in one line
-      if saving:
-        if pending_refusals is not None and c.nonfinite == "raise":  # never save past a refusal
-          self._check_refused(*pending_refusals)
-          pending_refusals = None
-        ready = take_ready()  # written before the checkpoint, so that a resume never loses its line
-        if ready:
-          writer.write(*ready)
-        state = overlap.settle(state)  # the checkpoint holds the in-flight means, as inline
-        overlap.quiet()
-        data_states = distributed.gather_lists([it.get_state() for it in data_iters])
-        saved_timing = {"wall_time_s": earlier_wall + time.perf_counter() - run_start,
-                        "throughput": throughput.totals()}
-        ckpt.save(step, state, {"replicas": data_states, "timing": saved_timing,
-                                "sent_bytes": sent_bytes, "peak_sync_bytes": peak_sync_bytes})
-      if preempted and step < stop:  # reliability: saved; stop with a message
-        overlap.close()
-        ckpt.close()
-        writer.close()
-        preemption.close()
-        raise distributed.Preempted(step, ckpt.directory)
-    if pending_refusals is not None:
-      self._check_refused(*pending_refusals)
-    state = overlap.settle(state)
-    overlap.close()
-    self.comm_issued = list(overlap.executor.issued) if overlap.executor else []
-    self.step_times = step_times.close() if step_times is not None else []
-    self._overlap = overlap_lib.Inline()
-    preemption.close()
-    if eval_loss is None and start == stop == c.num_steps:  # reliability: killed before the summary
-      eval_losses = self.evaluate(eval_step, state, eval_batches, splits)
-      eval_loss = eval_losses["eval_loss"]
-    ckpt.close()
-    writer.close()
-    wall = time.perf_counter() - run_start
+      state, metrics = program(state, batch)
+      for hook in hooks:
+        hook.dispatched(step, state, metrics)
+      state = carrier.after_step(state)
+      for hook in hooks:
+        state = hook.after_step(step, phase, state, metrics)
+    state = carrier.settle(state)
+    carrier.close()
+    for hook in hooks:
+      hook.end(state)
+    return state
 
-    tokens_per_s = throughput.tokens_per_s
-    summary = self._summary(stop, eval_loss, earlier_wall + wall, tokens_per_s, sent_bytes,
-                            peak_sync_bytes, state)
-    # wall_time_s and tokens_per_s are the whole run's (every start's work up to the checkpoint the
-    # next start resumed from); this start's own figures beside them
-    summary["this_start"] = {"first_step": start + 1, "wall_time_s": wall,
-                             "tokens_per_s": throughput.start_tokens_per_s}
-    summary["final_eval_bits_per_byte"] = eval_losses.get("eval_bits_per_byte")
-    summary["eval_bytes_per_token"] = splits.bytes_per_token
-    summary.update(throughput.summary())
-    if self.algorithm.eval_replicas:  # no global model: each replica's loss
-      summary["final_eval_loss_replicas"] = [eval_losses.get(f"eval_loss_replica_{i}")
-                                             for i in range(c.num_replicas)]
-    if c.network:
-      step_seconds = c.hardware.step_seconds or tokens_per_step / tokens_per_s
-      summary["network"] = c.network
-      summary["simulated_step_seconds"] = step_seconds
-      summary["simulated_wall_time_s"] = self.simulated_wall_time(stop, step_seconds, state)
-    if stop == c.num_steps and distributed.is_primary():  # strict JSON, nulls explained
-      untimed = "no timed step: every step of this start was in the window that compiles"
-      why_null = {"this_start.tokens_per_s": untimed}
-      why_null.update({} if throughput.seconds else {
-          k: untimed for k in ("tokens_per_s", "tokens_per_cpu_s", "mfu") if k in summary})
-      summary = workdir_lib.write_summary(self.workdir, summary, why_null)
-    self.final_state = state
-    self.final_data_state = distributed.gather_lists([it.get_state() for it in data_iters])
-    return summary
-
-  def _check_refused(self, counts, step: int) -> None:
+  def check_refused(self, counts, step: int) -> None:
     """Applies config.nonfinite after new refusals of an outer step (`counts`: the device array
-    `_refused_array` gives): raise, or log and go on."""
-    counts = np.asarray(self._fetch(counts)).reshape(-1)
+    `refused_array` gives): raise, or log and go on."""
+    counts = np.asarray(self.fetch(counts)).reshape(-1)
     new = [i for i in range(len(counts)) if counts[i] > self._refused_seen[i]]
     self._refused_seen = counts
     if not new:
@@ -560,29 +469,54 @@ class Trainer:
                            "learning rate)")
     print("warning: " + message, flush=True)
 
-  def _summary(self, steps, eval_loss, wall, tokens_per_s, sent_bytes, peak_sync_bytes,
+  def _summary(self, steps: int, start: int, eval_losses: dict, step_metrics, splits,
                state) -> dict:
     c = self.config
-    final = {k: float(self._fetch(v)) for k, v in self.algorithm.final_diagnostics(
+    final = {k: float(self.fetch(v)) for k, v in self.algorithm.final_diagnostics(
         self.source.opt_state_view(state.opt_state)).items()}
-    return {
+    throughput, wall = step_metrics.throughput, time.perf_counter() - step_metrics.began
+    tokens_per_step = c.num_replicas * c.data.batch_size * c.data.seq_len
+    summary = {
         "algorithm": c.algorithm,
         "gradients": c.gradients,
         "config": c.to_dict(),
         "steps": steps,
-        "tokens": steps * c.num_replicas * c.data.batch_size * c.data.seq_len,
-        "final_eval_loss": eval_loss,
+        "tokens": steps * tokens_per_step,
+        "final_eval_loss": eval_losses.get("eval_loss"),
         "num_params": self.num_params,
         "bytes_sent_per_worker": self.algorithm.comm_summary(
-            steps, sent_bytes, peak_sync_bytes, self.mesh.shape[mesh_lib.DATA], self.num_params),
+            steps, step_metrics.sent_bytes, step_metrics.peak_sync_bytes,
+            self.mesh.shape[mesh_lib.DATA], self.num_params),
         "refused_outer_steps": int(self.refused(state).sum()),
-        "wall_time_s": wall,
-        "tokens_per_s": tokens_per_s,
+        # the whole run's (every start's work up to the checkpoint the next start resumed from)
+        "wall_time_s": step_metrics.earlier_wall + wall,
+        "tokens_per_s": throughput.tokens_per_s,
         "mesh": dict(self.mesh.shape),
         "codec_kernel": self.codec_kernel,
         "workdir": str(self.workdir.absolute()),
         **final,
+        # this start's own figures beside them
+        "this_start": {"first_step": start + 1, "wall_time_s": wall,
+                       "tokens_per_s": throughput.start_tokens_per_s},
+        "final_eval_bits_per_byte": eval_losses.get("eval_bits_per_byte"),
+        "eval_bytes_per_token": splits.bytes_per_token,
+        **throughput.summary(),
     }
+    if self.algorithm.eval_replicas:  # no global model: each replica's loss
+      summary["final_eval_loss_replicas"] = [eval_losses.get(f"eval_loss_replica_{i}")
+                                             for i in range(c.num_replicas)]
+    if c.network:
+      step_seconds = c.hardware.step_seconds or tokens_per_step / throughput.tokens_per_s
+      summary["network"] = c.network
+      summary["simulated_step_seconds"] = step_seconds
+      summary["simulated_wall_time_s"] = self.simulated_wall_time(steps, step_seconds, state)
+    if steps == c.num_steps and distributed.is_primary():  # strict JSON, nulls explained
+      untimed = "no timed step: every step of this start was in the window that compiles"
+      why_null = {"this_start.tokens_per_s": untimed}
+      why_null.update({} if throughput.seconds else {
+          k: untimed for k in ("tokens_per_s", "tokens_per_cpu_s", "mfu") if k in summary})
+      summary = workdir_lib.write_summary(self.workdir, summary, why_null)
+    return summary
 
 
 def run(config: run_config.RunConfig | ml_collections.ConfigDict,

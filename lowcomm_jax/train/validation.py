@@ -17,11 +17,10 @@ import ml_collections
 
 from lowcomm_jax import checks, config as config_lib, mesh as mesh_lib, run_config, sharding
 from lowcomm_jax.data import corpora, files, pipeline, tokenizer as tokenizer_lib
-from lowcomm_jax.elastic import faults
 from lowcomm_jax.models import config as model_config, hf_llama
 from lowcomm_jax.optim import inner
 from lowcomm_jax.sim import network
-from lowcomm_jax.train import algorithms, sources
+from lowcomm_jax.train import algorithms, faults, sources
 
 
 def validate(c: ml_collections.ConfigDict) -> run_config.RunConfig:

@@ -1,4 +1,5 @@
-"""Faults as configuration: what `elastic.faults` and `elastic.faults_per_hour` inject, and when.
+"""Faults as configuration: what `elastic.faults` and `elastic.faults_per_hour` inject, and when;
+`StepFaults`, the hook that fires a learner's faults in its training loop.
 
 `elastic.faults` lists faults that fire at a learner's inner step (or a syncer round), each once per
 run, comma-separated:
@@ -13,16 +14,23 @@ run, comma-separated:
 (`poisson_kills`), the benchmark's fault schedule.
 
 "Once per run" survives restarts: firing creates a marker file in the run's `faults/` folder
-(`fire_once`), so a learner restarted after its kill does not kill itself again.
+(`fire_once`), so a learner restarted after its kill does not kill itself again. A learner's faults
+fire from `StepFaults`, a hook of its loop (`train.hooks`); the syncer's from the syncer, the
+Poisson kills from the driver (`elastic.driver`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
+import subprocess
+import time
 
 import numpy as np
+
+from lowcomm_jax.train import hooks
 
 KINDS = {"kill": ("learner", "step"), "stop": ("learner", "step", "seconds"),
          "slow": ("learner", "step", "factor"), "kill_syncer": ("round",)}
@@ -113,3 +121,53 @@ def poisson_kills(faults_per_hour: float, duration_s: float, num_learners: int,
     if t >= duration_s:
       return kills
     kills.append((t, int(rng.integers(num_learners))))
+
+
+class StepFaults(hooks.Hook):
+  """Fires learner `learner`'s faults of `faults` after its steps (`elastic.faults`: kill, stop,
+  slow), each once per run; `event(kind, **fields)` records one as it fires."""
+
+  def __init__(self, run_dir, faults, learner: int, event):
+    self.run_dir, self.learner, self.event = pathlib.Path(run_dir), learner, event
+    self.faults = [f for f in faults if f.kind != "kill_syncer" and f.learner == learner]
+    self.slow = 1.0  # F times this learner's usual step time, from the slow fault's step on
+    self._seen = set()  # this start's faults already looked at
+    self._step_times, self._began, self._first = [], None, None
+
+  def begin(self, loop) -> None:
+    self._first = loop.start + 1  # the first step of a start compiles: not timed
+    self._began = time.perf_counter()
+
+  def after_step(self, step, phase, state, metrics):
+    now = time.perf_counter()
+    if step > self._first:
+      self._step_times.append(now - self._began)
+    for fault in self.faults:  # at step S, or the first step after it (a catch-up skips steps)
+      if step < fault.step or fault in self._seen:
+        continue
+      self._seen.add(fault)  # looked at once per start: no marker file to test every step
+      if fault.kind == "slow":
+        self.slow = max(self.slow, fault.factor)  # from this step on, for the rest of the run
+        fire_once(self.run_dir, fault)
+      elif fire_once(self.run_dir, fault):
+        self.event(fault.kind, step=step, seconds=fault.seconds)
+        if fault.kind == "kill":
+          os._exit(1)  # pylint: disable=protected-access
+        stop_for(fault.seconds)
+    if self.slow > 1 and self._step_times:
+      time.sleep((self.slow - 1) * float(np.median(self._step_times[-20:])))
+    self._began = time.perf_counter()
+    return state
+
+
+def stop_for(seconds: float) -> None:
+  """Stops this process (SIGSTOP) for `seconds`, from another process that wakes it (SIGCONT).
+
+  That process looks every 0.1 s and ends at once when something else woke or ended this one
+  first, so it never outlives the stop nor signals a process id that was used again.
+  """
+  pid, ticks = os.getpid(), max(1, math.ceil(seconds * 10))
+  subprocess.Popen(["sh", "-c", f"kill -STOP {pid}; i=0; while [ $i -lt {ticks} ]; do "
+                    f"sleep 0.1; i=$((i+1)); grep -q '^State:.*stopped' /proc/{pid}/status "
+                    f"2>/dev/null || exit 0; done; kill -CONT {pid}"], start_new_session=True)
+  time.sleep(0.05)
