@@ -48,7 +48,7 @@ from absl import app, flags, logging
 
 from lowcomm_jax import config as config_lib, models
 from lowcomm_jax.sim import clock
-from lowcomm_jax.train import Trainer
+from lowcomm_jax.train import Trainer, hooks
 
 _HERE = pathlib.Path(__file__).parent
 ENTRIES_DIR = _HERE / "entries"
@@ -228,8 +228,9 @@ def run_one(task: Task, name: str, seed: int, workdir: pathlib.Path) -> dict:
   """Trains one (entry, seed) (resuming its workdir) and scores it on every link."""
   changes = load_entry(name).changes(task)
   trainer = Trainer(make_config(task, changes, seed), workdir)
-  summary = trainer.run()
-  state = trainer.final_state
+  final = hooks.FinalState()
+  summary = trainer.run(hooks=[final])
+  state = final.state
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   curve = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
   if not curve or curve[-1][0] != task.steps:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lowcomm_jax import config as config_lib
+from lowcomm_jax import config as config_lib, testing
 from lowcomm_jax.testing import ROOT
 from lowcomm_jax.train import algorithms
 
@@ -159,8 +159,20 @@ def test_the_readme_api_example_runs_and_its_replicas_learn():
 
 
 def test_the_api_doc_examples_run_and_every_algorithm_learns():
-  (example,) = _python_blocks(ROOT / "docs" / "api.md")
+  example, _ = _python_blocks(ROOT / "docs" / "api.md")
   run = _run(example, "docs/api.md")
   for name in ("streaming", "noloco", "sparse"):
     # from 140 at the start (as the README's problem) to below 5% of it on every replica
     assert float(run["losses"][name].max()) < 0.05 * 140, name
+
+
+def test_the_api_doc_hooks_example_runs(tmp_path, monkeypatch):
+  """docs/api.md's hooks example, its `config` a tiny run of 6 steps (in a temporary folder): the
+  hooks see the final state and one timing per step."""
+  _, example = _python_blocks(ROOT / "docs" / "api.md")
+  monkeypatch.chdir(tmp_path)
+  namespace = {"__name__": "docs/api.md", "config": testing.tiny_config(num_steps=6)}
+  exec(compile(example, "docs/api.md", "exec"), namespace)  # pylint: disable=exec-used
+  assert namespace["summary"]["steps"] == 6
+  assert int(namespace["final"].state.step) == 6
+  assert [t[0] for t in namespace["steps"].times] == list(range(1, 7))
