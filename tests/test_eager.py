@@ -1,6 +1,5 @@
-"""Eager outer updates (docs/algorithms.md §1.6) against DiLoCo and a float64 oracle."""
+"""Eager outer updates (docs/algorithms.md §1.7) against DiLoCo and a float64 oracle."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -13,7 +12,6 @@ from lowcomm_jax.optim import schedule as schedule_lib
 H, M = 3, 3
 GAMMA, ETA, MU = 0.1, 0.7, 0.9  # inner SGD lr; outer Nesterov lr and momentum
 
-
 def _quadratic(steps, replicas, dim=5, seed=0):
   """f_m(w) = ½‖w − c‖², c drawn per step and replica: Δ has a closed form per inner step."""
   rng = np.random.default_rng(seed)
@@ -22,11 +20,9 @@ def _quadratic(steps, replicas, dim=5, seed=0):
   loss_fn = lambda p, c: 0.5 * jnp.sum((p["w"] - c) ** 2)
   return {"w": jnp.asarray(w0)}, jnp.asarray(targets), loss_fn
 
-
 def _eager(sync_every=H):
   return lowcomm_jax.streaming_diloco(optax.sgd(GAMMA), lowcomm_jax.outer_nesterov(ETA, MU),
                                       sync_every=sync_every, overlap_steps=sync_every, eager=True)
-
 
 def _oracle(w0, targets, outer_steps):
   """The paper's eager DiLoCo in float64: per worker m at outer step t, with Δ̄⁽⁰⁾ = Δ_m⁽⁰⁾ = 0,
@@ -46,7 +42,6 @@ def _oracle(w0, targets, outer_steps):
     own, landed = fresh, fresh.mean(0)  # the mean sent now lands at the next outer step
   return phi
 
-
 def test_first_two_outer_steps_match_the_float64_oracle():
   params, targets, loss_fn = _quadratic(2 * H, M)
   params_r, state = testing.run_replicas(_eager(), params, targets, loss_fn, use_phase=True)
@@ -61,7 +56,6 @@ def test_first_two_outer_steps_match_the_float64_oracle():
   # the workers differ: each took its own fresh Δ (a naive delay would give them one φ)
   assert np.abs(want[0] - want[1]).max() > 100 * bound
 
-
 def test_one_worker_is_bit_identical_to_diloco():
   """With M = 1 the landed mean is the worker's own previous Δ, taken out exactly (a − 1·a = 0)
   and replaced by the fresh Δ: the proxy is DiLoCo's Δ bit for bit."""
@@ -73,13 +67,11 @@ def test_one_worker_is_bit_identical_to_diloco():
   np.testing.assert_array_equal(np.asarray(eager_state.outer_params["w"][0]),
                                 np.asarray(want_state.outer_params["w"]))
 
-
 def test_every_sync_step_runs_the_outer_step_and_the_send_follows_it():
   schedule = schedule_lib.make_schedule(1, H, overlap_steps=H, eager=True)
   phases = [schedule_lib.phase_at(schedule, s) for s in range(1, 3 * H + 2)]
   assert [s for s, ph in enumerate(phases, 1) if ph.receive] == [H, 2 * H, 3 * H]
   assert [s for s, ph in enumerate(phases, 1) if ph.send] == [H + 1, 2 * H + 1, 3 * H + 1]
-
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(overlap_steps=1), "outer.eager needs outer.overlap_steps (τ) = outer.sync_every"),

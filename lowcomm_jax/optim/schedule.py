@@ -20,7 +20,7 @@ Where the overlap sits around the nominal sync step n_p = offset_p + kH
 `apply` is `send` with every offset moved τ steps earlier (the row's `offset`
 is always the step whose parameters are sent); with τ = 0 both are the same.
 
-Eager (`outer.eager`, docs/algorithms.md §1.6): τ = H, so fragment p's mean lands at its next sync
+Eager (`outer.eager`, docs/algorithms.md §1.7): τ = H, so fragment p's mean lands at its next sync
 step; every sync step (the first included, before anything has landed) receives and runs p's outer
 step, with the worker's own fresh Δ_p standing in for its share of the mean.
 """

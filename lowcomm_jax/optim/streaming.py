@@ -109,8 +109,9 @@ class StreamingDiLoCo:
   def _set_schedule(self, schedule: schedule_lib.FragmentSchedule) -> None:
     self._schedule = schedule
     if schedule.eager and self.error_feedback:
-      raise ValueError("outer.eager does not compose with error feedback: the worker takes its own "
-                       "Δ out of the landed mean, which holds Δ's encoding plus the resent residual")
+      raise ValueError("outer.eager does not compose with error feedback: the worker takes its "
+                       "own Δ out of the landed mean, which holds Δ's encoding plus the resent "
+                       "residual")
     if hasattr(self, "state_axes"):
       self._set_state_axes()
     self.phases, self._table, self._s0 = schedule_lib.phase_table(schedule)
@@ -165,7 +166,7 @@ class StreamingDiLoCo:
     """(the proxy Δ̃_p = mean_p − Δ_p'/M + Δ_p/M of each fragment in `means`, the state keeping
     the fresh Δ_p): mean_p, landed now, holds every worker's Δ of the previous outer step; this
     worker's own share Δ_p'/M of it was applied then, so it is replaced by its fresh Δ_p
-    (docs/algorithms.md §1.6)."""
+    (docs/algorithms.md §1.7)."""
     if self.num_replicas is None:
       raise ValueError("outer.eager needs the number of workers M: call init_replicated(params, M)")
     inv_m = 1.0 / self.num_replicas
@@ -336,7 +337,7 @@ def streaming_diloco(inner: optax.GradientTransformation,
       (the Pallas kernels; interpreted on CPU, bit-identical to the reference), "pallas_mosaic_gpu"
       / "pallas_triton" ("pallas" with that GPU kernel) or "auto" (Pallas where the platform
       compiles them, GPU/TPU; the reference elsewhere); see `codecs.kernel_options`.
-    eager: eager outer updates (arXiv 2502.12996, docs/algorithms.md §1.6): needs τ = H; each
+    eager: eager outer updates (arXiv 2502.12996, docs/algorithms.md §1.7): needs τ = H; each
       fragment's mean overlaps a whole outer phase while every worker runs its outer step at once
       with a proxy of its own fresh Δ and the others' Δ of the previous outer step; φ and the outer
       states are then per worker (`state_axes` 0).
