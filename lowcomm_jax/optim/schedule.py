@@ -36,13 +36,13 @@ from lowcomm_jax import checks
 
 
 class FragmentSchedule(NamedTuple):
-  """Rows per fragment: period (H), offset, delay (τ), alpha (α)."""
+  """Rows per fragment: period (H), offset, delay (τ), alpha (α), eager."""
 
   period: np.ndarray  # int[F]
   offset: np.ndarray  # int[F], in [1, H]: the first step whose parameters fragment p sends
   delay: np.ndarray  # int[F]
   alpha: np.ndarray  # float[F]
-  eager: bool = False  # every sync step runs the outer step with the eager proxy (τ = H)
+  eager: np.ndarray  # bool[F]: every sync step runs the outer step with the eager proxy (τ = H)
 
   @property
   def num_fragments(self) -> int:
@@ -101,10 +101,11 @@ def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered,
   shift = overlap_steps if overlap_anchor == "apply" else 0
   offsets = [((p + 1) * stride if staggered else sync_every) - shift for p in range(num_fragments)]
   rows = (np.full(num_fragments, sync_every), np.asarray(offsets),
-          np.full(num_fragments, overlap_steps), np.full(num_fragments, float(merge_alpha)))
+          np.full(num_fragments, overlap_steps), np.full(num_fragments, float(merge_alpha)),
+          np.full(num_fragments, eager))
   for row in rows:
     row.flags.writeable = False
-  return FragmentSchedule(*rows, eager=eager)
+  return FragmentSchedule(*rows)
 
 
 def _synced_after(schedule: FragmentSchedule, p: int, t: int) -> bool:
@@ -118,7 +119,7 @@ def phase_at(schedule: FragmentSchedule, step: int) -> Phase:
     tau = int(schedule.delay[p])
     if _synced_after(schedule, p, step - 1 if tau else step):
       send.append(p)
-    if _synced_after(schedule, p, step if schedule.eager else step - tau):
+    if _synced_after(schedule, p, step if schedule.eager[p] else step - tau):
       receive.append(p)
   return Phase(tuple(send), tuple(receive))
 

@@ -104,11 +104,11 @@ class StreamingDiLoCo:
 
   @property
   def eager(self) -> bool:
-    return self._schedule is not None and self._schedule.eager
+    return self._schedule is not None and bool(self._schedule.eager.any())
 
   def _set_schedule(self, schedule: schedule_lib.FragmentSchedule) -> None:
     self._schedule = schedule
-    if schedule.eager and self.error_feedback:
+    if schedule.eager.any() and self.error_feedback:
       raise ValueError("outer.eager does not compose with error feedback: the worker takes its "
                        "own Δ out of the landed mean, which holds Δ's encoding plus the resent "
                        "residual")
