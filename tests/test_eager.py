@@ -118,7 +118,7 @@ def _train(tmp_path, name, **changes):
   return trainer, summary
 
 
-def test_thread_equals_inline_and_sends_the_bytes_of_the_overlapped_run(tmp_path):
+def test_thread_equals_inline_sends_the_overlapped_bytes_and_resumes(tmp_path):
   inline, inline_summary = _train(tmp_path, "inline", **{"outer.overlap_executor": "inline"})
   threaded, _ = _train(tmp_path, "thread", **{"outer.overlap_executor": "thread"})
   assert (inline.overlap_executor, threaded.overlap_executor) == ("inline", "thread")
@@ -138,3 +138,11 @@ def test_thread_equals_inline_and_sends_the_bytes_of_the_overlapped_run(tmp_path
                                            "outer.overlap_executor": "inline"})
   assert inline_summary["bytes_sent_per_worker"] == plain["bytes_sent_per_worker"]
   assert inline_summary["bytes_sent_per_worker"]["total"] > 0
+  # A resume with the first mean in flight (sent with step 4, landing after step 6) and each
+  # worker's φ_m, outer state and own Δ in the checkpoint is bit-identical.
+  _train(tmp_path, "resumed", stop_at_step=5, **{"outer.overlap_executor": "inline",
+                                                  "checkpoint.every": 5})
+  resumed, _ = _train(tmp_path, "resumed", **{"outer.overlap_executor": "inline"})
+  for x, y in zip(jax.tree.leaves(inline.final_state), jax.tree.leaves(resumed.final_state),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
