@@ -51,7 +51,7 @@ def _naming_arguments(fn: Callable, keys: dict) -> Callable:
   return make
 
 
-_DILOCO = _SCHEDULE + ("error_feedback", "codec_kernels", "codec")
+_DILOCO = _SCHEDULE + ("error_feedback", "codec_kernels", "codec", "eager")
 _FRAGMENTS = {"outer.num_fragments": "fragments", "outer.fragment_rules": "fragments"}
 streaming_diloco = _naming_arguments(optim.streaming_diloco, _named("outer", _DILOCO) | _FRAGMENTS)
 diloco = _naming_arguments(optim.diloco, _named("outer", _DILOCO))

@@ -182,6 +182,11 @@ def default_config() -> ml_collections.ConfigDict:
       #          (torchft's convention)
       overlap_anchor="send",
       merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied
+      # Eager outer updates (docs/algorithms.md §1.7; diloco and streaming_diloco): needs
+      # overlap_steps = sync_every (τ = H), so each fragment's mean overlaps a whole outer phase
+      # (P fragments in flight at a time when P > 1); at every sync step each worker runs the
+      # outer step at once on its own φ with its fresh Δ in place of its share of the mean
+      eager=False,
       # none (float32 all-reduce) | e3m0 | e2m1 | int4 | int8 | bf16 | fp32 (compressed mean)
       codec="none",
       codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2

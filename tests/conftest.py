@@ -65,6 +65,7 @@ TIERS = {
     "test_accumulation.py": "trainer",
     "test_bad_inputs.py": "trainer",
     "test_bench.py": "trainer",
+    "test_eager.py": "trainer",
     "test_checkpoint_recovery.py": "trainer",
     "test_codec_kernels.py": "unit",
     "test_codecs.py": "unit",

@@ -128,4 +128,7 @@ def check(config) -> run_config.RunConfig:
   checks.require(run.outer.codec_rounding == "nearest", "outer.codec_rounding",
                  "nearest for an elastic run (stochastic rounding keys follow the SPMD step count)",
                  run.outer.codec_rounding)
+  checks.require(not run.outer.eager, "outer.eager",
+                 "False for an elastic run (the syncer steps one shared φ; eager keeps one per "
+                 "worker)", run.outer.eager)
   return run

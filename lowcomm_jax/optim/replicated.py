@@ -167,13 +167,14 @@ class DiLoCoFamily(_Phased):
     self.fragment_names = list(fragment_names)
 
   def eval_params(self, params_r, state):
-    return state.outer_params
+    # eager: each worker has its own φ; worker 0's is the model evaluated
+    return jax.tree.map(lambda x: x[0], state.outer_params) if self.tx.eager else state.outer_params
 
   def checks_refusals(self, phase) -> bool:
     return bool(phase.receive)
 
   def refused(self, state):
-    return state.nonfinite
+    return state.nonfinite.sum(0) if self.tx.eager else state.nonfinite
 
   def refusal_names(self):
     return [f"the averaged outer gradient of fragment {p} ({n})"

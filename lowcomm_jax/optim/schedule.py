@@ -19,6 +19,10 @@ Where the overlap sits around the nominal sync step n_p = offset_p + kH
 
 `apply` is `send` with every offset moved τ steps earlier (the row's `offset`
 is always the step whose parameters are sent); with τ = 0 both are the same.
+
+Eager (`outer.eager`, docs/algorithms.md §1.7): τ = H, so fragment p's mean lands at its next sync
+step; every sync step (the first included, before anything has landed) receives and runs p's outer
+step, with the worker's own fresh Δ_p standing in for its share of the mean.
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from lowcomm_jax import checks
 
 
 class FragmentSchedule(NamedTuple):
-  """Rows per fragment: period (H), offset, delay (τ), alpha (α)."""
+  """Rows per fragment: period (H), offset, delay (τ), alpha (α), eager."""
 
   period: np.ndarray  # int[F]
   offset: np.ndarray  # int[F], in [1, H]: the first step whose parameters fragment p sends
   delay: np.ndarray  # int[F]
   alpha: np.ndarray  # float[F]
+  eager: np.ndarray  # bool[F]: every sync step runs the outer step with the eager proxy (τ = H)
 
   @property
   def num_fragments(self) -> int:
@@ -56,7 +61,7 @@ OVERLAP_ANCHORS = ("send", "apply")
 
 def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
                   merge_alpha: float = 0.0, staggered: bool = True,
-                  overlap_anchor: str = "send") -> FragmentSchedule:
+                  overlap_anchor: str = "send", eager: bool = False) -> FragmentSchedule:
   """The Streaming DiLoCo schedule; one clear ValueError per bad option, before any compute.
 
   `overlap_anchor`: "send" sends at the nominal sync step and merges τ steps later (the paper's);
@@ -65,12 +70,12 @@ def make_schedule(num_fragments: int, sync_every: int, overlap_steps: int = 0,
   the algorithm share it); its arrays are read-only.
   """
   return _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered,
-                   overlap_anchor)
+                   overlap_anchor, bool(eager))
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (H=True is refused)
 def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered,
-              overlap_anchor) -> FragmentSchedule:
+              overlap_anchor, eager) -> FragmentSchedule:
   if overlap_anchor not in OVERLAP_ANCHORS:
     raise ValueError(f"outer.overlap_anchor must be one of {OVERLAP_ANCHORS}, "
                      f"got {overlap_anchor!r}")
@@ -79,7 +84,15 @@ def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered,
   sync_every = checks.sync_every(sync_every, "outer.sync_every",
                                  num_fragments=num_fragments if staggered else 1)
   stride = sync_every // num_fragments if staggered else sync_every
-  if overlap_steps < 0 or (overlap_steps and overlap_steps >= stride):
+  if eager:
+    if overlap_steps != sync_every:
+      raise ValueError(f"outer.eager needs outer.overlap_steps (τ) = outer.sync_every (H = "
+                       f"{sync_every}): a fragment's mean lands at its next sync step; got "
+                       f"τ={overlap_steps}")
+    if overlap_anchor != "send":
+      raise ValueError("outer.eager needs outer.overlap_anchor='send' (its outer step runs at the "
+                       "sync step that sends)")
+  elif overlap_steps < 0 or (overlap_steps and overlap_steps >= stride):
     raise ValueError(f"outer.overlap_steps (τ={overlap_steps}) must be >= 0 and smaller than "
                      f"H/P = {stride} so that one fragment is in flight at a time")
   if not 0.0 <= merge_alpha <= 1.0:
@@ -88,7 +101,8 @@ def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered,
   shift = overlap_steps if overlap_anchor == "apply" else 0
   offsets = [((p + 1) * stride if staggered else sync_every) - shift for p in range(num_fragments)]
   rows = (np.full(num_fragments, sync_every), np.asarray(offsets),
-          np.full(num_fragments, overlap_steps), np.full(num_fragments, float(merge_alpha)))
+          np.full(num_fragments, overlap_steps), np.full(num_fragments, float(merge_alpha)),
+          np.full(num_fragments, eager))
   for row in rows:
     row.flags.writeable = False
   return FragmentSchedule(*rows)
@@ -105,7 +119,7 @@ def phase_at(schedule: FragmentSchedule, step: int) -> Phase:
     tau = int(schedule.delay[p])
     if _synced_after(schedule, p, step - 1 if tau else step):
       send.append(p)
-    if _synced_after(schedule, p, step - tau):
+    if _synced_after(schedule, p, step if schedule.eager[p] else step - tau):
       receive.append(p)
   return Phase(tuple(send), tuple(receive))
 

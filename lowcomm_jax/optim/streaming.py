@@ -53,6 +53,9 @@ class StreamingDiLoCoState(NamedTuple):
   outer_states: tuple  # per fragment: the outer optimizer's state of φ_p (its sub-tree)
   comm: comm.CommState  # by plan name "fragment p": the mean in flight (τ ≥ 1), the residual
   nonfinite: jax.Array  # int32[F]: outer steps refused because the averaged Δ held NaN or inf
+  # eager only, per replica: per fragment the worker's own Δ_p of its last outer step (what it
+  # sends next, and what it takes out of the mean of that send when it lands); () otherwise
+  own_deltas: tuple = ()
 
 
 FragmentRule = Callable[[Any], tuple[frag_lib.Fragment, ...]]
@@ -88,12 +91,29 @@ class StreamingDiLoCo:
     self._make_schedule = schedule
     if isinstance(schedule, schedule_lib.FragmentSchedule):
       self._set_schedule(schedule)
-    self.state_axes = StreamingDiLoCoState(count=None, inner_state=0, outer_params=None,
-                                           outer_states=None, comm=comm.COMM_STATE_AXES,
-                                           nonfinite=None)
+    self.num_replicas = None  # M, set by `init_replicated` (the eager proxy's 1/M)
+    self._set_state_axes()
+
+  def _set_state_axes(self) -> None:
+    # eager: each worker steps its own φ with its own proxy, so φ and the outer states are per
+    # replica
+    shared = 0 if self.eager else None
+    self.state_axes = StreamingDiLoCoState(count=None, inner_state=0, outer_params=shared,
+                                           outer_states=shared, comm=comm.COMM_STATE_AXES,
+                                           nonfinite=shared, own_deltas=0)
+
+  @property
+  def eager(self) -> bool:
+    return self._schedule is not None and bool(self._schedule.eager.any())
 
   def _set_schedule(self, schedule: schedule_lib.FragmentSchedule) -> None:
     self._schedule = schedule
+    if schedule.eager.any() and self.error_feedback:
+      raise ValueError("outer.eager does not compose with error feedback: the worker takes its "
+                       "own Δ out of the landed mean, which holds Δ's encoding plus the resent "
+                       "residual")
+    if hasattr(self, "state_axes"):
+      self._set_state_axes()
     self.phases, self._table, self._s0 = schedule_lib.phase_table(schedule)
     kind = "mean" if self.codec is None else self.plan_kind
     # fragment p's plan; stochastic rounding keys fold the fragment in (seed p)
@@ -121,7 +141,10 @@ class StreamingDiLoCo:
     return schedule_lib.without_delayed(self.schedule.delay, phase)
 
   def local(self, state, params, phase) -> dict:
-    """Δ_p = φ_p − θ_p of every fragment p this phase sends, from `params`."""
+    """Δ_p = φ_p − θ_p of every fragment p this phase sends, from `params`; eager: the worker's Δ_p
+    kept by its last outer step (φ_p and θ_p have moved since)."""
+    if self.eager:
+      return {self.plan_name(p): state.own_deltas[p] for p in phase.send}
     frags = self.fragments(params)
     return {self.plan_name(p): self.outer_gradient(frags[p], state.outer_params, params)
             for p in phase.send}
@@ -132,10 +155,28 @@ class StreamingDiLoCo:
     del phase
     frags = self.fragments(params)
     means = {int(name.split()[-1]): mean for name, mean in incoming.items()}
+    if self.eager:
+      means, state = self._eager_proxies(frags, means, state, params)
     local, outer_params, outer_states, nonfinite = self._merge(
         frags, means, params, state.outer_params, state.outer_states, state.nonfinite)
     return local, state._replace(outer_params=outer_params, outer_states=outer_states,
                                  nonfinite=nonfinite)
+
+  def _eager_proxies(self, frags, means: dict, state, params):
+    """(the proxy Δ̃_p = mean_p − Δ_p'/M + Δ_p/M of each fragment in `means`, the state keeping
+    the fresh Δ_p): mean_p, landed now, holds every worker's Δ of the previous outer step; this
+    worker's own share Δ_p'/M of it was applied then, so it is replaced by its fresh Δ_p
+    (docs/algorithms.md §1.7)."""
+    if self.num_replicas is None:
+      raise ValueError("outer.eager needs the number of workers M: call init_replicated(params, M)")
+    inv_m = 1.0 / self.num_replicas
+    own = list(state.own_deltas)
+    proxies = {}
+    for p, mean in means.items():
+      fresh = self.outer_gradient(frags[p], state.outer_params, params)
+      proxies[p] = jax.tree.map(lambda a, o, f: a - inv_m * o + inv_m * f, mean, own[p], fresh)
+      own[p] = fresh
+    return proxies, state._replace(own_deltas=tuple(own))
 
   @property
   def schedule(self) -> schedule_lib.FragmentSchedule:
@@ -173,16 +214,21 @@ class StreamingDiLoCo:
     names = [self.plan_name(p) for p in range(len(sub_trees))]
     in_flight = {n: zeros(t) for n, t, tau in zip(names, sub_trees, self.schedule.delay) if tau}
     residuals = {n: zeros(t) for n, t in zip(names, sub_trees)} if self.error_feedback else {}
+    own_deltas = tuple(zeros(t) for t in sub_trees) if self.eager else ()
     return StreamingDiLoCoState(jnp.zeros((), jnp.int32), self.inner.init(params), outer_params,
                                 outer_states, comm.CommState(in_flight, residuals),
-                                jnp.zeros((len(sub_trees),), jnp.int32))
+                                jnp.zeros((len(sub_trees),), jnp.int32), own_deltas)
 
   def init_replicated(self, params, num_replicas: int):
     """(params_R, state): every replica starts from `params`, with its own inner optimizer state."""
     state = self.init(params)
+    self.num_replicas = num_replicas
     stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape), t)
+    mapped = lambda axis, t: stack(t) if axis == 0 else t
+    state = state._replace(**{f: mapped(getattr(self.state_axes, f), getattr(state, f))
+                              for f in ("inner_state", "outer_params", "outer_states",
+                                        "nonfinite", "own_deltas")})
     return stack(params), state._replace(
-        inner_state=stack(state.inner_state),
         comm=state.comm._replace(residuals=stack(state.comm.residuals)))
 
   def update(self, grads, state: StreamingDiLoCoState, params, phase=None, **extra_args):
@@ -266,7 +312,7 @@ def streaming_diloco(inner: optax.GradientTransformation,
                      non_block_fragment: str = "own", axis_name: str = mesh_lib.REPLICA,
                      codec=None, error_feedback: bool = False,
                      codec_kernels: str = "auto",
-                     overlap_anchor: str = "send") -> StreamingDiLoCo:
+                     overlap_anchor: str = "send", eager: bool = False) -> StreamingDiLoCo:
   """Streaming DiLoCo (arXiv 2501.18512).
 
   Args:
@@ -291,11 +337,15 @@ def streaming_diloco(inner: optax.GradientTransformation,
       (the Pallas kernels; interpreted on CPU, bit-identical to the reference), "pallas_mosaic_gpu"
       / "pallas_triton" ("pallas" with that GPU kernel) or "auto" (Pallas where the platform
       compiles them, GPU/TPU; the reference elsewhere); see `codecs.kernel_options`.
+    eager: eager outer updates (arXiv 2502.12996, docs/algorithms.md §1.7): needs τ = H; each
+      fragment's mean overlaps a whole outer phase while every worker runs its outer step at once
+      with a proxy of its own fresh Δ and the others' Δ of the previous outer step; φ and the outer
+      states are then per worker (`state_axes` 0).
   """
   outer = outer if outer is not None else outer_nesterov()
   schedule, resolve = schedule_and_fragments(sync_every, fragments, overlap_steps, merge_alpha,
                                              staggered, fragment_pattern, non_block_fragment,
-                                             overlap_anchor)
+                                             overlap_anchor, eager)
   if isinstance(codec, str):
     codec = codecs.get_codec(codec)
   return StreamingDiLoCo(inner, outer, schedule, resolve, axis_name, codec, error_feedback,
@@ -304,7 +354,7 @@ def streaming_diloco(inner: optax.GradientTransformation,
 
 def schedule_and_fragments(sync_every: int, fragments: FragmentsArg, overlap_steps: int,
                            merge_alpha: float, staggered: bool, fragment_pattern: str,
-                           non_block_fragment: str, overlap_anchor: str):
+                           non_block_fragment: str, overlap_anchor: str, eager: bool = False):
   """(the schedule, or the function of the fragment count that makes it; the fragment rule), as
   `streaming_diloco` takes them. Bad options fail here, before any compute, naming the `outer`
   keys."""
@@ -314,7 +364,7 @@ def schedule_and_fragments(sync_every: int, fragments: FragmentsArg, overlap_ste
   schedule = functools.partial(schedule_lib.make_schedule, sync_every=sync_every,
                                overlap_steps=overlap_steps, merge_alpha=merge_alpha,
                                staggered=staggered,
-                               overlap_anchor=overlap_anchor)
+                               overlap_anchor=overlap_anchor, eager=eager)
   if not callable(fragments):  # the rows are known now
     schedule = schedule(count_fragments(fragments, non_block_fragment))
   return schedule, resolve

@@ -125,7 +125,7 @@ def _diloco_family(config, inner, num_replicas, abstract_params):
   tx = optim.streaming_diloco(
       inner, make_outer_optimizer(config.outer_optimizer), **_schedule_arguments(o),
       codec=_codec(o.codec, o.codec_block_size, o.codec_rounding), error_feedback=o.error_feedback,
-      codec_kernels=o.codec_kernels)
+      codec_kernels=o.codec_kernels, eager=o.eager)
   return _family(config, tx, num_replicas, abstract_params)
 
 
@@ -149,7 +149,7 @@ def _check_outer_schedule(c) -> None:
   checks.sync_every(o.sync_every, num_steps=c.num_steps,
                     num_fragments=num_rows if o.staggered else 1)
   schedule.make_schedule(num_rows, o.sync_every, o.overlap_steps, o.merge_alpha, o.staggered,
-                         o.overlap_anchor)
+                         o.overlap_anchor, o.eager)
 
 
 def _check_streaming_diloco(c) -> None:
@@ -157,6 +157,9 @@ def _check_streaming_diloco(c) -> None:
   _check_outer_schedule(c)
   checks.require(not o.error_feedback or o.codec != "none", "outer.error_feedback",
                  "False unless outer.codec is set", o.error_feedback)
+  checks.require(not (o.eager and o.error_feedback), "outer.eager",
+                 "False with outer.error_feedback (the worker takes its own Δ out of the landed "
+                 "mean, which holds Δ's encoding plus the resent residual)", o.eager)
 
 
 def _check_outer_values(c) -> None:
@@ -174,6 +177,7 @@ def _check_outer_values(c) -> None:
   checks.integer(c, "outer.num_fragments", 1)
   checks.integer(c, "outer.overlap_steps", 0)
   checks.number(c, "outer.merge_alpha", 0, 1, high_open=False)
+  checks.require(isinstance(o.eager, bool), "outer.eager", "True or False", o.eager)
 
 
 def _check_outer_optimizer(c) -> None:
@@ -201,6 +205,9 @@ def _check_sparseloco(c) -> None:
                  "outer.num_fragments/fragment_rules",
                  f"1/'' with gradients={c.gradients} (fragments are cut by layer, stages too)",
                  (o.num_fragments, o.fragment_rules))
+  checks.require(not o.eager, "outer.eager",
+                 "False for algorithm=sparseloco (the worker takes its own Δ out of the landed "
+                 "mean, which holds its top-k encoding plus the resent error buffer)", o.eager)
   _check_outer_schedule(c)
 
 
@@ -235,10 +242,12 @@ def check_every_section(c: ml_collections.ConfigDict) -> None:
 def _check_diloco(c) -> None:
   """Vanilla DiLoCo: Streaming DiLoCo with one fragment, τ = 0, α = 0 (docs/algorithms.md §1.1)."""
   o = c.outer
-  checks.require(o.num_fragments == 1 and o.overlap_steps == 0 and o.merge_alpha == 0.0
+  tau = o.sync_every if o.eager else 0  # eager DiLoCo overlaps a whole outer phase
+  checks.require(o.num_fragments == 1 and o.overlap_steps == tau and o.merge_alpha == 0.0
                  and not o.fragment_rules,
                  "outer.num_fragments/overlap_steps/merge_alpha/fragment_rules",
-                 "1/0/0/'' for algorithm=diloco (use algorithm=streaming_diloco)",
+                 f"1/{'outer.sync_every' if o.eager else 0}/0/'' for algorithm=diloco "
+                 f"{'with outer.eager ' if o.eager else ''}(use algorithm=streaming_diloco)",
                  (o.num_fragments, o.overlap_steps, o.merge_alpha, o.fragment_rules))
   _check_streaming_diloco(c)
 
