@@ -9,7 +9,7 @@ import pytest
 import lowcomm_jax
 from lowcomm_jax import testing
 from lowcomm_jax.optim import schedule as schedule_lib
-from lowcomm_jax.train import Trainer
+from lowcomm_jax.train import Trainer, hooks
 
 H, M = 3, 3
 GAMMA, ETA, MU = 0.1, 0.7, 0.9  # inner SGD lr; outer Nesterov lr and momentum
@@ -113,36 +113,40 @@ TRAINER_CASE = {"algorithm": "diloco", "num_replicas": 2, "num_steps": 8, "outer
 
 
 def _train(tmp_path, name, **changes):
+  """(Trainer, summary, final state, the thread's transfers) of a run of TRAINER_CASE."""
   trainer = Trainer(testing.tiny_config(**{**TRAINER_CASE, **changes}), tmp_path / name)
-  summary = trainer.run()
-  return trainer, summary
+  final, timeline = hooks.FinalState(), hooks.CommTimeline()
+  summary = trainer.run(hooks=[final, timeline])
+  return trainer, summary, final.state, timeline.issued
 
 
 def test_thread_equals_inline_sends_the_overlapped_bytes_and_resumes(tmp_path):
-  inline, inline_summary = _train(tmp_path, "inline", **{"outer.overlap_executor": "inline"})
-  threaded, _ = _train(tmp_path, "thread", **{"outer.overlap_executor": "thread"})
+  inline, inline_summary, inline_state, _ = _train(tmp_path, "inline",
+                                                   **{"outer.overlap_executor": "inline"})
+  threaded, _, threaded_state, issued = _train(tmp_path, "thread",
+                                               **{"outer.overlap_executor": "thread"})
   assert (inline.overlap_executor, threaded.overlap_executor) == ("inline", "thread")
-  assert [i.step for i in threaded.comm_issued] == [4, 7]
+  assert [i.step for i in issued] == [4, 7]
   # The thread's apply is a program of its own (inline it is fused into the step): per step the
   # mean over M = 2, the proxy's 3 ops, the outer step's and θ + (φ − θ) ≤ 4 may round apart.
-  diff = testing.max_abs_diff(inline.final_state, threaded.final_state)
+  diff = testing.max_abs_diff(inline_state, threaded_state)
   print(f"thread − inline: max abs diff {diff:.3g}")
-  testing.assert_trees_within(threaded.final_state, inline.final_state, lambda x: (
+  testing.assert_trees_within(threaded_state, inline_state, lambda x: (
       testing.trajectory_error_bound(x, 8, 2 + 3 + 4) if np.size(x) else 0), "state")
   # Not vacuous: each worker stepped its own φ with its own proxy.
-  phi = inline.final_state.opt_state.outer_params
+  phi = inline_state.opt_state.outer_params
   assert all(not np.array_equal(np.asarray(x[0]), np.asarray(x[1])) for x in jax.tree.leaves(phi))
   # The bytes of the same plan overlapped without eager (τ = 1 < H: sends issued with 4 and 7).
-  _, plain = _train(tmp_path, "plain", **{"algorithm": "streaming_diloco", "outer.eager": False,
-                                           "outer.overlap_steps": 1,
-                                           "outer.overlap_executor": "inline"})
+  _, plain, _, _ = _train(tmp_path, "plain", **{
+      "algorithm": "streaming_diloco", "outer.eager": False, "outer.overlap_steps": 1,
+      "outer.overlap_executor": "inline"})
   assert inline_summary["bytes_sent_per_worker"] == plain["bytes_sent_per_worker"]
   assert inline_summary["bytes_sent_per_worker"]["total"] > 0
   # A resume with the first mean in flight (sent with step 4, landing after step 6) and each
   # worker's φ_m, outer state and own Δ in the checkpoint is bit-identical.
   _train(tmp_path, "resumed", stop_at_step=5, **{"outer.overlap_executor": "inline",
                                                   "checkpoint.every": 5})
-  resumed, _ = _train(tmp_path, "resumed", **{"outer.overlap_executor": "inline"})
-  for x, y in zip(jax.tree.leaves(inline.final_state), jax.tree.leaves(resumed.final_state),
+  _, _, resumed_state, _ = _train(tmp_path, "resumed", **{"outer.overlap_executor": "inline"})
+  for x, y in zip(jax.tree.leaves(inline_state), jax.tree.leaves(resumed_state),
                   strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
