@@ -255,9 +255,12 @@ def test_a_killed_learner_heals_into_the_run_it_left(ray_cluster, tmp_path):
                                         "stop:learner=2:step=11:seconds=600"})
   work = tmp_path / "elastic"
   run = elastic.start(config, work)
-  stopped = lambda i: any(ev["event"] == "stop" for ev in _events(work, i))
+  fired = lambda i, kind: any(ev["event"] == kind for ev in _events(work, i))
   try:
-    _wait_for(run, lambda: stopped(0) and stopped(2), "learners 0 and 2 stopped")
+    # learner 1 records its kill after round 0's mean has come, as the others do their step 11:
+    # either may be first
+    _wait_for(run, lambda: fired(0, "stop") and fired(2, "stop") and fired(1, "kill"),
+              "learners 0 and 2 stopped, learner 1 killed")
     killed_at = [ev["time"] for ev in _events(work, 1) if ev["event"] == "kill"][0]
     rerun = lambda: any(ev["event"] == "run" and ev["time"] > killed_at for ev in _events(work, 1))
     _wait_for(run, lambda: rerun() and 1 in run.status()["live"], "learner 1 back in the run")
