@@ -9,6 +9,7 @@ pyproject.toml allows).
 from __future__ import annotations
 
 import os
+import re
 import uuid
 
 from jax._src import cloud_tpu_init, clusters, lru_cache
@@ -106,3 +107,29 @@ def atomic_compilation_cache_writes() -> None:
 
   put._lowcomm_atomic = True  # pylint: disable=protected-access
   cache.put = put
+
+
+def cpu_launch_threads_for_fake_devices() -> int | None:
+  """Sets NPROC, the size of XLA's CPU thread pools, to max(cores, 4 N) when XLA presents N > 1
+  fake CPU devices (`--xla_force_host_platform_device_count=N` in XLA_FLAGS) and NPROC is unset;
+  returns the size set, or None.
+
+  XLA's CPU client runs the per-device launches of a program on a pool of max(cores, N) threads:
+  exactly one collective's worth on a machine with fewer cores than devices. A launch whose device
+  has its quota of programs in flight waits on a pool thread; when the program that would free the
+  quota is queued behind the other devices' launches, which wait in the collective's rendezvous
+  for it, no thread is left to run it, and after a minute XLA aborts the process
+  (`xla::internal::AwaitAndLogIfStuck`: SIGABRT, no Python error), as on 2 cores with 8 fake
+  devices and other work running. Threads to spare remove the wait; idle pool threads cost
+  nothing. Read when the CPU client starts: a client that exists keeps its pool. Replaced once
+  XLA's CPU client sizes its launch pool for launches that wait.
+  """
+  if "NPROC" in os.environ:
+    return None
+  flags = os.environ.get("XLA_FLAGS", "")
+  found = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+  if not found or int(found.group(1)) < 2:
+    return None
+  size = max(os.cpu_count() or 1, 4 * int(found.group(1)))
+  os.environ["NPROC"] = str(size)
+  return size

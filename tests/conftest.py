@@ -71,6 +71,7 @@ TIERS = {
     "test_codecs.py": "unit",
     "test_comm_executor.py": "processes",
     "test_compilation_cache.py": "unit",
+    "test_cpu_launch_threads.py": "unit",
     "test_compressed_mean.py": "unit",
     "test_convergence_fidelity.py": "trainer",
     "test_cpu_kernels.py": "unit",
