@@ -282,14 +282,15 @@ def test_a_killed_learner_heals_into_the_run_it_left(ray_cluster, tmp_path):
 
 def test_a_straggler_does_not_hold_the_others_back_beyond_the_grace_window(ray_cluster, tmp_path):
   """2 learners, quorum 1, grace 0.02 s, learner 1 fifty times slower from its first step. Its
-  first round takes 20 × 50 of its step times: more than learner 0's two rounds (2 × 20 step times)
-  with what each round boundary costs besides the steps (the syncer's outer step and save, the merge:
-  hundreds of step times of this tiny model). Every round closes with learner 0's Δ alone, before
-  the straggler's has come."""
+  first round takes 20 × 50 of its step times: more than learner 0's two rounds (2 × 20 step
+  times) with what each round boundary costs besides the steps (the syncer's outer step and save,
+  the merge: hundreds of step times of this tiny model). Every round closes with learner 0's Δ
+  alone, before the straggler's has come."""
   from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
   grace = 0.02
   config = _config(**{"num_steps": 40, "outer.sync_every": 20, "elastic.min_quorum": 1,
-                      "elastic.grace_s": grace, "elastic.faults": "slow:learner=1:step=1:factor=50"})
+                      "elastic.grace_s": grace,
+                      "elastic.faults": "slow:learner=1:step=1:factor=50"})
   summary = elastic.run(config, tmp_path / "elastic")
   assert summary["rounds"] == [2] and summary["deaths"] == []
   assert len(_waits(tmp_path / "elastic", 0)) == 2
