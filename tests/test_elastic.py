@@ -171,6 +171,21 @@ def test_fault_specs_and_poisson_schedule():
   assert all(a < b for (a, _), (b, _) in zip(kills, kills[1:]))
 
 
+def test_poisson_kills_hand_over_the_due_kills_of_live_learners_once(tmp_path):
+  """The driver's hook: at each poll, the kills whose time has come, of learners still running
+  (learner indices as the run numbers them), each recorded once under a name of its own."""
+  schedule = faults_lib.poisson_kills(3600.0, 20.0, 3, seed=1)  # about one a second for 20 s
+  kills = faults_lib.PoissonKills(tmp_path, 3600.0, 20.0, [4, 7, 9], seed=1)
+  assert [v for _, v in kills.kills] == [[4, 7, 9][i] for _, i in schedule]
+  middle = schedule[len(schedule) // 2][0]
+  first = kills.due(middle, alive={4, 7, 9})
+  assert first == [[4, 7, 9][i] for t, i in schedule if t <= middle]
+  assert kills.due(middle, alive={4, 7, 9}) == []  # handed over once
+  rest = kills.due(20.0, alive={7})  # 4 and 9 ended meanwhile: their later kills are void
+  assert rest == [7] * sum(1 for t, i in schedule if t > middle and i == 1)
+  assert len(faults_lib.fired(tmp_path)) == len(first) + len(rest) == kills.fired
+
+
 def _reference(config, workdir) -> dict:
   """The summary of the fault-free SPMD run of `config`, saved once, at its end (only its eval loss
   is compared)."""

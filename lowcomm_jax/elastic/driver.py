@@ -230,8 +230,8 @@ class ElasticRun:
   def _drive(self) -> dict:
     ray, work, e = self._ray, self.work, self.config.elastic
     runs, finished, deaths, removed = self._runs, {}, [], set()
-    kills = [(t, sorted(self.learners)[i]) for t, i in faults_lib.poisson_kills(
-        e.faults_per_hour, e.timeout_s, len(self.learners), self.config.seed)]
+    kills = faults_lib.PoissonKills(work, e.faults_per_hour, e.timeout_s, list(self.learners),
+                                    self.config.seed)
     while runs:
       if time.time() - self.began > e.timeout_s:
         raise TimeoutError(f"the elastic run did not finish within elastic.timeout_s={e.timeout_s} "
@@ -261,12 +261,8 @@ class ElasticRun:
             del runs[i]  # Ray gave up on it (elastic.max_restarts): the run goes on without it
           else:
             runs[i] = self.learners[i].run.remote()  # waits for Ray's restart, then rejoins
-      while kills and time.time() - self.began >= kills[0][0]:
-        _, victim = kills.pop(0)
-        if victim in runs and victim not in removed:
-          faults_lib.fire_once(work,
-                               faults_lib.Fault("kill", learner=victim, step=-len(deaths) - 1))
-          ray.kill(self.learners[victim], no_restart=False)
+      for victim in kills.due(time.time() - self.began, set(runs) - removed):
+        ray.kill(self.learners[victim], no_restart=False)
     status = ray.get(self.syncer.status.remote())
     if not status["done"]:  # stop_at_step: the learners ended before the last round
       return {"complete": False, "step": status["step"], "rounds": status["rounds"],

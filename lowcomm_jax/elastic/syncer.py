@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import pathlib
 import time
 
@@ -119,8 +118,8 @@ class Syncer:
         jax.jit(functools.partial(outer_step, name=n, phase=consumed[n])).lower(
             self.shared, self.params, self.zeros(p)).compile()
         for p, n in enumerate(self.names)]
-    self._faults = [f for f in faults_lib.parse(c.elastic.faults, c.elastic.num_learners)
-                    if f.kind == "kill_syncer"]
+    self.faults = faults_lib.SyncerFaults(
+        self.run_dir, faults_lib.parse(c.elastic.faults, c.elastic.num_learners))
     self.writer = metrics.MetricWriter(self.run_dir, c.num_steps, self.step, progress_bar=False)
     self.started = time.time()
 
@@ -245,14 +244,8 @@ class Syncer:
       return
     accepted = sum(1 for x in contributions.values() if x["weight"] > 0)
     need = max(min(self.quorum, len(self.live)), 1)
-    for fault in self._faults:  # the syncer dies with a quorum in hand, before closing
-      if (
-        p == 0
-        and r == fault.round
-        and accepted >= need
-        and faults_lib.fire_once(self.run_dir, fault)
-      ):
-        os._exit(1)  # pylint: disable=protected-access
+    if accepted >= need:
+      self.faults.quorum(p, r)  # a fault may end this process here, the quorum in hand
     if self.live <= set(contributions):
       self._close(p)
     elif accepted >= need:

@@ -14,9 +14,11 @@ run, comma-separated:
 (`poisson_kills`), the benchmark's fault schedule.
 
 "Once per run" survives restarts: firing creates a marker file in the run's `faults/` folder
-(`fire_once`), so a learner restarted after its kill does not kill itself again. A learner's faults
-fire from `StepFaults`, a hook of its loop (`train.hooks`); the syncer's from the syncer, the
-Poisson kills from the driver (`elastic.driver`).
+(`fire_once`), so a learner restarted after its kill does not kill itself again. Each fault fires
+from a hook, none from the code it interrupts: a learner's from `StepFaults`, a hook of its loop
+(`train.hooks`); the syncer's from `SyncerFaults`, called when a round has its quorum
+(`elastic.syncer`); the Poisson kills from `PoissonKills`, which the driver asks for the kills due
+as it polls its learners (`elastic.driver`).
 """
 
 from __future__ import annotations
@@ -158,6 +160,47 @@ class StepFaults(hooks.Hook):
       time.sleep((self.slow - 1) * float(np.median(self._step_times[-20:])))
     self._began = time.perf_counter()
     return state
+
+
+class SyncerFaults:
+  """Fires the `kill_syncer:round=R` faults of `faults`: the syncer's process dies once round R of
+  fragment 0 has its quorum, before closing it (once per run: a restarted syncer fills the round
+  again and closes it)."""
+
+  def __init__(self, run_dir, faults):
+    self.run_dir = pathlib.Path(run_dir)
+    self.faults = [f for f in faults if f.kind == "kill_syncer"]
+
+  def quorum(self, fragment: int, round_: int) -> None:
+    """Round `round_` of plan `fragment` has its quorum (the syncer calls this before closing)."""
+    for fault in self.faults:
+      if fragment == 0 and round_ == fault.round and fire_once(self.run_dir, fault):
+        os._exit(1)  # pylint: disable=protected-access
+
+
+class PoissonKills:
+  """`elastic.faults_per_hour`'s kills (`poisson_kills` over `duration_s`, of `learners`: the run's
+  learner indices at its start). `due(elapsed_s)` hands over the learners whose kill time has come
+  and records each in the run's `faults/` folder as a kill fault (its step: −1 for the first kill,
+  −2 for the next, ...; a kill from outside has no step)."""
+
+  def __init__(self, run_dir, faults_per_hour: float, duration_s: float, learners: list[int],
+               seed: int):
+    self.run_dir = pathlib.Path(run_dir)
+    self.kills = [(t, sorted(learners)[i])
+                  for t, i in poisson_kills(faults_per_hour, duration_s, len(learners), seed)]
+    self.fired = 0
+
+  def due(self, elapsed_s: float, alive) -> list[int]:
+    """The learners to kill now (of those due, the ones in `alive`), each recorded as fired."""
+    victims = []
+    while self.kills and elapsed_s >= self.kills[0][0]:
+      _, victim = self.kills.pop(0)
+      if victim in alive:
+        self.fired += 1
+        fire_once(self.run_dir, Fault("kill", learner=victim, step=-self.fired))
+        victims.append(victim)
+    return victims
 
 
 def stop_for(seconds: float) -> None:
