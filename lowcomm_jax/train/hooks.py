@@ -13,7 +13,8 @@ in the order of the list. The loop's own are `StepMetrics` (logged one step late
 (config.nonfinite), `Evaluation` and `Checkpoints` (with preemption); a caller adds its own with
 `Trainer.run(hooks=[...])`: `StepTimes` (when each step's program finished), `CommTimeline` (the
 outer-communication thread's transfers), `FinalState` (the state at the end),
-`train.faults.StepFaults` (an elastic learner's faults).
+`train.faults.StepFaults` (an elastic learner's faults; the syncer's and the driver's are
+`train.faults.SyncerFaults` and `PoissonKills`).
 """
 
 from __future__ import annotations
