@@ -85,6 +85,7 @@ TIERS = {
     "test_docs.py": "unit",
     "test_distributed_flags.py": "unit",
     "test_elastic.py": "processes",
+    "test_faults.py": "unit",
     "test_elastic_benchmark.py": "unit",
     "test_engine.py": "trainer",
     "test_fragment_state.py": "trainer",

@@ -187,7 +187,8 @@ class PoissonKills:
   def __init__(self, run_dir, faults_per_hour: float, duration_s: float, learners: list[int],
                seed: int):
     self.run_dir = pathlib.Path(run_dir)
-    self.kills = [(t, sorted(learners)[i])
+    learners = sorted(learners)
+    self.kills = [(t, learners[i])
                   for t, i in poisson_kills(faults_per_hour, duration_s, len(learners), seed)]
     self.fired = 0
 
