@@ -40,6 +40,7 @@ import re
 import sys
 import time
 
+import jax
 import matplotlib
 
 matplotlib.use("Agg")
@@ -120,12 +121,20 @@ TASKS = {
                 accelerator="one CPU core at 50 GFLOP/s", peak_flops=50e9, mfu=0.5,
                 warmup_steps=60),
     # The paper-shaped 35M model; 8 H100s at their bf16 datasheet peak, the MFU sdl_35m reached on
-    # one H200 (benchmarks/results/README.md, 2026-11-27). The target is provisional (no sdl_35m
-    # run on this corpus yet): to be replaced by what its dp run reaches at 70% of the budget.
+    # one H200 (benchmarks/results/README.md). `stdlib` holds about 12M byte tokens, 185 steps of
+    # this batch: 3,000 steps read it 16 times and dp's eval loss turns up after step 1,350
+    # (bench_gpu.json), so the target stays provisional until this task reads a corpus of at
+    # least its 197M tokens.
     "gpu": Task(model="sdl_35m", corpus="stdlib", seq_len=1024, batch=64, steps=3000,
                 target_loss=1.2, sync_every=30, eval_every=150, eval_batches=8, seeds=1,
                 accelerator="8 NVIDIA H100 SXM (989 TFLOP/s bf16 each)", peak_flops=8 * 989e12,
                 mfu=0.3, warmup_steps=150),
+    # The `gpu` task's first tenth, for one accelerator at hand (every entry in about a minute on
+    # one H200). Target: what dp reaches at 70% of the budget (step 210 of 300, seed 0: 1.468).
+    "gpu_quick": Task(model="sdl_35m", corpus="stdlib", seq_len=1024, batch=64, steps=300,
+                      target_loss=1.47, sync_every=30, eval_every=30, eval_batches=8, seeds=1,
+                      accelerator="8 NVIDIA H100 SXM (989 TFLOP/s bf16 each)",
+                      peak_flops=8 * 989e12, mfu=0.3, warmup_steps=15),
 }
 
 @dataclasses.dataclass(frozen=True)
@@ -191,8 +200,10 @@ def workers(changes: dict) -> int:
   return int(changes.get("num_replicas", 1))
 
 
-def make_config(task: Task, entry_changes: dict, seed: int):
-  """The task's run of one entry: its batch split over the entry's replicas."""
+def make_config(task: Task, entry_changes: dict, seed: int, num_devices: int):
+  """The task's run of one entry: its batch split over the entry's replicas. dp on fewer devices
+  than its sites trains on one device (the same global batch, the same updates); its all-reduce
+  between the sites is priced all the same (`priced_sites`)."""
   m = workers(entry_changes)
   if task.batch % m:
     raise ValueError(f"batch {task.batch} is not divisible by the entry's {m} workers")
@@ -205,7 +216,19 @@ def make_config(task: Task, entry_changes: dict, seed: int):
   c.eval.num_batches = task.eval_batches
   c.checkpoint.every = task.eval_every
   c.log_every, c.progress_bar = task.eval_every, False
-  return config_lib.override(c, {"mesh.data": 1, **entry_changes})
+  changes = dict(entry_changes)
+  if changes["algorithm"] == "dp" and m > num_devices:
+    changes["mesh.data"] = 1
+  return config_lib.override(c, {"mesh.data": 1, **changes})
+
+
+def priced_sites(trainer, entry_changes: dict) -> int | None:
+  """The sites whose all-reduce the clock prices for a dp run that trained on fewer devices
+  (dp's collectives follow from its sites and the parameter count alone); None otherwise."""
+  sites = workers(entry_changes)
+  if entry_changes["algorithm"] != "dp" or trainer.mesh.shape["data"] == sites:
+    return None
+  return sites
 
 
 def steps_to_target(curve: list, target: float) -> int | None:
@@ -224,29 +247,42 @@ def link_times(events: list, step_seconds: float, steps: int) -> dict:
   return out
 
 
-def run_one(task: Task, name: str, seed: int, workdir: pathlib.Path) -> dict:
-  """Trains one (entry, seed) (resuming its workdir) and scores it on every link."""
+def run_one(task: Task, name: str, seed: int, workdir: pathlib.Path, devices=None) -> dict:
+  """Trains one (entry, seed) (resuming its workdir) on `devices` (default: every device) and
+  scores it on every link."""
   changes = load_entry(name).changes(task)
-  trainer = Trainer(make_config(task, changes, seed), workdir)
+  devices = devices or jax.devices()
+  trainer = Trainer(make_config(task, changes, seed, len(devices)), workdir, devices=devices)
   final = hooks.FinalState()
+  start = time.perf_counter()
   summary = trainer.run(hooks=[final])
+  seconds = time.perf_counter() - start
   state = final.state
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   curve = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
   if not curve or curve[-1][0] != task.steps:
     curve.append((task.steps, summary["final_eval_loss"]))
+  sites = priced_sites(trainer, changes)
+  if sites is None:
+    events_of = lambda step: trainer.comm_events(step, state)
+    sent = summary["bytes_sent_per_worker"]
+  else:
+    events_of = lambda step: trainer.algorithm.comm_events(step, None, sites, trainer.num_params)
+    sent = trainer.algorithm.comm_summary(summary["steps"], 0, 0, sites, trainer.num_params)
   # The clock at each evaluation: when its parameters exist on each link (the plot's x axis, and
   # the time to target at the first one at or below it).
-  times_at = [link_times(trainer.comm_events(step, state), task.step_seconds, step)
-              for step, _ in curve]
+  times_at = [link_times(events_of(step), task.step_seconds, step) for step, _ in curve]
   return {"entry": name, "seed": seed, "algorithm": changes["algorithm"],
           "workers": workers(changes), "changes": changes, "workdir": str(workdir),
           "final_eval_loss": summary["final_eval_loss"], "steps": summary["steps"],
           "tokens": summary["tokens"],
-          "bytes_per_worker": summary["bytes_sent_per_worker"]["total"],
-          "peak_bytes_per_sync": summary["bytes_sent_per_worker"]["peak_per_sync"],
+          "bytes_per_worker": sent["total"], "peak_bytes_per_sync": sent["peak_per_sync"],
           "eval_curve": curve,
           "curve_links": {link: [t[link] for t in times_at] for link in LINKS},
+          # the machine that ran it (the score does not depend on it): a resumed run's seconds
+          # count only its last part
+          "ran_on": {"devices": trainer.mesh.size, "device_kind": devices[0].device_kind,
+                     "priced_sites": sites, "train_seconds": seconds},
           "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 

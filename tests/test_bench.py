@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from lowcomm_jax import models, testing
@@ -92,6 +93,22 @@ def test_quick_writes_the_table_into_the_readme_and_a_rerun_runs_nothing(bench, 
   assert json.loads((results / "bench_quick.json").read_text())["runs"] == (
     json.loads(before)["runs"])
   assert [p.stat().st_mtime_ns for p in metrics] == stamps
+
+
+def test_dp_on_one_device_is_priced_as_its_two_sites(bench, quick, tmp_path):
+  """With one accelerator at hand, dp trains its global batch on one device and the clock prices
+  the all-reduce between its two sites as the two-device run's ledger does: the same bytes and the
+  same simulated seconds at every evaluation."""
+  one = bench.run_one(bench.TASKS["quick"], "dp", 0, tmp_path / "dp", devices=jax.devices()[:1])
+  _, results, _ = quick
+  two = next(r for r in json.loads((results / "bench_quick.json").read_text())["runs"]
+             if r["entry"] == "dp")
+  assert (one["ran_on"]["devices"], one["ran_on"]["priced_sites"]) == (1, 2)
+  assert (two["ran_on"]["devices"], two["ran_on"]["priced_sites"]) == (2, None)
+  assert one["bytes_per_worker"] == two["bytes_per_worker"] > 0
+  assert one["peak_bytes_per_sync"] == two["peak_bytes_per_sync"]
+  assert [s for s, _ in one["eval_curve"]] == [s for s, _ in two["eval_curve"]]
+  assert one["curve_links"] == two["curve_links"]
 
 
 def test_beats_only_beyond_two_standard_errors(bench):
