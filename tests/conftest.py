@@ -14,27 +14,8 @@ import pathlib
 import re
 import shutil
 import tempfile
-from importlib import metadata
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-
-def _jaxlib_minor() -> tuple[int, ...] | None:
-  """jaxlib's (major, minor) from its installed metadata (jax not imported), or None."""
-  try:
-    return tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2])
-  except (metadata.PackageNotFoundError, ValueError):
-    return None
-
-
-# XLA's CPU backend with its elemental emitters instead of its fusion emitters, on the XLA of jaxlib
-# 0.10 (CI's first leg): a step of these tiny models compiles in about two thirds of the CPU time,
-# and compiling is most of the suite's CPU. Every result stays within the bounds the tests derive
-# (they hold on any x86-64 CPU, whose code XLA also generates differently). A later XLA has no such
-# flag and an unknown XLA flag is fatal, so it is set on jaxlib 0.10 alone. Inherited by the xdist
-# workers, the launched processes, Ray's workers and the notebooks.
-if _jaxlib_minor() == (0, 10) and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _xla_cache = tempfile.mkdtemp(prefix="lowcomm-jax-test-xla-cache-")
