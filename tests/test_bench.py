@@ -111,6 +111,26 @@ def test_dp_on_one_device_is_priced_as_its_two_sites(bench, quick, tmp_path):
   assert one["curve_links"] == two["curve_links"]
 
 
+def test_a_complete_workdir_is_scored_again_without_training_or_writing(bench, quick):
+  """A run whose record is lost (another results folder, a merge) but whose workdir is complete
+  gets the same record from the workdir alone: the ledger traced from the abstract state, the
+  curve and the bytes as recorded, nothing in the workdir rewritten."""
+  root, results, _ = quick
+  recorded = next(r for r in json.loads((results / "bench_quick.json").read_text())["runs"]
+                  if r["entry"] == "diloco_m2")
+  workdir = pathlib.Path(recorded["workdir"])
+  stamps = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
+  again = bench.run_one(bench.TASKS["quick"], "diloco_m2", 0, workdir)
+  assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()} == stamps
+  assert again["ran_on"]["complete_before_start"] and not recorded["ran_on"][
+    "complete_before_start"]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert again["ran_on"]["train_seconds"] == summary["wall_time_s"]
+  for key in ("eval_curve", "curve_links", "bytes_per_worker", "peak_bytes_per_sync",
+              "final_eval_loss", "steps", "tokens"):
+    assert json.loads(json.dumps(again[key])) == recorded[key], key
+
+
 def test_beats_only_beyond_two_standard_errors(bench):
   # Means 1.0 and 2.0, standard errors 0.1/√3 each: the margin 2·√(2/300) = 0.163 < 1.
   assert bench.compare([0.9, 1.0, 1.1], [1.9, 2.0, 2.1]) == "beats"
