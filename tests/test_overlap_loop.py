@@ -241,3 +241,57 @@ def test_overlap_executor_is_validated_before_compute(tmp_path):
                  devices=jax.devices()[:1])
   assert auto.overlap_executor == "inline"
   assert not (tmp_path / "bad").exists() and not (tmp_path / "none").exists()
+
+
+class _MovesOn(overlap.Inline):
+  """Inline, but after step `at` it replaces the state with one standing at step `to` and moves
+  the data there: what `Remote` does when a lagging elastic learner rejoins the others."""
+
+  def __init__(self, data, at: int, to: int):
+    self.data, self.at, self.to, self.step = data, at, to, 0
+
+  def before_step(self, step, phase, state):
+    self.step = step
+    return phase, state
+
+  def after_step(self, state):
+    if self.step != self.at:
+      return state
+    self.data.set_state({"next_index": self.to})
+    return state._replace(step=jax.device_put(np.int32(self.to), state.step.sharding))
+
+  def position(self, step):
+    return self.to if step == self.at else step
+
+
+def test_the_loop_goes_on_from_the_step_its_carrier_moves_to(tmp_path):
+  """A carrier that moves the state from step 2 to step 4 makes the loop run steps 5 and 6 next,
+  with their data and learning rate: bit-identical to a loop stopped after step 2 and started again
+  from step 4 (the elastic learner's rejoin, one loop instead of a restart)."""
+  from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  c = testing.tiny_config(num_steps=6, **{"optimizer.warmup_steps": 3})
+  trainer = Trainer(c, tmp_path / "run")
+
+  def data():
+    return iter(pipeline.train_dataset(pipeline.splits_of(c).train, c.data.seq_len,
+                                       c.data.batch_size, c.seed))
+
+  class Seen(hooks.Hook):
+    steps: list = []
+
+    def dispatched(self, step, state, metrics):
+      self.steps.append(step)
+
+  moved_data = data()
+  moved = trainer.train(trainer.init_state(), 0, 6, [moved_data],
+                        _MovesOn(moved_data, at=2, to=4), [Seen()])
+  assert Seen.steps == [1, 2, 5, 6]
+  again_data = data()
+  state = trainer.train(trainer.init_state(), 0, 2, [again_data], overlap.Inline(), [])
+  again_data.set_state({"next_index": 4})
+  state = state._replace(step=jax.device_put(np.int32(4), state.step.sharding))
+  again = trainer.train(state, 4, 6, [again_data], overlap.Inline(), [])
+  assert int(moved.step) == int(again.step) == 6
+  for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert Seen.steps == [1, 2, 5, 6]  # the second loop had no hook

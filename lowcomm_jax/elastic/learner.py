@@ -41,10 +41,6 @@ from lowcomm_jax.elastic import options
 from lowcomm_jax.train import faults as faults_lib, hooks as hooks_lib, overlap
 
 
-class Rejoin(Exception):
-  """The syncer did not take this learner's Δ as sent: it joins again (see the module doc)."""
-
-
 class Removed(Exception):
   """The learner left the run: removed, or every round it sends to is over."""
 
@@ -142,7 +138,7 @@ class Learner:
           opt_state = ray.get(peer.inner_state.remote())
         except (ray.exceptions.RayActorError, ValueError):
           opt_state = None
-      state = self._adopt(state, joined, start, opt_state)
+      state = self.adopt(state, joined, start, opt_state)
       data.set_state({"next_index": start})
     self.event("joined", step=start)
     ray.get(self.syncer.started.remote())  # a new run: every learner starts together
@@ -150,31 +146,16 @@ class Learner:
     step, self.latest = start, state
     with self._serving:
       self._looping = True
-    try:
-      while step < stop:
-        link = Link(self, joined["rounds"])
-        progress = LearnerProgress(self)
-        hooks = [progress, faults_lib.StepFaults(self.run_dir, self.faults, self.index, self.event)]
-        try:
-          state = self.trainer.train(state, step, stop, [data], overlap.Remote(self.tx, link),
-                                     hooks)
-          step = stop
-        except Rejoin:
-          step = progress.step
-          joined = ray.get(self.syncer.join.remote(self.index))
-          if not joined["member"]:
-            break
-          state = self._adopt(self.latest, joined, max(step, joined["step"]))
-          if joined["step"] > step:  # behind the others: on from their step
-            self.event("caught_up", step=step, to=joined["step"])
-            step = joined["step"]
-            data.set_state({"next_index": step})
-        except Removed:
-          step = progress.step
-          break
-        finally:
-          hooks_lib.close_quietly(hooks)
+    progress = LearnerProgress(self)
+    hooks = [progress, faults_lib.StepFaults(self.run_dir, self.faults, self.index, self.event)]
+    try:  # one loop: a rejoin happens inside it, on the carrier (`Link.rejoin`)
+      self.trainer.train(state, start, stop, [data], overlap.Remote(self.tx, Link(self, joined,
+                                                                                   data)), hooks)
+      step = stop
+    except Removed:
+      step = progress.step
     finally:
+      hooks_lib.close_quietly(hooks)
       with self._serving:
         self._looping = False
         self.answer_asks()
@@ -182,7 +163,7 @@ class Learner:
     self.event("removed" if self.removed else "finished", step=step)
     return {"learner": self.index, "step": step, "removed": self.removed, **self.progress}
 
-  def _adopt(self, state, joined: dict, step: int, opt_state=None):
+  def adopt(self, state, joined: dict, step: int, opt_state=None):
     """`state` with θ ← φ, the shared part of the optimizer state (φ, the outer state) from the
     syncer, at step `step`, with `opt_state`'s per-replica part (a peer's inner state) if given: a
     (re)joining or lagging learner's."""
@@ -209,13 +190,32 @@ class Learner:
 class Link:
   """The remote carrier's link to the syncer (`overlap.Remote`): sends a plan's payload with the
   tokens and the mean loss since this learner's last send of it; waits for the round's mean,
-  answering the peers' asks meanwhile."""
+  answering the peers' asks meanwhile; joins again when the syncer did not take a Δ as sent."""
 
-  def __init__(self, learner: Learner, rounds: list):
-    self.learner = learner
-    self.rounds = list(rounds)  # per plan: the round of the φ its next Δ starts from
-    self.tokens = [0] * len(learner.names)
-    self.losses = [[] for _ in learner.names]
+  def __init__(self, learner: Learner, joined: dict, data):
+    self.learner, self.data = learner, data
+    self._start(joined)
+
+  def _start(self, joined: dict) -> None:
+    self.rounds = list(joined["rounds"])  # per plan: the round of the φ its next Δ starts from
+    self.tokens = [0] * len(self.learner.names)
+    self.losses = [[] for _ in self.learner.names]
+
+  def rejoin(self, state, step: int):
+    """(the state to go on from, its step) after a Δ the syncer did not take as sent: φ and the
+    outer state from the syncer, this learner's own inner state, at the syncer's step where that
+    is ahead (the data moved there)."""
+    import ray  # pylint: disable=g-import-not-at-top
+    ln = self.learner
+    joined = ray.get(ln.syncer.join.remote(ln.index))
+    if not joined["member"]:
+      raise Removed()
+    self._start(joined)
+    if joined["step"] > step:  # behind the others: on from their step
+      ln.event("caught_up", step=step, to=joined["step"])
+      self.data.set_state({"next_index": joined["step"]})
+    at = max(step, joined["step"])
+    return ln.adopt(state, joined, at), at
 
   def count(self, tokens: int, loss: float) -> None:
     for p in range(len(self.tokens)):
@@ -240,10 +240,10 @@ class Link:
     ln.event("sync_end", step=step, fragment=p, accepted=reply["accepted"])
     self.rounds[p] = reply["round"]
     if not reply["accepted"]:
-      raise Removed() if reply["done"] else Rejoin()
+      raise Removed() if reply["done"] else overlap.Rejoin()
     ln.progress["bytes_received"] += remote.reply_bytes(reply["mean"])
     if reply["behind"]:  # merged, but this learner's φ is older than the round's
-      raise Rejoin()
+      raise overlap.Rejoin()
     return reply["mean"]
 
 

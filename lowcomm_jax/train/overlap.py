@@ -20,12 +20,13 @@ An elastic learner's loop carries every plan through the syncer instead (`Remote
 the plans of kind mean, compressed_mean and sparse_gather: `comm.remote`).
 
 The loop knows only the plan interface (`comm.plan.OuterStep` plus `phases`, `consumes` and
-`without_delayed`), not the algorithm. It sees `Overlap`: `before_step` (the phase the step's
+`without_delayed`), not the algorithm. It sees a `Carrier`: `before_step` (the phase the step's
 program runs), `after_step` (the state once the consumptions left out of that program ran),
-`settle` (every future written into the state: before a checkpoint and at the end, so a checkpoint
-holds the in-flight result exactly as the inline state does), `quiet` (no collective of the
-executor running: before the training thread's own cross-process work, e.g. metric gathers) and
-`close`.
+`position` (the step that state stands at: later only where `Remote` rejoined the syncer),
+`settle` (every future written into the state: before a checkpoint and at the end, so a
+checkpoint holds the in-flight result exactly as the inline state does), `quiet` (no collective
+of the executor running: before the training thread's own cross-process work, e.g. metric
+gathers) and `close`.
 
 Same results as inline within the float32 rounding of the outer step (tests/test_overlap_loop.py):
 the thread's apply program runs the outer step on the parameters the step's program wrote, inline
@@ -47,8 +48,8 @@ _THREAD_SOURCES = ("replicas", "skippipe")  # per-replica state with a leading [
 _THREAD_KINDS = ("mean", "compressed_mean", "sparse_gather")  # the same result on every replica
 
 
-class Inline:
-  """Every collective in the step's own program: nothing to do around it."""
+class Carrier:
+  """The seam every carrier fills (the module doc); this one does nothing around a step."""
 
   executor = None
 
@@ -58,6 +59,11 @@ class Inline:
   def after_step(self, state):
     return state
 
+  def position(self, step: int) -> int:
+    """The step the state stands at once `step`'s `after_step` ran: `step`, or a later one where
+    the carrier replaced the state (a rejoining learner that caught up with the others)."""
+    return step
+
   def settle(self, state):
     return state
 
@@ -66,6 +72,10 @@ class Inline:
 
   def close(self) -> None:
     pass
+
+
+class Inline(Carrier):
+  """Every collective in the step's own program: nothing to do around it."""
 
 
 def choose(mode: str, algorithm, source, mesh) -> str:
@@ -97,7 +107,7 @@ def choose(mode: str, algorithm, source, mesh) -> str:
 
 
 def start(choice: str, algorithm, mesh):
-  """The loop's `Overlap` for `choose`'s answer (`thread` starts the executor's thread)."""
+  """The loop's `Carrier` for `choose`'s answer (`thread` starts the executor's thread)."""
   return Threaded(algorithm.tx, mesh) if choice == "thread" else Inline()
 
 
@@ -110,7 +120,7 @@ def program_phase(delay, phase: Phase) -> Phase:
   return without_delayed(delay, phase)
 
 
-class Threaded:
+class Threaded(Carrier):
   """An algorithm's plans with τ ≥ 1 through a `comm.OuterCommExecutor`."""
 
   def __init__(self, tx, mesh):
@@ -251,7 +261,7 @@ def _normalized(index, shape) -> tuple:
   return tuple(s.indices(n) for s, n in zip(index, shape))
 
 
-class Remote:
+class Remote(Carrier):
   """Every plan of the algorithm carried by a syncer: an elastic learner's loop (one replica).
 
   At a send the trees of the algorithm's `local` are encoded by their plan's codec
@@ -263,6 +273,12 @@ class Remote:
   step's program (from the parameters entering it) and waited for after step s + τ. The step's
   program runs without any plan (`program_phase`). A consumption whose send this loop never made
   (the learner joined after it) is left out.
+
+  A reply may say the syncer did not take the learner's Δ as sent (`link.receive` raises
+  `Rejoin`): the replies still in flight are dropped and the state is the one `link.rejoin(state,
+  step)` returns, with the step it stands at (φ and the outer state from the syncer; a later step
+  when the learner fell behind the others, its data moved there by the link). The loop goes on
+  from that step (`position`).
   """
 
   executor = None
@@ -274,6 +290,7 @@ class Remote:
     self._locals: dict = {}  # (phase, names) -> the compiled program of their trees
     self._applies: dict = {}  # (phase, names) -> the compiled apply program
     self._step, self._phase = 0, None
+    self._moved_to = None  # the step a rejoin moved the state to, until the loop reads it
 
   @staticmethod
   def program_phase(tx, phase):
@@ -295,7 +312,10 @@ class Remote:
     due = tuple(n for n in self.tx.consumes(phase) if n in self._handles)
     if not due:
       return state
-    incoming = {n: self.link.receive(self._handles.pop(n)) for n in due}
+    try:
+      incoming = {n: self.link.receive(self._handles.pop(n)) for n in due}
+    except Rejoin:
+      return self._rejoin(state, step)
     params, opt_state = self._apply_program(phase, due, state)(state.params, state.opt_state,
                                                                incoming)
     return state._replace(params=params, opt_state=opt_state)
@@ -340,12 +360,24 @@ class Remote:
                                             donate_argnums=(0, 1))
     return self._applies[(phase, due)]
 
+  def position(self, step: int) -> int:
+    moved, self._moved_to = self._moved_to, None
+    return step if moved is None else moved
+
+  def _rejoin(self, state, step: int):
+    self._handles.clear()
+    state, self._moved_to = self.link.rejoin(state, step)
+    return state
+
   def settle(self, state):
     """Every reply in flight waited for and written into the state's in-flight buffers."""
     opt = state.opt_state
     in_flight = dict(opt.comm.in_flight)
     for name in list(self._handles):
-      reply = self.link.receive(self._handles.pop(name))
+      try:
+        reply = self.link.receive(self._handles.pop(name))
+      except Rejoin:
+        return self._rejoin(state, self._step)
       if name in in_flight:
         in_flight[name] = jax.tree.map(lambda x, like: jax.device_put(x, like.sharding), reply,
                                        in_flight[name])
@@ -356,6 +388,11 @@ class Remote:
 
   def close(self) -> None:
     pass
+
+
+class Rejoin(Exception):
+  """A remote link's reply: the syncer did not take this learner's Δ as sent (dropped, or merged
+  from an older φ than the round's); `Remote` asks the link for the state to go on from."""
 
 
 def check_remote(tx) -> None:

@@ -428,7 +428,9 @@ class Trainer:
     loop = hooks_lib.Loop(self, carrier, start, stop, data_iters)
     for hook in hooks:
       hook.begin(loop)
-    for step in range(start + 1, stop + 1):
+    step = start
+    while step < stop:
+      step += 1
       phase = self.algorithm.phase_at(step)
       route = self.source.route_at(step)
       # The carrier picks the phase the step's program runs: with a thread or a syncer, without the
@@ -445,6 +447,7 @@ class Trainer:
       state = carrier.after_step(state)
       for hook in hooks:
         state = hook.after_step(step, phase, state, metrics)
+      step = carrier.position(step)  # later where the carrier replaced the state (a rejoin)
     state = carrier.settle(state)
     carrier.close()
     for hook in hooks:
