@@ -236,7 +236,7 @@ def test_a_killed_learner_rejoins_while_the_others_go_on_and_the_syncer_restarts
   finally:
     woken = time.time()
     for i in (0, 2):
-      os.kill(_pid(work, i), signal.SIGCONT)
+      _wake(_pid(work, i))
   summary = run.wait()
   assert summary["rounds"] == [steps // h]
   assert summary["faults"] == ["kill-learner1-step10", "kill_syncer-round3", "stop-learner0-step60",
@@ -301,7 +301,7 @@ def test_a_killed_learner_heals_into_the_run_it_left(ray_cluster, tmp_path):
     _wait_for(run, lambda: rerun() and 1 in run.status()["live"], "learner 1 back in the run")
   finally:
     for i in (0, 2):
-      os.kill(_pid(work, i), signal.SIGCONT)
+      _wake(_pid(work, i))
   summary = run.wait()
   [death] = summary["deaths"]
   assert death["learner"] == 1 and len(summary["rejoin_s"]) == 1
@@ -345,6 +345,22 @@ def _wait_for(run, condition, what: str):
     except RuntimeError as error:
       raise AssertionError(f"the run ended before {what}") from error
     time.sleep(0.1)
+
+
+def _wake(pid: int, within_s: float = 120.0) -> None:
+  """SIGCONT to a learner that logged its `stop`, once it is stopped: the stop's own process sends
+  SIGSTOP just after the event is written, and a SIGCONT before it would be lost."""
+  import time  # pylint: disable=g-import-not-at-top
+  deadline = time.time() + within_s
+  while time.time() < deadline:
+    try:
+      status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+      return  # it ended
+    if any(line.startswith("State:") and "stopped" in line for line in status.splitlines()):
+      break
+    time.sleep(0.05)
+  os.kill(pid, signal.SIGCONT)
 
 
 def _pid(work, learner: int) -> int:
