@@ -217,7 +217,6 @@ class OuterCommExecutor:
       self._programs[cache_key] = (lowered.compile(), plan)  # the plan kept: its id stays unique
       self._entries[name] = ledger.entries
     return self._programs[cache_key][0]
-    return self._programs[cache_key]
 
   def _serve(self) -> None:
     while True:

@@ -120,6 +120,22 @@ def program_phase(delay, phase: Phase) -> Phase:
   return without_delayed(delay, phase)
 
 
+def local_trees(tx, phase, names: tuple):
+  """(θ_R, opt_state) -> (each plan name's tree per replica, a copy of its error-feedback residual
+  per replica): what a carrier outside the step's program sends, the algorithm's `local` of the
+  phase, with no collective. The copy is the carrier's own: the state's buffers are donated to the
+  next step."""
+
+  def trees(params_r, opt):
+    per_replica = jax.vmap(lambda params, state: tx.local(state, params, phase),
+                           in_axes=(0, tx.state_axes))(params_r, opt)
+    residuals = {n: jax.tree.map(lambda x: x + 0, opt.comm.residuals[n])
+                 for n in names if n in opt.comm.residuals}
+    return {n: per_replica[n] for n in names}, residuals
+
+  return trees
+
+
 class Threaded(Carrier):
   """An algorithm's plans with τ ≥ 1 through a `comm.OuterCommExecutor`."""
 
@@ -137,19 +153,9 @@ class Threaded(Carrier):
     return {n: p for n, p in self.tx.plans(phase).items() if p.delay}
 
   def _local_program(self, phase, names: tuple):
-    """(θ_R, opt_state) -> (each name's tree per replica, a copy of its residual): no collective.
-    The copy is the executor's own: the state's buffers are donated to the next step."""
+    """`local_trees` of the phase's delayed sends, compiled once per phase."""
     if phase not in self._locals:
-      tx = self.tx
-
-      def trees(params_r, opt):
-        per_replica = jax.vmap(lambda params, state: tx.local(state, params, phase),
-                               in_axes=(0, tx.state_axes))(params_r, opt)
-        residuals = {n: jax.tree.map(lambda x: x + 0, opt.comm.residuals[n])
-                     for n in names if n in opt.comm.residuals}
-        return {n: per_replica[n] for n in names}, residuals
-
-      self._locals[phase] = jax.jit(trees)
+      self._locals[phase] = jax.jit(local_trees(self.tx, phase, names))
     return self._locals[phase]
 
   def before_step(self, step: int, phase, state):
@@ -336,17 +342,9 @@ class Remote(Carrier):
     return state._replace(opt_state=opt._replace(comm=opt.comm._replace(residuals=kept)))
 
   def _local_program(self, phase, names: tuple):
-    """(θ_R, opt_state) -> (each name's tree per replica, its residual per replica)."""
+    """`local_trees` of `names`, compiled once per (phase, names)."""
     if (phase, names) not in self._locals:
-      tx = self.tx
-
-      def trees(params_r, opt):
-        per_replica = jax.vmap(lambda params, state: tx.local(state, params, phase),
-                               in_axes=(0, tx.state_axes))(params_r, opt)
-        return ({n: per_replica[n] for n in names},
-                {n: opt.comm.residuals[n] for n in names if n in opt.comm.residuals})
-
-      self._locals[(phase, names)] = jax.jit(trees)
+      self._locals[(phase, names)] = jax.jit(local_trees(self.tx, phase, names))
     return self._locals[(phase, names)]
 
   def _apply_program(self, phase, due: tuple, state):
