@@ -422,7 +422,8 @@ class Trainer:
   def train(self, state, start: int, stop: int, data_iters: list, carrier, hooks: list):
     """The loop: steps start + 1 … stop from `state` on the batches of `data_iters` (this process's
     replicas), the outer communication through `carrier` (`train.overlap`: Inline, Threaded,
-    Remote), `hooks` (`train.hooks`) around each step; returns the state after the last step."""
+    Remote; one that replaces the state moves the loop on, `position`), `hooks` (`train.hooks`)
+    around each step; returns the state after the last step."""
     c = self.config
     self._carrier = carrier
     loop = hooks_lib.Loop(self, carrier, start, stop, data_iters)
