@@ -122,10 +122,10 @@ def process_leg_config(case: str, num_processes: int = 1) -> ml_collections.Conf
 
 # tests/test_overlap_loop.py's two-process leg: Streaming DiLoCo (P = 2, H = 6, α = 0.5, 8 steps)
 # with one replica per process, by τ and codec keys, each run under both overlap executors; all in
-# one launch of tests/engine_processes_worker.py --leg=overlap. float32 at τ = 1, and the e3m0
-# codec with error feedback (the residual travels back from the thread into the state) at τ = 2.
-OVERLAP_PROCESS_RUNS = {"tau1": (1, {}),
-                        "tau2-e3m0-ef": (2, {"outer.codec": "e3m0",
+# one launch of tests/engine_processes_worker.py --leg=overlap: the e3m0 codec with error feedback
+# (the residual travels back from the thread into the state) at τ = 2. float32 at τ = 1 on the
+# thread across two processes is test_engine's two-process Streaming DiLoCo case.
+OVERLAP_PROCESS_RUNS = {"tau2-e3m0-ef": (2, {"outer.codec": "e3m0",
                                              "outer.error_feedback": True})}
 OVERLAP_EXECUTORS = ("inline", "thread")
 

@@ -209,14 +209,14 @@ def process_runs(tmp_path_factory):
   return out
 
 
-@pytest.mark.slow  # four 2-process runs in one launch: 2-10 min on the shared 2-core machine
+@pytest.mark.slow  # two 2-process runs in one launch: 1-5 min on a shared 2-core machine
 @pytest.mark.parametrize("run", list(testing.OVERLAP_PROCESS_RUNS))
 def test_two_processes_thread_equals_inline(process_runs, run):
   """Two processes (one replica each, gloo): the thread run equals the inline run (measured max abs
-  diff: τ = 1 6.0e-8, τ = 2 6.0e-8, e3m0 with error feedback 1.2e-7, within the bound above).
-  Inline, one replica per process runs the step under shard_map: the e3m0 case also checks that
-  the compressed mean leaves it replicated (the in-flight buffer). Plain τ = 2 is left to the vmap
-  and mesh cases above."""
+  diff: e3m0 with error feedback at τ = 2 1.2e-7, within the bound above). Inline, one replica per
+  process runs the step under shard_map: the case also checks that the compressed mean leaves it
+  replicated (the in-flight buffer). Plain τ = 2 is left to the vmap and mesh cases above, τ = 1 on
+  the thread across two processes to test_engine.py's two-process leg."""
   codec = testing.OVERLAP_PROCESS_RUNS[run][1]
   states = {mode: testing.restored(process_runs / f"{run}-{mode}")
             for mode in testing.OVERLAP_EXECUTORS}
