@@ -32,7 +32,7 @@ RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "
                 "elastic.adaptive_grace", "elastic.late",
                 "elastic.staleness_weight", "elastic.faults", "elastic.faults_per_hour",
                 "elastic.address", "elastic.max_restarts", "elastic.learner_cpus",
-                "elastic.learner_gpus", "elastic.timeout_s")
+                "elastic.learner_gpus", "elastic.timeout_s", "elastic.speeds")
 
 
 # The keys of the `outer` section that were `diloco.<key>`, and those SparseLoCo read from its own
@@ -264,11 +264,33 @@ def default_config() -> ml_collections.ConfigDict:
       learner_cpus=1.0,  # Ray resources of each learner actor, > 0
       learner_gpus=0.0,  # >= 0 (1 on GPU hosts: one learner per GPU)
       timeout_s=600.0,  # the whole run's wall-clock limit, > 0
+      # Learners of different speeds: "" (all alike) or one relative speed > 0 per learner,
+      # comma-separated ("1,1,0.5,0.25": learner 3 takes 4× the fastest one's time per step)
+      speeds="",
+      # Asynchronous learners (docs/elastic.md): no rounds; the syncer merges each Δ as it arrives
+      # into φ with the outer optimizer (outer_optimizer.momentum_every = N: Delayed Nesterov),
+      # scaled by the staleness rule, and the learner goes on from the φ of that moment.
+      # algorithm=diloco with outer.overlap_steps = 0 only.
+      asynchronous=False,
+      staleness="inverse",  # inverse: weight 1/(1 + s) for a Δ from s merges ago | cutoff: 1 up to
+      #                       max_staleness merges, dropped beyond | none: 1
+      max_staleness=4,  # S of staleness=cutoff, >= 0
+      # True: a learner's answer waits until the momentum step that closes its buffer of N
+      # (everyone then starts from the same φ: with N = num_learners, synchronous DiLoCo)
+      buffer_barrier=False,
+      # equal: every learner syncs every outer.sync_every steps | by_speed: learner i every
+      # max(1, round(H·speed_i / max speed)) steps, for num_steps·H_i/H steps (DyLU with the
+      # declared speeds: every learner's phase takes about the same wall time)
+      local_steps="equal",
+      log_deltas=False,  # True: every merged Δ kept beside the merge log (syncer/merges/), to replay
   ))
   c.outer_optimizer = ml_collections.ConfigDict(dict(
       name="nesterov",  # nesterov | sgd | adam, applied to the outer gradient Δ = φ − θ
       learning_rate=0.7,  # > 0
       momentum=0.9,  # in [0, 1)
+      # N: nesterov's momentum moves every N outer gradients, plain steps between (Delayed
+      # Nesterov, for asynchronous learners; 1: every outer step), >= 1
+      momentum_every=1,
   ))
   c.pipeline = ml_collections.ConfigDict(dict(  # gradients=pipeline or skippipe (docs/pipelines.md)
       num_stages=2,  # S: the model's layers cut into S stages (mesh.stage = S for the pipeline)

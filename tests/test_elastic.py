@@ -493,3 +493,45 @@ def test_the_syncer_stops_waiting_for_an_overdue_learner_with_the_adaptive_windo
   # adaptive: a quarter of learner 2's interval (0.2 s plus a round's close) past its prediction,
   # so it closes before the whole window however slow the machine makes that interval (up to ~2 s)
   assert waited[True][2] < 3.0, waited
+
+
+def _async_config(**changes):
+  return _config(**{"elastic.asynchronous": True, "outer_optimizer.momentum_every": 2,
+                    "checkpoint.keep": 20, "elastic.log_deltas": True, **changes})
+
+
+def test_asynchronous_with_a_buffer_barrier_and_equal_speeds_equals_the_spmd_run(ray_cluster,
+                                                                                   tmp_path):
+  """Asynchronous learners with Delayed Nesterov (N = 2 = learners), a barrier on each buffer and
+  no staleness: each learner's Δ merged alone (a plain step of Δ/N, then the momentum step of the
+  buffer), both from the same φ; φ after each buffer equals synchronous DiLoCo's after its round,
+  within the elastic equivalence bound (the two merges sum Δ_0/2 + Δ_1/2 in arrival order where
+  the round takes their mean). The merge log replays φ bit for bit on this process."""
+  from lowcomm_jax.elastic import syncer  # pylint: disable=g-import-not-at-top
+  config = _async_config(**{"elastic.buffer_barrier": True, "elastic.staleness": "none"})
+  summary = elastic_run(config, tmp_path / "elastic")
+  # synchronous DiLoCo: every round's mean through Nesterov (momentum every outer step)
+  spmd, steps, _ = _spmd_globals(_config(**{"checkpoint.keep": 20}), tmp_path / "spmd")
+  merges = [json.loads(l) for l in
+            (tmp_path / "elastic" / "syncer" / syncer.MERGE_LOG).read_text().splitlines()]
+  assert [(m["base_version"], m["staleness"], m["weight"], m["version"]) for m in merges] == [
+      (0, 0, 1.0, 1), (0, 1, 1.0, 2), (2, 0, 1.0, 3), (2, 1, 1.0, 4)]
+  assert sorted(m["learner"] for m in merges[:2]) == [0, 1] == sorted(
+      m["learner"] for m in merges[2:])
+  buffers = _syncer_globals(tmp_path / "elastic")[1::2]  # after merges 2 and 4
+  assert len(buffers) == len(spmd) == 2
+  for r, (ours, theirs) in enumerate(zip(buffers, spmd)):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+      b = np.asarray(b, np.float32)
+      bound = 8 * np.finfo(np.float32).eps * float(np.abs(b).max()) * steps[r]
+      assert float(np.abs(np.asarray(a, np.float32) - b).max()) <= bound, r
+  assert summary["goodput"] == 1.0
+  replayed = syncer.replay(tmp_path / "elastic")
+  assert replayed["merges"] == 4
+  for a, b in zip(jax.tree.leaves(replayed["phi"]), jax.tree.leaves(replayed["saved"])):
+    np.testing.assert_array_equal(a, b)
+
+
+def elastic_run(config, workdir):
+  from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
+  return elastic.run(config, workdir)

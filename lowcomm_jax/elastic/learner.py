@@ -9,6 +9,11 @@ algorithm's `apply`, as a replica of the SPMD run does with its collective's res
 reads shard i of N of the training data, as replica i of the SPMD run does (a learner added while
 the run goes on, i ≥ N, reads shard i of i + 1: `options.data_shard`).
 
+In an asynchronous run (`elastic.asynchronous`) every reply holds φ as the syncer's merge of this
+learner's Δ left it: the learner goes on from it at once (θ ← φ, on the carrier's rejoin path),
+keeping its inner state; with `elastic.local_steps=by_speed` it syncs every H_i of its own steps
+(`options.local_steps`). `elastic.speeds` slows its steps for the whole run (`StepFaults`).
+
 (Re)starting, it joins the syncer: it takes φ and the outer state (the state's shared part,
 `comm.plan.shared_part`), the step, and a live peer's inner optimizer state (none alive: a fresh
 one), and goes on from that step with the data it would have read there. Nobody else stops. A Δ the
@@ -61,7 +66,8 @@ class Learner:
     self.event("start", pid=os.getpid())  # the process (a restart is another)
     options.use_compilation_cache(self.run_dir)  # a restarted learner compiles nothing again
     self.syncer = ray.get_actor("syncer", namespace=options.namespace(self.run_dir))
-    self.trainer = Trainer(options.learner_config(c), self.dir / "model")
+    self.trainer = Trainer(options.learner_config(c, learner), self.dir / "model")
+    self.num_steps = options.local_steps(c, learner)[1]  # its own with elastic.local_steps
     self.tx = self.trainer.algorithm.tx
     self.names = options.plan_names(self.tx)
     self.faults = faults_lib.parse(c.elastic.faults, c.elastic.num_learners)
@@ -142,12 +148,15 @@ class Learner:
       data.set_state({"next_index": start})
     self.event("joined", step=start)
     ray.get(self.syncer.started.remote())  # a new run: every learner starts together
-    stop = c.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, c.num_steps)
+    stop = self.num_steps if c.stop_at_step < 0 else min(c.stop_at_step, self.num_steps)
     step, self.latest = start, state
     with self._serving:
       self._looping = True
     progress = LearnerProgress(self)
-    hooks = [progress, faults_lib.StepFaults(self.run_dir, self.faults, self.index, self.event)]
+    slowdown = faults_lib.slowdowns(c.elastic.speeds, options.num_learners(c))
+    hooks = [progress, faults_lib.StepFaults(self.run_dir, self.faults, self.index, self.event,
+                                             slowdown[self.index] if self.index < len(slowdown)
+                                             else 1.0)]
     try:  # one loop: a rejoin happens inside it, on the carrier (`Link.rejoin`)
       self.trainer.train(state, start, stop, [data], overlap.Remote(self.tx, Link(self, joined,
                                                                                    data)), hooks)
@@ -194,6 +203,7 @@ class Link:
 
   def __init__(self, learner: Learner, joined: dict, data):
     self.learner, self.data = learner, data
+    self._adopt = None  # asynchronous: the reply whose φ the learner goes on from
     self._start(joined)
 
   def _start(self, joined: dict) -> None:
@@ -207,6 +217,9 @@ class Link:
     is ahead (the data moved there)."""
     import ray  # pylint: disable=g-import-not-at-top
     ln = self.learner
+    if self._adopt is not None:  # asynchronous: on from φ as the merge left it, at this step
+      reply, self._adopt = self._adopt, None
+      return ln.adopt(state, reply, step), step
     joined = ray.get(ln.syncer.join.remote(ln.index))
     if not joined["member"]:
       raise Removed()
@@ -239,6 +252,10 @@ class Link:
     reply = ray.get(ref)
     ln.event("sync_end", step=step, fragment=p, accepted=reply["accepted"])
     self.rounds[p] = reply["round"]
+    if reply.get("adopt"):  # asynchronous: merged (or dropped); φ of that moment replaces ours
+      ln.progress["bytes_received"] += remote.reply_bytes(reply["phi"])
+      self._adopt = reply
+      raise overlap.Rejoin()
     if not reply["accepted"]:
       raise Removed() if reply["done"] else overlap.Rejoin()
     ln.progress["bytes_received"] += remote.reply_bytes(reply["mean"])

@@ -21,7 +21,7 @@ import os
 import pathlib
 
 from lowcomm_jax import checks, config as config_lib, run_config
-from lowcomm_jax.train import overlap, validation
+from lowcomm_jax.train import faults, overlap, validation
 
 
 def namespace(run_dir) -> str:
@@ -76,11 +76,28 @@ def spmd_config(config):
   return _derived(config, {"num_replicas": num_learners(config), "mesh.replica": 1})
 
 
-def learner_config(config):
-  """One learner's Trainer config: the run's algorithm on a single replica (its plans carried by
-  the syncer, not by a thread)."""
+def local_steps(config, learner: int) -> tuple[int, int]:
+  """(H_i, steps) of learner `learner`: outer.sync_every and num_steps, or with
+  `elastic.local_steps=by_speed` H_i = max(1, round(H·s_i / max s)) from its declared speed s_i
+  and num_steps·H_i/H steps (the same number of outer phases as the others, each taking about the
+  same wall time: DyLU with the declared speeds). A learner added while the run goes on counts as
+  one of the fastest."""
+  c = config
+  if c.elastic.local_steps != "by_speed":
+    return int(c.outer.sync_every), int(c.num_steps)
+  speeds = faults.speeds(c.elastic.speeds, num_learners(c))
+  speed = speeds[learner] if learner < len(speeds) else max(speeds)
+  h = max(1, round(c.outer.sync_every * speed / max(speeds)))
+  return h, max(h, round(c.num_steps * h / c.outer.sync_every))
+
+
+def learner_config(config, learner: int = 0):
+  """Learner `learner`'s Trainer config: the run's algorithm on a single replica (its plans carried
+  by the syncer, not by a thread), with its own H and steps (`local_steps`)."""
+  h, steps = local_steps(config, learner)
   return _derived(config, {"num_replicas": 1, "mesh.replica": 1,
-                           "outer.overlap_executor": "inline"})
+                           "outer.overlap_executor": "inline", "outer.sync_every": h,
+                           "num_steps": steps})
 
 
 def evaluation_config(config):
@@ -131,4 +148,16 @@ def check(config) -> run_config.RunConfig:
   checks.require(not run.outer.eager, "outer.eager",
                  "False for an elastic run (the syncer steps one shared φ; eager keeps one per "
                  "worker)", run.outer.eager)
+  e = run.elastic
+  if e.asynchronous:
+    checks.require(run.algorithm == "diloco", "algorithm",
+                   "diloco for elastic.asynchronous=True (one fragment, merged as it arrives)",
+                   run.algorithm)
+    checks.require(run.outer.overlap_steps == 0, "outer.overlap_steps",
+                   "0 for elastic.asynchronous=True (the learner goes on from the φ its Δ was "
+                   "merged into)", run.outer.overlap_steps)
+  else:
+    for key, default in (("buffer_barrier", False), ("local_steps", "equal")):
+      checks.require(e[key] == default, f"elastic.{key}",
+                     f"{default} unless elastic.asynchronous=True (rounds need one H)", e[key])
   return run

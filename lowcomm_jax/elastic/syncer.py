@@ -22,6 +22,16 @@ A Δ_p computed from an older φ_p than the open round's (its learner missed rou
 behind). A restarted syncer continues from its latest checkpoint; the exchanges in flight when it
 died are sent again by Ray (`max_task_retries=-1`), so the open round is filled again.
 
+Asynchronous learners (`elastic.asynchronous`, DiLoCo): no rounds. Each Δ is merged when it
+arrives (`_merge`): weighted by the staleness rule (`optim.staleness`: s = merges into φ since the
+learner took its φ) and by its tokens against a phase of H steps, it goes through the outer
+optimizer at once (with `outer_optimizer.momentum_every` = N, Delayed Nesterov: momentum every N
+merges), and the learner goes on from φ as it is then (with `elastic.buffer_barrier`, once the
+momentum step closing its buffer of N ran). Every merge (or drop) is a line of the merge log,
+syncer/merges.jsonl: learner, fragment, base version, version, staleness, weight, tokens, bytes;
+with `elastic.log_deltas` the merged Δ beside it (syncer/merges/<n>.npz), from which `replay`
+rebuilds φ on one process.
+
 Membership: the run's learners are `elastic.num_learners` at its start (or its resume with another
 count), plus those the driver adds (`add`: the next unused index) less those it removes (`remove`),
 saved with φ. Only members are live; a removed learner's last Δ already sent is merged.
@@ -30,7 +40,6 @@ saved with φ. Only members are live; a removed learner's last Δ already sent i
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import pathlib
 import time
@@ -41,7 +50,10 @@ import numpy as np
 
 from lowcomm_jax.comm import plan as plan_lib, remote
 from lowcomm_jax.elastic import grace as grace_lib, options
+from lowcomm_jax.optim import staleness as staleness_lib
 from lowcomm_jax.train import faults as faults_lib
+
+MERGE_LOG = "merges.jsonl"  # under <workdir>/syncer/
 
 
 def host(tree):
@@ -77,13 +89,18 @@ class Syncer:
     # each plan's tree, as `local` takes it (its shapes)
     self.shapes = [jax.eval_shape(lambda n=n: tx.local(self.shared, self.params, sends[n])[n])
                    for n in self.names]
-    self.rounds = [0] * self.num_fragments
+    self.rounds = [0] * self.num_fragments  # asynchronous: per plan, Δ merged into φ (version)
     self.step = 0  # the latest step a closed round merged
     self.live: set[int] = set()
     self.members = set(range(c.elastic.num_learners))
     self._next_index = c.elastic.num_learners  # an added learner's index: never one used before
     self.stats = {"rounds": [], "tokens_merged": 0, "tokens_dropped": 0, "refused": 0,
-                  "joins": [], "leaves": [], "dropped": [], "added": [], "removed": []}
+                  "joins": [], "leaves": [], "dropped": [], "added": [], "removed": [],
+                  "merges": 0, "learner_steps": {}, "finished": []}
+    self.asynchronous = bool(c.elastic.asynchronous)
+    if self.asynchronous:  # each learner's Δ_p count towards the end: its own sends
+      self.final_rounds = [0] * self.num_fragments
+      self._phase_tokens = c.outer.sync_every * c.data.batch_size * c.data.seq_len
     self.ckpt = checkpoint.Checkpointer(self.dir, c.checkpoint.keep)
     self.saves = 0
     restored = self.ckpt.restore_latest(self._template())
@@ -91,8 +108,9 @@ class Syncer:
       self.saves, state, data = restored
       self.shared = jax.tree.unflatten(self._treedef, list(host(state["shared"])))
       self.rounds, self.step, self.stats = data["rounds"], data["step"], data["stats"]
-      for key in ("added", "removed"):  # a run saved before membership changes were counted
-        self.stats.setdefault(key, [])
+      for key, empty in (("added", []), ("removed", []), ("merges", 0), ("learner_steps", {}),
+                         ("finished", [])):  # a run saved before these were counted
+        self.stats.setdefault(key, empty)
       if data.get("num_learners", c.elastic.num_learners) == c.elastic.num_learners:
         self.members = set(data.get("members", self.members))  # as added and removed
       # else a resume with another elastic.num_learners: its learners, and none of the others
@@ -111,13 +129,10 @@ class Syncer:
     # compiled now, not in the first round that needs it (a round's time is the learners' wait)
     consumed = {n: ph for ph in tx.phases for n in tx.consumes(ph)}
 
-    def outer_step(shared, params, mean, name, phase):
-      return tx.apply(shared, params, {name: mean}, phase)[1]
-
-    self._outer_steps = [
-        jax.jit(functools.partial(outer_step, name=n, phase=consumed[n])).lower(
-            self.shared, self.params, self.zeros(p)).compile()
-        for p, n in enumerate(self.names)]
+    self._outer_steps = [outer_step_program(tx, n, consumed[n], self.shared, self.params,
+                                            self.zeros(p))
+                         for p, n in enumerate(self.names)]
+    self._buffer_closed = {}  # asynchronous, barrier: (p, version) -> Event set when φ_p got there
     self.faults = faults_lib.SyncerFaults(
         self.run_dir, faults_lib.parse(c.elastic.faults, c.elastic.num_learners))
     self.writer = metrics.MetricWriter(self.run_dir, c.num_steps, self.step, progress_bar=False)
@@ -152,8 +167,10 @@ class Syncer:
     self.stats["joins"].append((time.time(), learner))
     for p, r in enumerate(self.rounds):
       self._based_on[(p, learner)] = r
+    # asynchronous: each learner's own steps (its H may differ), from its last merged Δ
+    step = self.stats["learner_steps"].get(str(learner), 0) if self.asynchronous else self.step
     return {"member": True, "phi": self.phi, "shared": self.shared, "rounds": list(self.rounds),
-            "step": self.step, "peer": peers[0] if peers else None}
+            "step": step, "peer": peers[0] if peers else None}
 
   def add(self) -> int:
     """A learner added while the run goes on: its index (a member from now on, live once it
@@ -200,6 +217,8 @@ class Syncer:
 
   @property
   def done(self) -> bool:
+    if self.asynchronous:  # every member sent the Δ of its last step
+      return self.members <= set(self.stats["finished"])
     return all(r >= f for r, f in zip(self.rounds, self.final_rounds))
 
   # -- rounds ----------------------------------------------------------------------------------
@@ -208,7 +227,10 @@ class Syncer:
                      loss: float) -> dict:
     """Learner `learner`'s Δ_p, computed from φ_p of round `base_round` over `tokens` tokens up to
     its step `step`: returns the mean the open round merged once it closes, with the next round's
-    number (`accepted` False: dropped or the end, no mean; `behind`: computed from an older φ_p)."""
+    number (`accepted` False: dropped or the end, no mean; `behind`: computed from an older φ_p).
+    Asynchronous: `_merge`."""
+    if self.asynchronous:
+      return await self._merge(learner, p, base_round, payload, tokens, step, loss)
     r = self.rounds[p]
     if r >= self.final_rounds[p] or learner not in self.members:  # the end, or removed: it stops
       return {"mean": None, "round": r, "done": True, "accepted": False, "behind": False,
@@ -237,6 +259,60 @@ class Syncer:
     return {"mean": self._results[(p, r)], "round": r + 1,
             "done": r + 1 >= self.final_rounds[p], "accepted": True, "behind": behind > 0,
             "step": self.step}
+
+  async def _merge(self, learner: int, p: int, base: int, payload, tokens: int, step: int,
+                   loss: float) -> dict:
+    """Asynchronous: learner `learner`'s Δ_p from φ_p at version `base`, merged at once (or
+    dropped) as the module doc says; the answer holds φ and the shared state to go on from."""
+    e = self.config.elastic
+    if learner not in self.members:
+      return {"mean": None, "round": self.rounds[p], "done": True, "accepted": False,
+              "behind": False, "step": step}
+    self.live.add(learner)
+    version = self.rounds[p]
+    stale = max(version - base, 0)
+    weight = staleness_lib.weight(e.staleness, stale, e.max_staleness) * tokens / \
+        self._phase_tokens
+    delta = remote.decode(self.plans[p], payload)
+    record = {"merge": self.stats["merges"], "learner": learner, "fragment": p,
+              "base_version": base, "staleness": stale, "weight": weight, "tokens": int(tokens),
+              "bytes": remote.payload_bytes(payload), "step": int(step), "time": time.time()}
+    self.stats["merges"] += 1
+    if weight > 0:
+      if e.log_deltas:
+        folder = self.dir / "merges"
+        folder.mkdir(exist_ok=True)
+        np.savez(folder / f"{record['merge']}.npz", *jax.tree.leaves(delta))
+      refused = int(np.sum(self.algorithm.refused(self.shared)))
+      self.shared = host(self._outer_steps[p](self.shared, self.params, weighted(delta, weight)))
+      self.stats["refused"] += int(np.sum(self.algorithm.refused(self.shared))) - refused
+      self.rounds[p] = version + 1
+      self.stats["tokens_merged"] += int(tokens)
+    else:
+      self.stats["tokens_dropped"] += int(tokens)
+      self.stats["dropped"].append((time.time(), learner, p, version, stale))
+    record["version"] = self.rounds[p]
+    self.stats["rounds"].append({"fragment": p, "round": record["merge"], "time": time.time(),
+                                 "live": 1, "contributors": [learner],
+                                 "accepted": [learner] if weight > 0 else [], "behind": [stale],
+                                 "grace_waited_s": 0.0})
+    self.stats["learner_steps"][str(learner)] = int(step)
+    if step >= options.local_steps(self.config, learner)[1]:
+      self.stats["finished"] = sorted(set(self.stats["finished"]) | {learner})
+    self.step = max(self.step, int(step))
+    with (self.dir / MERGE_LOG).open("a") as f:
+      f.write(json.dumps(record) + "\n")
+    self._save()
+    self.writer.write(self.step, {"loss": float(loss), "staleness": stale, "weight": weight,
+                                  "fragment": p, "round": record["merge"]})
+    for key in [k for k in self._buffer_closed if k[0] == p and k[1] <= self.rounds[p]]:
+      self._buffer_closed.pop(key).set()
+    every = self.config.outer_optimizer.momentum_every
+    if e.buffer_barrier and weight > 0 and self.rounds[p] % every:
+      target = (self.rounds[p] // every + 1) * every  # the merge whose momentum step closes it
+      await self._buffer_closed.setdefault((p, target), asyncio.Event()).wait()
+    return {"mean": None, "phi": self.phi, "shared": self.shared, "round": self.rounds[p],
+            "done": False, "accepted": True, "behind": False, "adopt": True, "step": step}
 
   def _check_close(self, p: int) -> None:
     r, contributions = self.rounds[p], self._open[p]
@@ -335,3 +411,53 @@ class Syncer:
     return {"eval_loss": eval_loss, "eval_bits_per_byte": splits.bits_per_byte(eval_loss),
             "stats": self.stats, "rounds": self.rounds, "final_rounds": self.final_rounds,
             "step": self.step, "members": sorted(self.members)}
+
+
+def weighted(delta, weight: float):
+  """`delta` × `weight` (float32, numpy): what an asynchronous merge hands the outer optimizer."""
+  return jax.tree.map(lambda d: (np.float32(weight) * np.asarray(d, np.float32)), delta)
+
+
+def outer_step_program(tx, name: str, phase, shared, params, mean):
+  """The compiled outer step of plan `name` on `mean`: (shared, params, mean) -> the new shared
+  part (φ, the outer optimizer state), as the syncer runs it after a round or a merge."""
+  def outer_step(shared, params, mean):
+    return tx.apply(shared, params, {name: mean}, phase)[1]
+  return jax.jit(outer_step).lower(shared, params, mean).compile()
+
+
+def replay(run_dir) -> dict:
+  """φ of an asynchronous run with `elastic.log_deltas`, rebuilt on this process from φ_0 and its
+  merge log (each logged Δ through the same outer step program, in the log's order). Reads the
+  run, writes nothing. Returns {"phi": the rebuilt φ, "saved": the syncer's latest φ, "merges":
+  merges replayed}."""
+  from lowcomm_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
+  run_dir = pathlib.Path(run_dir)
+  c = ml_collections.ConfigDict(json.loads((run_dir / "config.json").read_text())["config"])
+  folder = run_dir / "syncer"
+  saved = checkpoint.sealed_steps(folder / "checkpoints")
+  if 1 not in saved:
+    raise ValueError(f"{folder}: the first save (φ_0) is no longer kept: replay needs "
+                     "checkpoint.keep large enough to keep it")
+  first, last = (host(checkpoint.read_step(folder, step)["phi"]) for step in (1, max(saved)))
+  params = first
+  algorithm = options.outer_algorithm(c, params)
+  tx = algorithm.tx
+  shared = host(plan_lib.shared_part(tx.state_axes, tx.init(params)))
+  names = options.plan_names(tx)
+  consumed = {n: ph for ph in tx.phases for n in tx.consumes(ph)}
+  sends = {n: ph for ph in tx.phases for n in tx.plans(ph)}
+  programs = {}
+  merges = [json.loads(l) for l in (folder / MERGE_LOG).read_text().splitlines()]
+  for m in (m for m in merges if m["weight"] > 0):
+    with np.load(folder / "merges" / f"{m['merge']}.npz") as z:
+      leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
+    name = names[m["fragment"]]
+    like = jax.eval_shape(lambda n=name: tx.local(shared, params, sends[n])[n])
+    delta = jax.tree.unflatten(jax.tree.structure(like), leaves)
+    mean = weighted(delta, m["weight"])
+    if name not in programs:
+      programs[name] = outer_step_program(tx, name, consumed[name], shared, params, mean)
+    shared = host(programs[name](shared, params, mean))
+  return {"phi": host(algorithm.eval_params(None, shared)), "saved": last,
+          "merges": sum(m["weight"] > 0 for m in merges)}

@@ -34,7 +34,8 @@ from lowcomm_jax.optim import (
 from lowcomm_jax.train import overlap
 
 _OUTER_OPTIMIZERS = {
-    "nesterov": lambda o: optim.outer_nesterov(o.learning_rate, o.momentum),
+    "nesterov": lambda o: optim.delayed_nesterov(o.learning_rate, o.momentum,
+                                                 o.momentum_every),
     "sgd": lambda o: optax.sgd(o.learning_rate, momentum=o.momentum or None),
     "adam": lambda o: optax.adam(o.learning_rate),
 }
@@ -184,6 +185,11 @@ def _check_outer_optimizer(c) -> None:
   make_outer_optimizer(c.outer_optimizer)  # its name
   checks.number(c, "outer_optimizer.learning_rate", 0, low_open=True)
   checks.number(c, "outer_optimizer.momentum", 0, 1)
+  checks.integer(c, "outer_optimizer.momentum_every", 1, note=" (N outer gradients per momentum "
+                 "step: Delayed Nesterov)")
+  checks.require(c.outer_optimizer.momentum_every == 1 or c.outer_optimizer.name == "nesterov",
+                 "outer_optimizer.momentum_every", "1 unless outer_optimizer.name=nesterov",
+                 c.outer_optimizer.momentum_every)
 
 
 def _sparseloco(config, inner, num_replicas, abstract_params):

@@ -16,6 +16,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from lowcomm_jax import distributed
@@ -429,6 +430,20 @@ def read_latest(workdir, abstract_state, option: str = "--workdir", tokenizer: s
       f"step {step}: {failed[step]}" for step in newest[:3]]
   raise ValueError(f"{where}: no checkpoint restores ({len(failed)} sealed, newest step "
                    f"{newest[0]}): {'; '.join(causes)}; nothing was changed")
+
+
+def read_step(workdir, step: int) -> dict:
+  """The state saved at sealed step `step` of `workdir` as saved (numpy leaves), read only (no
+  orbax manager: nothing in the workdir changes)."""
+  _fast_array_handler()
+  step_dir = pathlib.Path(workdir).absolute() / "checkpoints" / str(step)
+  verify(step_dir)
+  reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  try:
+    restored = reader.restore(step_dir, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  finally:
+    reader.close()
+  return jax.tree.map(np.asarray, dict(restored["state"]))
 
 
 def restore_eval_params(workdir, replica: int | None = None, option: str = "init_from") -> tuple:

@@ -93,6 +93,29 @@ def parse(spec: str, num_learners: int) -> tuple[Fault, ...]:
   return tuple(faults)
 
 
+def speeds(spec: str, num_learners: int) -> tuple[float, ...]:
+  """The learners' relative speeds of an `elastic.speeds` string ("" : all 1); one ValueError line
+  naming the option otherwise. Speed s_i makes learner i's steps max(s)/s_i times as long as its
+  own (a `slow` fault from step 0 with that factor)."""
+  if not spec.strip():
+    return (1.0,) * num_learners
+  items = [s.strip() for s in spec.split(",")]
+  try:
+    values = tuple(float(s) for s in items)
+  except ValueError:
+    values = ()
+  if len(values) != num_learners or not all(math.isfinite(v) and v > 0 for v in values):
+    raise ValueError(f"elastic.speeds must be {num_learners} numbers > 0, comma-separated (one "
+                     f"per learner, elastic.num_learners={num_learners}), got {spec!r}")
+  return values
+
+
+def slowdowns(spec: str, num_learners: int) -> tuple[float, ...]:
+  """Per learner, the factor its steps are slowed by: the fastest speed over its own (>= 1)."""
+  values = speeds(spec, num_learners)
+  return tuple(max(values) / v for v in values)
+
+
 def fire_once(run_dir: pathlib.Path, fault: Fault) -> bool:
   """True the first time `fault` fires in this run (a marker file is created atomically)."""
   folder = pathlib.Path(run_dir) / "faults"
@@ -127,12 +150,15 @@ def poisson_kills(faults_per_hour: float, duration_s: float, num_learners: int,
 
 class StepFaults(hooks.Hook):
   """Fires learner `learner`'s faults of `faults` after its steps (`elastic.faults`: kill, stop,
-  slow), each once per run; `event(kind, **fields)` records one as it fires."""
+  slow), each once per run; `event(kind, **fields)` records one as it fires. `slowdown` (>= 1, from
+  `slowdowns`) slows every step from the first on, as a slow fault at step 0."""
 
-  def __init__(self, run_dir, faults, learner: int, event):
+  def __init__(self, run_dir, faults, learner: int, event, slowdown: float = 1.0):
     self.run_dir, self.learner, self.event = pathlib.Path(run_dir), learner, event
     self.faults = [f for f in faults if f.kind != "kill_syncer" and f.learner == learner]
-    self.slow = 1.0  # F times this learner's usual step time, from the slow fault's step on
+    # F times this learner's usual step time: its speed (`elastic.speeds`) from the start, a slow
+    # fault's factor from its step on
+    self.slow = float(slowdown)
     self._seen = set()  # this start's faults already looked at
     self._step_times, self._began, self._first = [], None, None
 

@@ -19,6 +19,7 @@ from lowcomm_jax import checks, config as config_lib, mesh as mesh_lib, run_conf
 from lowcomm_jax.data import corpora, files, pipeline, tokenizer as tokenizer_lib
 from lowcomm_jax.models import config as model_config, hf_llama
 from lowcomm_jax.optim import inner
+from lowcomm_jax.optim.staleness import STALENESS_RULES
 from lowcomm_jax.sim import network
 from lowcomm_jax.train import algorithms, faults, sources
 
@@ -123,6 +124,14 @@ def _check_elastic_values(c) -> None:
   checks.number(c, "elastic.learner_cpus", 0, low_open=True)
   checks.number(c, "elastic.learner_gpus", 0)
   checks.number(c, "elastic.timeout_s", 0, low_open=True)
+  faults.speeds(e.speeds, e.num_learners)
+  for key in ("asynchronous", "buffer_barrier", "log_deltas"):
+    checks.require(isinstance(e[key], bool), f"elastic.{key}", "True or False", e[key])
+  checks.require(e.staleness in STALENESS_RULES, "elastic.staleness",
+                 f"one of {', '.join(STALENESS_RULES)}", e.staleness)
+  checks.integer(c, "elastic.max_staleness", 0)
+  checks.require(e.local_steps in ("equal", "by_speed"), "elastic.local_steps",
+                 "one of equal, by_speed", e.local_steps)
 
 
 def _check_tokenizer(c) -> None:
