@@ -282,7 +282,7 @@ def default_config() -> ml_collections.ConfigDict:
       # max(1, round(H·speed_i / max speed)) steps, for num_steps·H_i/H steps (DyLU with the
       # declared speeds: every learner's phase takes about the same wall time)
       local_steps="equal",
-      log_deltas=False,  # True: every merged Δ kept beside the merge log (syncer/merges/), to replay
+      log_deltas=False,  # True: each merged Δ kept beside the merge log (syncer/merges/): replay
   ))
   c.outer_optimizer = ml_collections.ConfigDict(dict(
       name="nesterov",  # nesterov | sgd | adam, applied to the outer gradient Δ = φ − θ
