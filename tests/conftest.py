@@ -66,6 +66,7 @@ TIER_TIMEOUT_S = {tier: seconds * float(os.environ.get("LOWCOMM_TEST_TIMEOUT_SCA
 TIERS = {
     "test_accelerator_benchmark.py": "processes",
     "test_accumulation.py": "trainer",
+    "test_async_merge.py": "unit",
     "test_bad_inputs.py": "trainer",
     "test_bench.py": "trainer",
     "test_eager.py": "trainer",

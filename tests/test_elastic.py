@@ -162,11 +162,24 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
                          "elastic.faults: unknown fault kind 'explode'"),
       "algorithm": ("noloco", "algorithm=noloco cannot run elastic: a syncer carries plans of "
                               "kind mean, compressed_mean, sparse_gather"),
+      "elastic.staleness": ("heloco", "elastic.staleness must be one of inverse, cutoff, none"),
+      "elastic.speeds": ("1,0", "elastic.speeds must be 2 numbers > 0"),
+      "elastic.buffer_barrier": (True, "elastic.buffer_barrier must be False unless "
+                                       "elastic.asynchronous=True"),
   }
-  for key, (value, message) in cases.items():
-    workdir = tmp_path / key
+  asynchronous = {"elastic.asynchronous": True}
+  combined = [  # (changes, message)
+      ({**asynchronous, "algorithm": "streaming_diloco"},
+       "algorithm must be diloco for elastic.asynchronous=True"),
+      ({"outer_optimizer.name": "adam", "outer_optimizer.momentum_every": 2},
+       "outer_optimizer.momentum_every must be 1 unless outer_optimizer.name=nesterov"),
+      ({**asynchronous, "elastic.max_staleness": -1},
+       "elastic.max_staleness must be an integer >= 0"),
+  ]
+  for i, (changes, message) in enumerate([({k: v}, m) for k, (v, m) in cases.items()] + combined):
+    workdir = tmp_path / f"case{i}"
     with pytest.raises(ValueError) as error:
-      elastic.run(_config(**{key: value}), workdir)
+      elastic.run(_config(**changes), workdir)
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
     assert not workdir.exists()
   with pytest.raises(ValueError, match="learner must be in \\[0, 2\\)"):
@@ -535,3 +548,33 @@ def test_asynchronous_with_a_buffer_barrier_and_equal_speeds_equals_the_spmd_run
 def elastic_run(config, workdir):
   from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
   return elastic.run(config, workdir)
+
+
+def test_asynchronous_learners_of_different_speeds_merge_stale_deltas_by_the_rule(ray_cluster,
+                                                                                  tmp_path):
+  """Learner 1 four times slower (elastic.speeds) syncs every H_1 = 1 of its own steps for 2 steps
+  (local_steps=by_speed: H = 5 for learner 0, 10 steps), no barrier: every line of the merge log
+  is its Δ's staleness (merges into φ since its base version) weighted 1/(1 + s) × its tokens
+  over a phase of H steps; each learner's sends all merged; the log replays φ bit for bit."""
+  from lowcomm_jax.elastic import syncer  # pylint: disable=g-import-not-at-top
+  config = _async_config(**{"elastic.speeds": "1,0.25", "elastic.local_steps": "by_speed",
+                            "elastic.staleness": "inverse"})
+  summary = elastic_run(config, tmp_path / "elastic")
+  merges = [json.loads(l) for l in
+            (tmp_path / "elastic" / "syncer" / syncer.MERGE_LOG).read_text().splitlines()]
+  assert sorted(m["learner"] for m in merges) == [0, 0, 1, 1]
+  assert [m["step"] for m in merges if m["learner"] == 0] == [5, 10]
+  assert [m["step"] for m in merges if m["learner"] == 1] == [1, 2]
+  tokens = 4 * 32  # data.batch_size × data.seq_len per step
+  for n, m in enumerate(merges):
+    assert m["merge"] == n and m["version"] == n + 1  # nothing dropped: each moved φ
+    assert m["staleness"] == n - m["base_version"]
+    assert m["tokens"] == tokens * (5 if m["learner"] == 0 else 1)
+    assert m["weight"] == pytest.approx(m["tokens"] / (5 * tokens) / (1 + m["staleness"]),
+                                        rel=1e-12)
+  assert summary["tokens_merged"] == 12 * tokens
+  # both learners' first Δ start from φ_0: the one merged second is stale whatever the timing
+  assert max(m["staleness"] for m in merges) >= 1
+  replayed = syncer.replay(tmp_path / "elastic")
+  for a, b in zip(jax.tree.leaves(replayed["phi"]), jax.tree.leaves(replayed["saved"])):
+    np.testing.assert_array_equal(a, b)
