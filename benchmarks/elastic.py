@@ -41,7 +41,6 @@ healing).
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import os
 import pathlib
@@ -186,29 +185,6 @@ def sync_waits(events: list[dict]) -> list[float]:
 
 # -- the runs --------------------------------------------------------------------------------------
 
-def _config(steps: int, learners: int, faults_per_hour: float, timeout_s: float,
-            variant: str = "tiny", **changes):
-  from lowcomm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location(
-      "elastic_config", ROOT / "experiments" / "configs" / "elastic.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config(variant)
-  return config_lib.override(c, {
-      "num_steps": steps, "eval.every": steps, "progress_bar": False,
-      "elastic.num_learners": learners, "num_replicas": learners,
-      "elastic.faults_per_hour": faults_per_hour, "elastic.timeout_s": timeout_s, **changes})
-
-
-def _run(config, work: pathlib.Path) -> dict:
-  from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.elastic import driver  # pylint: disable=g-import-not-at-top
-  summary = elastic.run(config, work)
-  n = summary["learners"]
-  summary["events"] = [driver.events(work, i) for i in range(n)]
-  return summary
-
-
 def _row(summary: dict, fault_free: dict | None, rate: float, scenario: str = "poisson kills",
          variant: str = "tiny") -> dict:
   rejoin = summary["rejoin_s"]
@@ -348,6 +324,8 @@ def plot(path: str, runs: list[tuple[str, dict]]) -> None:
 
 
 def main(argv):
+  import elastic_runs  # pylint: disable=g-import-not-at-top (benchmarks/, beside this file)
+  _config, _run = elastic_runs.config, elastic_runs.run
   del argv
   if _WORKER.value:
     _allreduce_worker(_WORKER.value)

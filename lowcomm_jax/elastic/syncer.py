@@ -396,21 +396,27 @@ class Syncer:
 
   def finish(self) -> dict:
     """Evaluates φ on the eval batches; the counters for summary.json."""
-    c = self.config
-    from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-    from lowcomm_jax.models import loss as loss_lib  # pylint: disable=g-import-not-at-top
-    splits = pipeline.splits_of(c)
-    batches = pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
-                                    c.eval.num_batches)
-    params = jax.tree.map(lambda x, p: x.astype(p.dtype), self.phi, self.params)
-    loss = jax.jit(lambda p, b: loss_lib.lm_loss(self.trainer.graphdef, p, b))
-    eval_loss = float(np.mean([float(loss(params, b)) for b in batches]))
+    eval_loss, splits = evaluate(self.config, self.trainer, self.phi, self.params)
     self.writer.write(max(self.step, 1), {"eval_loss": eval_loss})
     self.writer.close()
     self.ckpt.close()
     return {"eval_loss": eval_loss, "eval_bits_per_byte": splits.bits_per_byte(eval_loss),
             "stats": self.stats, "rounds": self.rounds, "final_rounds": self.final_rounds,
             "step": self.step, "members": sorted(self.members)}
+
+
+def evaluate(config, trainer, phi, like) -> tuple:
+  """(the mean loss of φ over the run's eval batches, the data splits): φ cast to the dtypes of
+  `like` (the model's parameters), through `trainer`'s model (the syncer's evaluation Trainer)."""
+  from lowcomm_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.models import loss as loss_lib  # pylint: disable=g-import-not-at-top
+  c = config
+  splits = pipeline.splits_of(c)
+  batches = pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
+                                  c.eval.num_batches)
+  params = jax.tree.map(lambda x, p: np.asarray(x).astype(p.dtype), phi, like)
+  loss = jax.jit(lambda p, b: loss_lib.lm_loss(trainer.graphdef, p, b))
+  return float(np.mean([float(loss(params, b)) for b in batches])), splits
 
 
 def weighted(delta, weight: float):
