@@ -43,6 +43,23 @@ The model (all workers are alike, so one worker's timeline is enough):
 
 ``required_bandwidth`` inverts CU(B) by bisection on log B; CU is
 non-decreasing in B.
+
+**How the papers report bandwidths.** Every value of Streaming DiLoCo's
+Table 4 and of the scaling-law paper's Table 6 (arXiv 2503.09799) is a point
+of ``numpy.logspace(-1, 3, 50)`` Gbit/s (consecutive points differ by
+×1.207): each paper reports the smallest grid bandwidth whose CU reaches the
+target, so its true value lies in (value / 1.207, value]. ``snap_to_grid``
+puts ours on the same grid and ``grid_error`` compares the two; an unsnapped
+comparison is biased (ours is exact, the paper's is rounded up by up to 21%).
+
+**The two papers' configurations** (``PaperSetting``) are the same model with
+the same assumptions: M = 2, bf16 gradients and outer gradients, no latency,
+per-layer reductions overlapped with the backward, blocking DiLoCo. Neither
+paper's text at hand gives M, the wire format or the layer count of the
+scaling-law simulation; ``STREAMING_DILOCO_SETTING`` and
+``SCALING_LAWS_SETTING`` name them so that a difference found later is one
+field, not a second simulator. What the tables imply that this model lacks is
+written in docs/simulator.md ("Where the model and the papers part").
 """
 
 from __future__ import annotations
@@ -57,7 +74,10 @@ __all__ = [
     "ModelShape", "Workload", "Method", "data_parallel", "diloco", "streaming",
     "table4_methods", "PAPER_WORKLOADS", "PAPER_TABLE4", "simulate_method",
     "compute_utilization", "required_bandwidth", "utilization_curve",
-    "reproduce_table4",
+    "reproduce_table4", "PAPER_GRID_GBIT", "snap_to_grid", "grid_error",
+    "PaperSetting", "STREAMING_DILOCO_SETTING", "SCALING_LAWS_SETTING",
+    "TABLE6_WORKLOADS", "TABLE6_CU", "PAPER_TABLE6", "table6_method",
+    "reproduce_table6",
 ]
 
 
@@ -366,4 +386,116 @@ def reproduce_table4(target_cu: float = 0.95, sync_every: int = 100,
       name: [required_bandwidth(m, w, num_workers, target_cu, latency_s) / 1e9
              for m in table4_methods(sync_every)]
       for name, w in workloads.items()
+  }
+
+
+# numpy.logspace(-1, 3, 50) in Gbit/s: the bandwidths both papers evaluate.
+PAPER_GRID_GBIT = tuple(10.0 ** (-1 + 4 * k / 49) for k in range(50))
+
+
+def snap_to_grid(gbit_per_s: float) -> float:
+  """Smallest point of ``PAPER_GRID_GBIT`` at or above ``gbit_per_s``.
+
+  Returns ``math.inf`` above the grid's top (the paper's "1000+").
+  """
+  for point in PAPER_GRID_GBIT:
+    if point >= gbit_per_s * (1 - 1e-9):
+      return point
+  return math.inf
+
+
+def grid_error(ours_gbit: float, paper_gbit: float) -> float:
+  """Relative error of ``snap_to_grid(ours)`` against the paper's grid point.
+
+  ``paper_gbit`` is the printed value (one decimal, e.g. 323.8 for
+  323.75); ``math.inf`` stands for "1000+", which ours matches when it also
+  lies above the grid (both count as the point one step above 1000). An
+  error is 0 or at least one grid step (+20.7% or −17.1%).
+  """
+  ours = snap_to_grid(ours_gbit)
+  step = 10.0 ** (4 / 49)
+  # "1000+" (and ours above the grid) count as the point one step above 1000.
+  ours = PAPER_GRID_GBIT[-1] * step if math.isinf(ours) else ours
+  if math.isinf(paper_gbit):
+    paper = PAPER_GRID_GBIT[-1] * step
+  else:
+    paper = min(PAPER_GRID_GBIT, key=lambda point: abs(point - paper_gbit))
+  return ours / paper - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PaperSetting:
+  """One paper's simulator as a configuration of this module's model.
+
+  Attributes:
+    name: the paper, for tables.
+    num_workers: M, workers in the ring all-reduce.
+    latency_s: ℓ of the link.
+    bits_per_param: bits on the wire per parameter for data-parallel
+      gradients and DiLoCo outer gradients (FP4 columns set their own).
+  """
+
+  name: str
+  num_workers: int = 2
+  latency_s: float = 0.0
+  bits_per_param: float = 16.0
+
+
+# Streaming DiLoCo (arXiv 2501.18512), Table 4: M = 2 (two workers), bf16
+# (its Table 1 counts H·16/4 ≈ 400× fewer bits for FP4), no latency.
+STREAMING_DILOCO_SETTING = PaperSetting("Streaming DiLoCo, Table 4")
+# Scaling laws for DiLoCo (arXiv 2503.09799), Table 6: the same values; M,
+# the wire format and the layer counts are not stated in the text at hand.
+SCALING_LAWS_SETTING = PaperSetting("DiLoCo scaling laws, Table 6")
+
+TABLE6_CU = (0.5, 0.8, 0.9, 0.95, 0.99)
+
+# Table 6's models and step times (MFU 60%). Layers: 48 for the 10B (as in
+# Table 4), 126 for Llama 3 405B and 61 for DeepSeek-V3 (their published
+# shapes); N is the parameters exchanged (all 671B of DeepSeek-V3's experts).
+TABLE6_WORKLOADS = {
+    "10B": Workload(ModelShape(48, 10e9), 0.8),
+    "Llama3-405B": Workload(ModelShape(126, 405e9), 26.0),
+    "DeepSeek-V3-671B": Workload(ModelShape(61, 671e9), 20.0),
+}
+
+# Table 6 of arXiv 2503.09799: Gbit/s for 50/80/90/95/99% CU, keyed by
+# (model, H); H = 1 is data-parallel. math.inf is the paper's "1000+".
+PAPER_TABLE6 = {
+    ("10B", 1): (104.8, 184.2, 222.3, 222.3, 390.7),
+    ("10B", 10): (16.0, 49.4, 86.8, 152.6, 222.3),
+    ("10B", 50): (3.0, 11.0, 23.3, 41.0, 126.5),
+    ("10B", 100): (1.4, 6.2, 13.3, 23.3, 86.8),
+    ("10B", 300): (0.5, 2.0, 4.3, 9.1, 41.0),
+    ("Llama3-405B", 1): (126.5, 222.3, 268.3, 323.8, 323.8),
+    ("Llama3-405B", 100): (2.0, 7.5, 16.0, 33.9, 126.5),
+    ("DeepSeek-V3-671B", 1): (323.8, 569.0, 686.6, 686.6, math.inf),
+    ("DeepSeek-V3-671B", 100): (4.3, 16.0, 41.0, 72.0, 268.3),
+}
+
+
+def table6_method(sync_every: int, setting: PaperSetting = SCALING_LAWS_SETTING
+                  ) -> Method:
+  """Data-parallel for H = 1, blocking DiLoCo otherwise."""
+  if sync_every == 1:
+    return data_parallel(setting.bits_per_param)
+  return diloco(sync_every, setting.bits_per_param)
+
+
+def reproduce_table6(setting: PaperSetting = SCALING_LAWS_SETTING,
+                     rows=None, targets=TABLE6_CU
+                     ) -> dict[tuple[str, int], list[float]]:
+  """Bandwidth (Gbit/s, unsnapped) per Table 6 row and CU target.
+
+  Args:
+    setting: the configuration (M, latency, bits).
+    rows: ``(model, H)`` keys of ``PAPER_TABLE6`` to compute; all by default.
+    targets: the CU targets.
+  """
+  rows = list(PAPER_TABLE6) if rows is None else rows
+  return {
+      (model, h): [required_bandwidth(
+          table6_method(h, setting), TABLE6_WORKLOADS[model],
+          setting.num_workers, c, setting.latency_s) / 1e9 for c in targets]
+      for model, h in rows
   }
