@@ -187,6 +187,9 @@ def default_config() -> ml_collections.ConfigDict:
       # (P fragments in flight at a time when P > 1); at every sync step each worker runs the
       # outer step at once on its own φ with its fresh Δ in place of its share of the mean
       eager=False,
+      # The naive delay (the eager paper's baseline): τ = H as eager, but each worker applies the
+      # landed mean of the previous outer step as it is and restarts from that φ (no proxy)
+      naive_delay=False,
       # none (float32 all-reduce) | e3m0 | e2m1 | int4 | int8 | bf16 | fp32 (compressed mean)
       codec="none",
       codec_block_size=1024,  # values per absmax scale in the codec, an integer >= 2

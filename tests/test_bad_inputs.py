@@ -125,10 +125,15 @@ CONFIG_CASES = [
     ({**STREAMING, "outer.eager": True}, "outer.eager",
      "outer.overlap_steps (τ) = outer.sync_every (H = 6)"),
     ({**DILOCO, "outer.eager": True}, "outer.num_fragments/overlap_steps",
-     "1/outer.sync_every/0/'' for algorithm=diloco with outer.eager"),
+     "1/outer.sync_every/0/'' for algorithm=diloco with outer.eager or naive_delay"),
     ({**DILOCO, "outer.eager": True, "outer.overlap_steps": 4, "outer.codec": "int8",
       "outer.error_feedback": True}, "outer.eager", "False with outer.error_feedback"),
-    ({**SPARSELOCO, "outer.eager": True}, "outer.eager", "False for algorithm=sparseloco"),
+    ({**SPARSELOCO, "outer.eager": True}, "outer.eager/naive_delay",
+     "False/False for algorithm=sparseloco"),
+    ({**DILOCO, "outer.eager": True, "outer.naive_delay": True, "outer.overlap_steps": 4},
+     "outer.naive_delay", "False with outer.eager or outer.error_feedback"),
+    ({**DILOCO, "outer.naive_delay": True}, "outer.num_fragments/overlap_steps",
+     "1/outer.sync_every/0/'' for algorithm=diloco with outer.eager or naive_delay"),
     ({**NOLOCO, "num_replicas": 1, "noloco.group_size": 1}, "num_replicas", ">= 2"),
     ({**NOLOCO, "num_replicas": 4, "noloco.group_size": 3}, "noloco.group_size", "divisor of"),
     ({**NOLOCO, "num_replicas": 4, "mesh.replica": 2}, "mesh.replica", "num_replicas=4"),
@@ -536,7 +541,8 @@ def _saved_with_old_keys(workdir, changes: dict, old: dict):
   """A run's config.json as it was written before the `outer` section: `changes`' run with its
   outer.* keys saved under their old names (`old`: outer key -> old key, the rest diloco.*), plus
   the diloco.* keys a SparseLoCo run did not read, at values that are not their defaults. The
-  outer.* keys added since (outer.eager) are not in it: such a run never saw them."""
+  outer.* keys added since (outer.eager, outer.naive_delay) are not in it: such a run never saw
+  them."""
   _other_run(workdir, **changes)
   saved = json.loads((workdir / "config.json").read_text())
   flat = {}
@@ -566,7 +572,7 @@ def test_a_run_saved_with_the_old_keys_resumes_at_their_places_now(tmp_path):
   upgraded = config_lib.upgrade_saved(flat)
   # every key at its place now; a key added since is missing (a resume takes it at its default)
   assert upgraded == {k: v for k, v in config_lib.fingerprint(tiny_config(**streaming)).items()
-                      if k != "outer.eager"}
+                      if k not in ("outer.eager", "outer.naive_delay")}
   before = tree_hash(tmp_path)
   assert Trainer(tiny_config(**streaming), tmp_path / "streaming").resuming
   assert Trainer(tiny_config(**sparse), tmp_path / "sparse").resuming
@@ -580,7 +586,8 @@ def test_a_run_saved_with_the_old_keys_resumes_at_their_places_now(tmp_path):
   assert tree_hash(tmp_path) == before
   saved = json.loads((tmp_path / "streaming" / "config.json").read_text())
   saved["config"]["diloco"] = saved["config"].pop("outer")
-  del saved["config"]["diloco"]["eager"]
+  for key in ("eager", "naive_delay"):
+    del saved["config"]["diloco"][key]
   (tmp_path / "streaming" / "config.json").write_text(json.dumps(saved))
   assert config_lib.flatten(config_lib.load_run_config(tmp_path / "streaming")) == (
       config_lib.flatten(tiny_config(**streaming)))

@@ -22,13 +22,15 @@ def _quadratic(steps, replicas, dim=5, seed=0):
   loss_fn = lambda p, c: 0.5 * jnp.sum((p["w"] - c) ** 2)
   return {"w": jnp.asarray(w0)}, jnp.asarray(targets), loss_fn
 
-def _eager(sync_every=H):
+def _eager(sync_every=H, naive_delay=False):
   return lowcomm_jax.streaming_diloco(optax.sgd(GAMMA), lowcomm_jax.outer_nesterov(ETA, MU),
-                                      sync_every=sync_every, overlap_steps=sync_every, eager=True)
+                                      sync_every=sync_every, overlap_steps=sync_every,
+                                      eager=not naive_delay, naive_delay=naive_delay)
 
-def _oracle(w0, targets, outer_steps):
+def _oracle(w0, targets, outer_steps, naive=False):
   """The paper's eager DiLoCo in float64: per worker m at outer step t, with Δ̄⁽⁰⁾ = Δ_m⁽⁰⁾ = 0,
-  Δ̃_m⁽ᵗ⁾ = Δ̄⁽ᵗ⁻¹⁾ − Δ_m⁽ᵗ⁻¹⁾/M + Δ_m⁽ᵗ⁾/M, then Nesterov on worker m's own φ_m."""
+  Δ̃_m⁽ᵗ⁾ = Δ̄⁽ᵗ⁻¹⁾ − Δ_m⁽ᵗ⁻¹⁾/M + Δ_m⁽ᵗ⁾/M, then Nesterov on worker m's own φ_m. `naive`: the
+  naive delay, Δ̃_m⁽ᵗ⁾ = Δ̄⁽ᵗ⁻¹⁾."""
   replicas = targets.shape[1]
   phi = np.tile(np.asarray(w0, np.float64), (replicas, 1))
   momentum, own, landed = np.zeros_like(phi), np.zeros_like(phi), np.zeros(phi.shape[1])
@@ -38,7 +40,8 @@ def _oracle(w0, targets, outer_steps):
     for s in range(t * H, (t + 1) * H):
       theta -= GAMMA * (theta - targets[s])
     fresh = phi - theta
-    proxy = landed - own / replicas + fresh / replicas
+    proxy = np.broadcast_to(landed, phi.shape) if naive else landed - own / replicas + \
+        fresh / replicas
     momentum = MU * momentum + proxy
     phi = phi - ETA * (proxy + MU * momentum)
     own, landed = fresh, fresh.mean(0)  # the mean sent now lands at the next outer step
@@ -57,6 +60,21 @@ def test_first_two_outer_steps_match_the_float64_oracle():
   np.testing.assert_allclose(np.asarray(params_r["w"]), want, rtol=0, atol=bound)
   # the workers differ: each took its own fresh Δ (a naive delay would give them one φ)
   assert np.abs(want[0] - want[1]).max() > 100 * bound
+
+def test_the_naive_delay_applies_the_previous_outer_steps_mean_as_it_is():
+  """outer.naive_delay (the paper's baseline): the first outer step applies nothing (Δ̄⁽⁰⁾ = 0),
+  the second the first's mean; every worker then holds the same φ. Three outer steps against the
+  oracle, within the eager test's bound per step."""
+  params, targets, loss_fn = _quadratic(3 * H, M)
+  _, state = testing.run_replicas(_eager(naive_delay=True), params, targets, loss_fn,
+                                  use_phase=True)
+  want = _oracle(params["w"], targets, outer_steps=3, naive=True)
+  scale = max(np.abs(want).max(), np.abs(np.asarray(targets)).max(), 1.0)
+  bound = 3 * (3 * H + 12) * (1 + ETA * (1 + MU)) ** 3 * np.finfo(np.float32).eps * scale
+  np.testing.assert_allclose(np.asarray(state.outer_params["w"]), want, rtol=0, atol=bound)
+  assert np.abs(want[0] - want[1]).max() == 0  # one φ for all
+  eager = _oracle(params["w"], targets, outer_steps=3)
+  assert np.abs(eager - want).max() > 100 * bound  # not the eager step
 
 def test_one_worker_is_bit_identical_to_diloco():
   """With M = 1 the landed mean is the worker's own previous Δ, taken out exactly (a − 1·a = 0)

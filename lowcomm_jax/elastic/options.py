@@ -145,9 +145,10 @@ def check(config) -> run_config.RunConfig:
   checks.require(run.outer.codec_rounding == "nearest", "outer.codec_rounding",
                  "nearest for an elastic run (stochastic rounding keys follow the SPMD step count)",
                  run.outer.codec_rounding)
-  checks.require(not run.outer.eager, "outer.eager",
-                 "False for an elastic run (the syncer steps one shared φ; eager keeps one per "
-                 "worker)", run.outer.eager)
+  for key in ("eager", "naive_delay"):
+    checks.require(not run.outer[key], f"outer.{key}",
+                   "False for an elastic run (the syncer steps φ with the round's own mean)",
+                   run.outer[key])
   e = run.elastic
   if e.asynchronous:
     # (DiLoCo has τ = 0: the learner goes on from the φ its Δ was merged into)

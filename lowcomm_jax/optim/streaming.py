@@ -75,7 +75,8 @@ class StreamingDiLoCo:
                schedule: schedule_lib.FragmentSchedule | Callable[[int],
                                                                   schedule_lib.FragmentSchedule],
                fragments: FragmentRule, axis_name: str = mesh_lib.REPLICA, codec=None,
-               error_feedback: bool = False, codec_kernels: str = "auto"):
+               error_feedback: bool = False, codec_kernels: str = "auto",
+               naive_delay: bool = False):
     check_transformation(inner, "inner optimizer")
     check_transformation(outer, "outer optimizer")
     if error_feedback and codec is None:
@@ -92,6 +93,8 @@ class StreamingDiLoCo:
     if isinstance(schedule, schedule_lib.FragmentSchedule):
       self._set_schedule(schedule)
     self.num_replicas = None  # M, set by `init_replicated` (the eager proxy's 1/M)
+    # with the eager schedule (τ = H): the landed mean applied as it is, no proxy (the baseline)
+    self.naive_delay = bool(naive_delay)
     self._set_state_axes()
 
   def _set_state_axes(self) -> None:
@@ -167,14 +170,17 @@ class StreamingDiLoCo:
     the fresh Δ_p): mean_p, landed now, holds every worker's Δ of the previous outer step; this
     worker's own share Δ_p'/M of it was applied then, so it is replaced by its fresh Δ_p
     (docs/algorithms.md §1.7)."""
-    if self.num_replicas is None:
+    if self.num_replicas is None and not self.naive_delay:
       raise ValueError("outer.eager needs the number of workers M: call init_replicated(params, M)")
-    inv_m = 1.0 / self.num_replicas
     own = list(state.own_deltas)
     proxies = {}
     for p, mean in means.items():
       fresh = self.outer_gradient(frags[p], state.outer_params, params)
-      proxies[p] = jax.tree.map(lambda a, o, f: a - inv_m * o + inv_m * f, mean, own[p], fresh)
+      if self.naive_delay:  # the previous outer step's mean, one outer step late, as it is
+        proxies[p] = mean
+      else:
+        inv_m = 1.0 / self.num_replicas
+        proxies[p] = jax.tree.map(lambda a, o, f: a - inv_m * o + inv_m * f, mean, own[p], fresh)
       own[p] = fresh
     return proxies, state._replace(own_deltas=tuple(own))
 
@@ -312,7 +318,8 @@ def streaming_diloco(inner: optax.GradientTransformation,
                      non_block_fragment: str = "own", axis_name: str = mesh_lib.REPLICA,
                      codec=None, error_feedback: bool = False,
                      codec_kernels: str = "auto",
-                     overlap_anchor: str = "send", eager: bool = False) -> StreamingDiLoCo:
+                     overlap_anchor: str = "send", eager: bool = False,
+                     naive_delay: bool = False) -> StreamingDiLoCo:
   """Streaming DiLoCo (arXiv 2501.18512).
 
   Args:
@@ -341,15 +348,18 @@ def streaming_diloco(inner: optax.GradientTransformation,
       fragment's mean overlaps a whole outer phase while every worker runs its outer step at once
       with a proxy of its own fresh Δ and the others' Δ of the previous outer step; φ and the outer
       states are then per worker (`state_axes` 0).
+    naive_delay: the eager paper's baseline on the same schedule (τ = H): at every sync step each
+      worker applies the mean that landed, the previous outer step's, as it is (its fresh Δ is only
+      sent), and restarts from that φ.
   """
   outer = outer if outer is not None else outer_nesterov()
   schedule, resolve = schedule_and_fragments(sync_every, fragments, overlap_steps, merge_alpha,
                                              staggered, fragment_pattern, non_block_fragment,
-                                             overlap_anchor, eager)
+                                             overlap_anchor, eager or naive_delay)
   if isinstance(codec, str):
     codec = codecs.get_codec(codec)
   return StreamingDiLoCo(inner, outer, schedule, resolve, axis_name, codec, error_feedback,
-                         codec_kernels)
+                         codec_kernels, naive_delay)
 
 
 def schedule_and_fragments(sync_every: int, fragments: FragmentsArg, overlap_steps: int,

@@ -126,7 +126,7 @@ def _diloco_family(config, inner, num_replicas, abstract_params):
   tx = optim.streaming_diloco(
       inner, make_outer_optimizer(config.outer_optimizer), **_schedule_arguments(o),
       codec=_codec(o.codec, o.codec_block_size, o.codec_rounding), error_feedback=o.error_feedback,
-      codec_kernels=o.codec_kernels, eager=o.eager)
+      codec_kernels=o.codec_kernels, eager=o.eager, naive_delay=o.naive_delay)
   return _family(config, tx, num_replicas, abstract_params)
 
 
@@ -150,7 +150,7 @@ def _check_outer_schedule(c) -> None:
   checks.sync_every(o.sync_every, num_steps=c.num_steps,
                     num_fragments=num_rows if o.staggered else 1)
   schedule.make_schedule(num_rows, o.sync_every, o.overlap_steps, o.merge_alpha, o.staggered,
-                         o.overlap_anchor, o.eager)
+                         o.overlap_anchor, _one_outer_step_late(o))
 
 
 def _check_streaming_diloco(c) -> None:
@@ -161,6 +161,9 @@ def _check_streaming_diloco(c) -> None:
   checks.require(not (o.eager and o.error_feedback), "outer.eager",
                  "False with outer.error_feedback (the worker takes its own Δ out of the landed "
                  "mean, which holds Δ's encoding plus the resent residual)", o.eager)
+  checks.require(not (o.naive_delay and (o.eager or o.error_feedback)), "outer.naive_delay",
+                 "False with outer.eager or outer.error_feedback (the delayed mean is applied as "
+                 "it lands, no proxy, no residual)", o.naive_delay)
 
 
 def _check_outer_values(c) -> None:
@@ -179,6 +182,13 @@ def _check_outer_values(c) -> None:
   checks.integer(c, "outer.overlap_steps", 0)
   checks.number(c, "outer.merge_alpha", 0, 1, high_open=False)
   checks.require(isinstance(o.eager, bool), "outer.eager", "True or False", o.eager)
+  checks.require(isinstance(o.naive_delay, bool), "outer.naive_delay", "True or False",
+                 o.naive_delay)
+
+
+def _one_outer_step_late(o) -> bool:
+  """Eager updates and the naive delay both apply a fragment's mean one outer step late (τ = H)."""
+  return bool(o.eager or o.naive_delay)
 
 
 def _check_outer_optimizer(c) -> None:
@@ -211,9 +221,9 @@ def _check_sparseloco(c) -> None:
                  "outer.num_fragments/fragment_rules",
                  f"1/'' with gradients={c.gradients} (fragments are cut by layer, stages too)",
                  (o.num_fragments, o.fragment_rules))
-  checks.require(not o.eager, "outer.eager",
-                 "False for algorithm=sparseloco (the worker takes its own Δ out of the landed "
-                 "mean, which holds its top-k encoding plus the resent error buffer)", o.eager)
+  checks.require(not _one_outer_step_late(o), "outer.eager/naive_delay",
+                 "False/False for algorithm=sparseloco (the landed mean holds the top-k encoding "
+                 "plus the resent error buffer)", (o.eager, o.naive_delay))
   _check_outer_schedule(c)
 
 
@@ -248,12 +258,14 @@ def check_every_section(c: ml_collections.ConfigDict) -> None:
 def _check_diloco(c) -> None:
   """Vanilla DiLoCo: Streaming DiLoCo with one fragment, τ = 0, α = 0 (docs/algorithms.md §1.1)."""
   o = c.outer
-  tau = o.sync_every if o.eager else 0  # eager DiLoCo overlaps a whole outer phase
+  late = _one_outer_step_late(o)  # eager or naively delayed DiLoCo overlaps a whole outer phase
+  tau = o.sync_every if late else 0
   checks.require(o.num_fragments == 1 and o.overlap_steps == tau and o.merge_alpha == 0.0
                  and not o.fragment_rules,
                  "outer.num_fragments/overlap_steps/merge_alpha/fragment_rules",
-                 f"1/{'outer.sync_every' if o.eager else 0}/0/'' for algorithm=diloco "
-                 f"{'with outer.eager ' if o.eager else ''}(use algorithm=streaming_diloco)",
+                 f"1/{'outer.sync_every' if late else 0}/0/'' for algorithm=diloco "
+                 f"{'with outer.eager or naive_delay ' if late else ''}"
+                 "(use algorithm=streaming_diloco)",
                  (o.num_fragments, o.overlap_steps, o.merge_alpha, o.fragment_rules))
   _check_streaming_diloco(c)
 
