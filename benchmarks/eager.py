@@ -54,11 +54,13 @@ PRICED_AS = "sdl_1b"
 
 def rows(sync_every: int) -> dict[str, dict]:
   """Each row's config changes (besides M)."""
-  late = {"outer.overlap_steps": sync_every}
-  return {"no overlap": {"algorithm": "diloco"},
-          "1-inner-step overlap": {"algorithm": "streaming_diloco", "outer.overlap_steps": 1},
-          "naive delay": {"algorithm": "diloco", "outer.naive_delay": True, **late},
-          "eager": {"algorithm": "diloco", "outer.eager": True, **late}}
+  h = {"outer.sync_every": sync_every}
+  late = {**h, "algorithm": "diloco", "outer.overlap_steps": sync_every}
+  return {"no overlap": {**h, "algorithm": "diloco"},
+          "1-inner-step overlap": {**h, "algorithm": "streaming_diloco", "outer.num_fragments": 1,
+                                   "outer.overlap_steps": 1},
+          "naive delay": {**late, "outer.naive_delay": True},
+          "eager": {**late, "outer.eager": True}}
 
 
 def _task():
