@@ -17,9 +17,9 @@ experiments/configs/elastic.py:<variant> with `--steps` steps, H = the variant's
 
 Per row: φ's eval loss at the end, the wall time (first learner start to the last merge), tokens
 merged into φ, and φ's eval loss at the asynchronous rows' median wall time (every saved φ of the
-syncer is kept; the one saved last before that moment is evaluated) — "at equal wall time". The
-synchronous row's final loss against the asynchronous rows' is "at equal tokens merged" where their
-tokens merged are close (the row says both).
+syncer is kept; the one saved last before that moment is evaluated): "at equal wall time"; and
+each row's final loss against the synchronous run's φ after the first round by which it had merged
+as many tokens: "at equal tokens merged".
 
 Writes benchmarks/results/async_learners.json.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import pathlib
 import statistics
 import sys
@@ -70,15 +71,28 @@ def _saved_phis(work: pathlib.Path, summary: dict) -> list[tuple[float, int]]:
 
 def _loss_at(config, work: pathlib.Path, summary: dict, seconds: float) -> float:
   """φ's eval loss as the syncer had it `seconds` after the run started."""
+  save = 1
+  for t, k in _saved_phis(work, summary):
+    if t <= seconds:
+      save = k
+  return _loss_of_save(config, work, save)
+
+
+def _loss_at_tokens(config, work: pathlib.Path, summary: dict, tokens: float) -> float:
+  """A run of rounds (every round merges the same tokens): φ's eval loss after the first round
+  by which `tokens` were merged."""
+  per_round = summary["tokens_merged"] / len(summary["round_log"])
+  rounds = min(max(math.ceil(tokens / per_round - 1e-9), 1), len(summary["round_log"]))
+  return _loss_of_save(config, work, rounds + 1)
+
+
+def _loss_of_save(config, work: pathlib.Path, save: int) -> float:
+  """The eval loss of φ in the syncer's save `save` (1: φ_0)."""
   import jax  # pylint: disable=g-import-not-at-top
 
   from lowcomm_jax.elastic import options, syncer  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
   from lowcomm_jax.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
-  save = 1
-  for t, k in _saved_phis(work, summary):
-    if t <= seconds:
-      save = k
   with tempfile.TemporaryDirectory() as scratch:
     trainer = Trainer(options.evaluation_config(config), pathlib.Path(scratch) / "eval",
                       jax.devices()[:1])
@@ -114,19 +128,27 @@ def main(argv):
         "merges_or_rounds": len(summary["round_log"]),
         "learner_steps": summary["learner_steps"]})
   sync = rows[0]
+  _, sync_config, sync_work, sync_summary, _ = runs[0]
   for row in rows:
     row["vs_synchronous_at_equal_time"] = (row["eval_loss_at_equal_time"] /
                                            sync["eval_loss_at_equal_time"] - 1)
     row["vs_synchronous_final"] = row["eval_loss"] / sync["eval_loss"] - 1
+    # the synchronous run when it had merged as many tokens as this row in all
+    row["synchronous_at_equal_tokens"] = _loss_at_tokens(sync_config, sync_work, sync_summary,
+                                                         row["tokens_merged"])
+    row["vs_synchronous_at_equal_tokens"] = (row["eval_loss"] /
+                                             row["synchronous_at_equal_tokens"] - 1)
   out = {"date": datetime.date.today().isoformat(), "variant": _VARIANT.value,
          "steps": _STEPS.value, "speeds": _SPEEDS.value, "learners": learners,
          "equal_time_s": equal_time, "command": " ".join(["python", *sys.argv]), "rows": rows}
   pathlib.Path(_OUT.value).write_text(json.dumps(out, indent=1) + "\n")
-  print(f"{'run':16s} {'loss':>7s} {'wall s':>7s} {'tokens':>9s} {'loss@t':>7s} {'Δ@t':>7s}")
+  print(f"{'run':16s} {'loss':>7s} {'wall s':>7s} {'tokens':>9s} {'loss@t':>7s} {'Δ@t':>7s} "
+        f"{'Δ@tokens':>9s}")
   for r in rows:
     print(f"{r['run']:16s} {r['eval_loss']:7.4f} {r['wall_time_s']:7.1f} "
           f"{r['tokens_merged']:9.0f} {r['eval_loss_at_equal_time']:7.4f} "
-          f"{100 * r['vs_synchronous_at_equal_time']:+6.2f}%")
+          f"{100 * r['vs_synchronous_at_equal_time']:+6.2f}% "
+          f"{100 * r['vs_synchronous_at_equal_tokens']:+8.2f}%")
 
 
 if __name__ == "__main__":
