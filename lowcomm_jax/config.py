@@ -32,7 +32,8 @@ RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "
                 "elastic.adaptive_grace", "elastic.late",
                 "elastic.staleness_weight", "elastic.faults", "elastic.faults_per_hour",
                 "elastic.address", "elastic.max_restarts", "elastic.learner_cpus",
-                "elastic.learner_gpus", "elastic.timeout_s", "elastic.speeds")
+                "elastic.learner_gpus", "elastic.timeout_s", "elastic.speeds",
+                "elastic.staleness", "elastic.max_staleness")
 
 
 # The keys of the `outer` section that were `diloco.<key>`, and those SparseLoCo read from its own
@@ -275,9 +276,10 @@ def default_config() -> ml_collections.ConfigDict:
       # scaled by the staleness rule, and the learner goes on from the φ of that moment.
       # algorithm=diloco with outer.overlap_steps = 0 only.
       asynchronous=False,
-      staleness="inverse",  # inverse: weight 1/(1 + s) for a Δ from s merges ago | cutoff: 1 up to
-      #                       max_staleness merges, dropped beyond | none: 1
-      max_staleness=4,  # S of staleness=cutoff, >= 0
+      # A Δ from φ s merges old is r = ⌊s / learners⌋ rounds behind. inverse: weight 1/(1 + r) |
+      # cutoff: 1 up to max_staleness rounds, dropped beyond | none: 1
+      staleness="inverse",
+      max_staleness=1,  # S of staleness=cutoff (rounds), >= 0
       # True: a learner's answer waits until the momentum step that closes its buffer of N
       # (everyone then starts from the same φ: with N = num_learners, synchronous DiLoCo)
       buffer_barrier=False,

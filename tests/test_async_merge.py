@@ -62,9 +62,11 @@ def test_n_outer_gradients_from_one_phi_give_diloco_outer_step_on_their_mean():
 
 
 def test_staleness_rules():
-  assert [staleness.weight("inverse", s) for s in (0, 1, 3)] == [1.0, 0.5, 0.25]
-  assert [staleness.weight("cutoff", s, 2) for s in (0, 2, 3)] == [1.0, 1.0, 0.0]
-  assert [staleness.weight("none", s) for s in (0, 9)] == [1.0, 1.0]
+  # 4 learners in turn: up to 3 merges stale is no round behind; 4 to 7 is one
+  assert [staleness.rounds_behind(s, 4) for s in (0, 3, 4, 7, 8)] == [0, 0, 1, 1, 2]
+  assert [staleness.weight("inverse", r) for r in (0, 1, 3)] == [1.0, 0.5, 0.25]
+  assert [staleness.weight("cutoff", r, 2) for r in (0, 2, 3)] == [1.0, 1.0, 0.0]
+  assert [staleness.weight("none", r) for r in (0, 9)] == [1.0, 1.0]
   with pytest.raises(ValueError, match="elastic.staleness must be one of inverse, cutoff, none"):
     staleness.weight("heloco", 1)
 

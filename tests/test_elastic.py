@@ -554,8 +554,9 @@ def test_asynchronous_learners_of_different_speeds_merge_stale_deltas_by_the_rul
                                                                                   tmp_path):
   """Learner 1 four times slower (elastic.speeds) syncs every H_1 = 1 of its own steps for 2 steps
   (local_steps=by_speed: H = 5 for learner 0, 10 steps), no barrier: every line of the merge log
-  is its Δ's staleness (merges into φ since its base version) weighted 1/(1 + s) × its tokens
-  over a phase of H steps; each learner's sends all merged; the log replays φ bit for bit."""
+  is its Δ's staleness s (merges into φ since its base version), r = ⌊s / 2⌋ rounds behind, and
+  its weight 1/(1 + r) × its tokens over the learners' mean phase ((5 + 1)/2 steps); each
+  learner's sends all merged; the log replays φ bit for bit."""
   from lowcomm_jax.elastic import syncer  # pylint: disable=g-import-not-at-top
   config = _async_config(**{"elastic.speeds": "1,0.25", "elastic.local_steps": "by_speed",
                             "elastic.staleness": "inverse"})
@@ -568,9 +569,9 @@ def test_asynchronous_learners_of_different_speeds_merge_stale_deltas_by_the_rul
   tokens = 4 * 32  # data.batch_size × data.seq_len per step
   for n, m in enumerate(merges):
     assert m["merge"] == n and m["version"] == n + 1  # nothing dropped: each moved φ
-    assert m["staleness"] == n - m["base_version"]
+    assert m["staleness"] == n - m["base_version"] and m["rounds_behind"] == m["staleness"] // 2
     assert m["tokens"] == tokens * (5 if m["learner"] == 0 else 1)
-    assert m["weight"] == pytest.approx(m["tokens"] / (5 * tokens) / (1 + m["staleness"]),
+    assert m["weight"] == pytest.approx(m["tokens"] / (3 * tokens) / (1 + m["rounds_behind"]),
                                         rel=1e-12)
   assert summary["tokens_merged"] == 12 * tokens
   # both learners' first Δ start from φ_0: the one merged second is stale whatever the timing

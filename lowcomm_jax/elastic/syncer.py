@@ -24,11 +24,13 @@ died are sent again by Ray (`max_task_retries=-1`), so the open round is filled 
 
 Asynchronous learners (`elastic.asynchronous`, DiLoCo): no rounds. Each Δ is merged when it
 arrives (`_merge`): weighted by the staleness rule (`optim.staleness`: s = merges into φ since the
-learner took its φ) and by its tokens against a phase of H steps, it goes through the outer
+learner took its φ, ⌊s / L⌋ rounds behind with L members) and by its tokens against the learners'
+mean phase (H_i steps each), it goes through the outer
 optimizer at once (with `outer_optimizer.momentum_every` = N, Delayed Nesterov: momentum every N
 merges), and the learner goes on from φ as it is then (with `elastic.buffer_barrier`, once the
 momentum step closing its buffer of N ran). Every merge (or drop) is a line of the merge log,
-syncer/merges.jsonl: learner, fragment, base version, version, staleness, weight, tokens, bytes;
+syncer/merges.jsonl: learner, fragment, base version, version, staleness, rounds behind, weight,
+tokens, bytes;
 with `elastic.log_deltas` the merged Δ beside it (syncer/merges/<n>.npz), from which `replay`
 rebuilds φ on one process.
 
@@ -100,7 +102,10 @@ class Syncer:
     self.asynchronous = bool(c.elastic.asynchronous)
     if self.asynchronous:  # each learner's Δ_p count towards the end: its own sends
       self.final_rounds = [0] * self.num_fragments
-      self._phase_tokens = c.outer.sync_every * c.data.batch_size * c.data.seq_len
+      # the tokens of the learners' phases, mean over the run's learners (H_i may differ): a Δ's
+      # weight is its tokens over this, so that a round of L merges weighs L, as a round's mean
+      self._phase_tokens = c.data.batch_size * c.data.seq_len * float(np.mean(
+          [options.local_steps(c, i)[0] for i in range(c.elastic.num_learners)]))
     self.ckpt = checkpoint.Checkpointer(self.dir, c.checkpoint.keep)
     self.saves = 0
     restored = self.ckpt.restore_latest(self._template())
@@ -271,11 +276,13 @@ class Syncer:
     self.live.add(learner)
     version = self.rounds[p]
     stale = max(version - base, 0)
-    weight = staleness_lib.weight(e.staleness, stale, e.max_staleness) * tokens / \
+    behind = staleness_lib.rounds_behind(stale, max(len(self.members), 1))
+    weight = staleness_lib.weight(e.staleness, behind, e.max_staleness) * tokens / \
         self._phase_tokens
     delta = remote.decode(self.plans[p], payload)
     record = {"merge": self.stats["merges"], "learner": learner, "fragment": p,
-              "base_version": base, "staleness": stale, "weight": weight, "tokens": int(tokens),
+              "base_version": base, "staleness": stale, "rounds_behind": behind,
+              "weight": weight, "tokens": int(tokens),
               "bytes": remote.payload_bytes(payload), "step": int(step), "time": time.time()}
     self.stats["merges"] += 1
     if weight > 0:
