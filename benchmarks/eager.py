@@ -12,6 +12,10 @@ Rows (each through the Trainer, M replicas on this process, every row the same t
   eager                 outer.eager: τ = H, each worker's own fresh Δ in place of its stale share
   (eager 2-outer-steps, τ = 2H, is not implemented: two means in flight per fragment)
 
+With --lower_outer_lr=η, the naive delay and eager again at that outer learning rate (the paper's
+"naive + lower outer LR" row; the others keep 0.7); --rows picks rows by name, and a run directory
+already finished in --workdir is read back, not trained again.
+
 Per row: the final eval loss (mean over seeds, each seed listed), bytes sent per worker, and on each
 link the simulated wall time of the whole run and its compute utilization: the run's ledger on the
 virtual clock (`sim.clock.simulate_run`) with the compute time of the Streaming DiLoCo paper's 1B
@@ -44,6 +48,9 @@ _SEEDS = flags.DEFINE_integer("seeds", 2, "Seeds per row.")
 _BATCH = flags.DEFINE_integer("batch", 16, "Sequences per step over all replicas.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 60, "Evaluation period in steps.")
+_LOWER_LR = flags.DEFINE_float("lower_outer_lr", 0.0, "If > 0: the naive delay and eager rows "
+                               "again at this outer learning rate (the others use 0.7).")
+_ROWS = flags.DEFINE_list("rows", [], "Only these rows (default: every row).")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Folder of the runs (default: a temporary one).")
 _OUT = flags.DEFINE_string("out", str(RESULTS / "eager.json"), "JSON output path.")
 _PLOT = flags.DEFINE_string("plot", str(RESULTS / "eager.png"), "Plot path ('' for none).")
@@ -52,15 +59,21 @@ LINKS = {"100 Mbit/s": "100Mbit,0s", "1 Gbit/s": "1Gbit,0s", "10 Gbit/s": "10Gbi
 PRICED_AS = "sdl_1b"
 
 
-def rows(sync_every: int) -> dict[str, dict]:
-  """Each row's config changes (besides M)."""
+def rows(sync_every: int, lower_lr: float = 0.0) -> dict[str, dict]:
+  """Each row's config changes (besides M); with `lower_lr`, the naive delay and eager again at
+  that outer learning rate (the paper's "naive + lower outer LR")."""
   h = {"outer.sync_every": sync_every}
   late = {**h, "algorithm": "diloco", "outer.overlap_steps": sync_every}
-  return {"no overlap": {**h, "algorithm": "diloco"},
-          "1-inner-step overlap": {**h, "algorithm": "streaming_diloco", "outer.num_fragments": 1,
-                                   "outer.overlap_steps": 1},
-          "naive delay": {**late, "outer.naive_delay": True},
-          "eager": {**late, "outer.eager": True}}
+  out = {"no overlap": {**h, "algorithm": "diloco"},
+         "1-inner-step overlap": {**h, "algorithm": "streaming_diloco", "outer.num_fragments": 1,
+                                  "outer.overlap_steps": 1},
+         "naive delay": {**late, "outer.naive_delay": True},
+         "eager": {**late, "outer.eager": True}}
+  if lower_lr:
+    lower = {"outer_optimizer.learning_rate": lower_lr}
+    out[f"naive delay (η {lower_lr})"] = {**out["naive delay"], **lower}
+    out[f"eager (η {lower_lr})"] = {**out["eager"], **lower}
+  return out
 
 
 def _task():
@@ -94,11 +107,13 @@ def train(task, name: str, changes: dict, m: int, seed: int, work: pathlib.Path)
   trainer = Trainer(config, work)
   final = hooks.FinalState()
   summary = trainer.run(hooks=[final])
+  # a finished run directory is read back: its ledger traced from the abstract state
+  state = trainer.abstract_state() if summary.get("complete_before_start") else final.state
   metrics = [json.loads(l) for l in (work / "metrics.jsonl").read_text().splitlines()]
   curve = [(r["step"], r["eval_loss"]) for r in metrics if "eval_loss" in r]
   if not curve or curve[-1][0] != task.steps:
     curve.append((task.steps, summary["final_eval_loss"]))
-  events_of = lambda step: trainer.comm_events(step, final.state)
+  events_of = lambda step: trainer.comm_events(step, state)
   return {"row": name, "replicas": m, "seed": seed, "final_eval_loss": summary["final_eval_loss"],
           "bytes_per_worker": summary["bytes_sent_per_worker"]["total"], "curve": curve,
           "links": priced_on_links(events_of(task.steps), trainer.num_params, task.steps),
@@ -119,8 +134,8 @@ def summarize(runs: list[dict]) -> list[dict]:
         "links": {link: {k: statistics.mean(r["links"][link][k] for r in rs)
                          for k in ("seconds", "utilization")} for link in LINKS}})
   for line in lines:
-    base = next(x for x in lines if x["row"] == "no overlap" and x["replicas"] == line["replicas"])
-    line["vs_no_overlap"] = line["eval_loss"] / base["eval_loss"] - 1
+    base = [x for x in lines if x["row"] == "no overlap" and x["replicas"] == line["replicas"]]
+    line["vs_no_overlap"] = line["eval_loss"] / base[0]["eval_loss"] - 1 if base else None
   return lines
 
 
@@ -129,7 +144,8 @@ def plot(path: str, runs: list[dict]) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, axes = plt.subplots(1, len(LINKS), figsize=(5 * len(LINKS), 4), sharey=True)
-  colors = dict(zip(rows(1), ("C0", "C1", "C3", "C2")))
+  names = list(dict.fromkeys(r["row"] for r in runs))
+  colors = {name: f"C{i}" for i, name in enumerate(names)}
   for ax, link in zip(axes, LINKS):
     for r in runs:
       if r["seed"]:
@@ -153,7 +169,9 @@ def main(argv):
   base = pathlib.Path(_WORKDIR.value or tempfile.mkdtemp(prefix="eager-bench-"))
   runs = []
   for m in (int(x) for x in _REPLICAS.value):
-    for name, changes in rows(task.sync_every).items():
+    for name, changes in rows(task.sync_every, _LOWER_LR.value).items():
+      if _ROWS.value and name not in _ROWS.value:
+        continue
       for seed in range(_SEEDS.value):
         work = base / f"m{m}" / f"{name.replace(' ', '_')}_seed{seed}"
         runs.append(train(task, name, changes, m, seed, work))
@@ -172,8 +190,8 @@ def main(argv):
   for x in lines:
     cells = " ".join(f"{x['links'][l]['seconds'] / 3600:9.2f} / {x['links'][l]['utilization']:6.3f}"
                      for l in LINKS)
-    print(f"{x['row']:22s} {x['replicas']:2d} {x['eval_loss']:7.4f} "
-          f"{100 * x['vs_no_overlap']:+7.2f}% {cells}")
+    versus = "" if x["vs_no_overlap"] is None else f"{100 * x['vs_no_overlap']:+7.2f}%"
+    print(f"{x['row']:22s} {x['replicas']:2d} {x['eval_loss']:7.4f} {versus:>8s} {cells}")
 
 
 if __name__ == "__main__":

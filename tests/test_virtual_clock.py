@@ -4,6 +4,7 @@ network."""
 import jax
 import pytest
 
+from lowcomm_jax import config as config_lib
 from lowcomm_jax.testing import engine_config, streaming_config, tiny_config
 from lowcomm_jax.train import Trainer
 
@@ -25,6 +26,12 @@ def test_diloco_run_wall_time_equals_the_hand_sum(tmp_path):
   expected = 8 * 0.5 + 2 * ring_seconds(4 * trainer.num_params)
   assert summary["simulated_wall_time_s"] == pytest.approx(expected, rel=1e-9)
   assert summary["network"] == "100Mbit,30ms"
+  # replicas of the declared speeds 1 and 1/4: every step waits for the slower one
+  config_lib.override(c, {"elastic.speeds": "1,0.25"})
+  summary = Trainer(c, tmp_path / "speeds").run()
+  assert summary["simulated_step_seconds"] == 4 * 0.5
+  assert summary["simulated_wall_time_s"] == pytest.approx(
+      8 * 4 * 0.5 + 2 * ring_seconds(4 * trainer.num_params), rel=1e-9)
 
 
 def test_streaming_overlap_hides_what_fits_and_stalls_for_the_rest(tmp_path):

@@ -40,6 +40,7 @@ from lowcomm_jax.optim.inner import TrainState
 from lowcomm_jax.train import (
   algorithms,
   checkpoint,
+  faults,
   hooks as hooks_lib,
   overlap as overlap_lib,
   run_inputs,
@@ -511,6 +512,9 @@ class Trainer:
                                              for i in range(c.num_replicas)]
     if c.network:
       step_seconds = c.hardware.step_seconds or tokens_per_step / throughput.tokens_per_s
+      # replicas of the declared speeds (elastic.speeds): every step of the SPMD program waits for
+      # the slowest
+      step_seconds *= max(faults.slowdowns(c.elastic.speeds, c.elastic.num_learners))
       summary["network"] = c.network
       summary["simulated_step_seconds"] = step_seconds
       summary["simulated_wall_time_s"] = self.simulated_wall_time(steps, step_seconds, state)
