@@ -177,11 +177,13 @@ def _train(tx, params, data, loss_fn, executor=None):
 # once fused); with the executor the mean arrives as an input. The difference stays at the ulp scale
 # (measured: 6.0e-8 max abs after 18 steps, M = 4, only the outer momentum at first, 4.5e-8 with
 # M = 2). With a codec (the mean is decoded) or τ = 2 (send and merge in different programs) the
-# results are bit-identical.
-@pytest.mark.parametrize("tau,codec_name,error_feedback,tolerance", [
-    (1, None, False, 1e-7), (2, None, False, 0.0), (1, "e3m0", True, 0.0), (2, "int4", False, 0.0)])
+# results are bit-identical with XLA's fusion emitters; with its elemental emitters (the test
+# suite's, conftest.py) τ = 1 with e3m0 and error feedback rounds apart at the same ulp scale too.
+@pytest.mark.parametrize("tau,codec_name,error_feedback,exact", [
+    (1, None, False, False), (2, None, False, True), (1, "e3m0", True, False),
+    (2, "int4", False, True)])
 def test_streaming_diloco_with_the_executor_equals_inline(tau, codec_name, error_feedback,
-                                                          tolerance):
+                                                          exact):
   import optax  # pylint: disable=g-import-not-at-top
 
   import lowcomm_jax  # pylint: disable=g-import-not-at-top
@@ -197,10 +199,12 @@ def test_streaming_diloco_with_the_executor_equals_inline(tau, codec_name, error
         (t, f"fragment {p}") for t in range(1, 19) for p in tx.phase_at(t).send]
     assert len(executor.issued) == 5  # fragment 0 after steps 3, 9, 15; fragment 1 after 6, 12
   for a, b in zip(jax.tree.leaves(inline), jax.tree.leaves(threaded), strict=True):
-    if tolerance:
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=tolerance)
-    else:
+    if exact:
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    else:  # 8 ulp of the leaf's scale per outer step (5 in the 18 steps): a fused update's rounding
+      scale = max(float(np.abs(np.asarray(a, np.float64)).max()), 1e-30)
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0,
+                                 atol=5 * 8 * np.finfo(np.float32).eps * scale)
   # Not vacuous: the replicas trained apart and the outer steps moved φ.
   assert not np.array_equal(np.asarray(inline[0]["head"][0]), np.asarray(inline[0]["head"][1]))
   assert not np.array_equal(np.asarray(inline[1].outer_params["head"]), np.asarray(params["head"]))

@@ -76,16 +76,23 @@ def test_the_naive_delay_applies_the_previous_outer_steps_mean_as_it_is():
   eager = _oracle(params["w"], targets, outer_steps=3)
   assert np.abs(eager - want).max() > 100 * bound  # not the eager step
 
-def test_one_worker_is_bit_identical_to_diloco():
+def test_one_worker_equals_diloco():
   """With M = 1 the landed mean is the worker's own previous Δ, taken out exactly (a − 1·a = 0)
-  and replaced by the fresh Δ: the proxy is DiLoCo's Δ bit for bit."""
+  and replaced by the fresh Δ: the proxy is DiLoCo's Δ, and the run DiLoCo's up to how XLA fuses
+  the two programs' elementwise arithmetic (bit for bit where it fuses them alike): within the
+  oracle test's bound per outer step, four outer steps."""
   params, targets, loss_fn = _quadratic(4 * H, 1)
   eager_r, eager_state = testing.run_replicas(_eager(), params, targets, loss_fn, use_phase=True)
   diloco = lowcomm_jax.diloco(optax.sgd(GAMMA), lowcomm_jax.outer_nesterov(ETA, MU), sync_every=H)
   want_r, want_state = testing.run_replicas(diloco, params, targets, loss_fn, use_phase=True)
-  np.testing.assert_array_equal(np.asarray(eager_r["w"]), np.asarray(want_r["w"]))
-  np.testing.assert_array_equal(np.asarray(eager_state.outer_params["w"][0]),
-                                np.asarray(want_state.outer_params["w"]))
+  want = np.asarray(want_state.outer_params["w"])
+  scale = max(np.abs(want).max(), np.abs(np.asarray(targets)).max(), 1.0)
+  bound = 4 * (3 * H + 12) * (1 + ETA * (1 + MU)) ** 4 * np.finfo(np.float32).eps * scale
+  np.testing.assert_allclose(np.asarray(eager_r["w"]), np.asarray(want_r["w"]), rtol=0, atol=bound)
+  np.testing.assert_allclose(np.asarray(eager_state.outer_params["w"][0]), want, rtol=0,
+                             atol=bound)
+  # not vacuous: φ moved by more than the bound in four outer steps
+  assert np.abs(want - np.asarray(params["w"])).max() > 1e3 * bound
 
 def test_streaming_fragments_run_the_same_eager_step():
   """Streaming DiLoCo, two unstaggered fragments: each fragment's proxy and Nesterov step are
