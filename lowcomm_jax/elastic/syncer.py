@@ -25,14 +25,13 @@ died are sent again by Ray (`max_task_retries=-1`), so the open round is filled 
 Asynchronous learners (`elastic.asynchronous`, DiLoCo): no rounds. Each Δ is merged when it
 arrives (`_merge`): weighted by the staleness rule (`optim.staleness`: s = merges into φ since the
 learner took its φ, ⌊s / L⌋ rounds behind with L members) and by its tokens against the learners'
-mean phase (H_i steps each), it goes through the outer
-optimizer at once (with `outer_optimizer.momentum_every` = N, Delayed Nesterov: momentum every N
-merges), and the learner goes on from φ as it is then (with `elastic.buffer_barrier`, once the
-momentum step closing its buffer of N ran). Every merge (or drop) is a line of the merge log,
-syncer/merges.jsonl: learner, fragment, base version, version, staleness, rounds behind, weight,
-tokens, bytes;
-with `elastic.log_deltas` the merged Δ beside it (syncer/merges/<n>.npz), from which `replay`
-rebuilds φ on one process.
+mean phase (H_i steps each), it goes through the outer optimizer at once (with
+`outer_optimizer.momentum_every` = N, Delayed Nesterov: momentum every N merges), and the learner
+goes on from φ as it is then (with `elastic.buffer_barrier`, once the momentum step closing its
+buffer of N ran). Every merge (or drop) is a line of the merge log, syncer/merges.jsonl: learner,
+fragment, base version, version, staleness, rounds behind, weight, tokens, bytes; with
+`elastic.log_deltas` the merged Δ beside it (syncer/merges/<n>.npz), from which `replay` rebuilds
+φ on one process.
 
 Membership: the run's learners are `elastic.num_learners` at its start (or its resume with another
 count), plus those the driver adds (`add`: the next unused index) less those it removes (`remove`),
@@ -98,7 +97,7 @@ class Syncer:
     self._next_index = c.elastic.num_learners  # an added learner's index: never one used before
     self.stats = {"rounds": [], "tokens_merged": 0, "tokens_dropped": 0, "refused": 0,
                   "joins": [], "leaves": [], "dropped": [], "added": [], "removed": [],
-                  "merges": 0, "learner_steps": {}, "finished": []}
+                  "learner_steps": {}}
     self.asynchronous = bool(c.elastic.asynchronous)
     if self.asynchronous:  # each learner's Δ_p count towards the end: its own sends
       self.final_rounds = [0] * self.num_fragments
@@ -113,8 +112,8 @@ class Syncer:
       self.saves, state, data = restored
       self.shared = jax.tree.unflatten(self._treedef, list(host(state["shared"])))
       self.rounds, self.step, self.stats = data["rounds"], data["step"], data["stats"]
-      for key, empty in (("added", []), ("removed", []), ("merges", 0), ("learner_steps", {}),
-                         ("finished", [])):  # a run saved before these were counted
+      for key, empty in (("added", []), ("removed", []), ("learner_steps", {})):
+        # a run saved before these were counted
         self.stats.setdefault(key, empty)
       if data.get("num_learners", c.elastic.num_learners) == c.elastic.num_learners:
         self.members = set(data.get("members", self.members))  # as added and removed
@@ -223,7 +222,9 @@ class Syncer:
   @property
   def done(self) -> bool:
     if self.asynchronous:  # every member sent the Δ of its last step
-      return self.members <= set(self.stats["finished"])
+      sent = self.stats["learner_steps"]
+      return all(sent.get(str(i), 0) >= options.local_steps(self.config, i)[1]
+                 for i in self.members)
     return all(r >= f for r, f in zip(self.rounds, self.final_rounds))
 
   # -- rounds ----------------------------------------------------------------------------------
@@ -280,11 +281,11 @@ class Syncer:
     weight = staleness_lib.weight(e.staleness, behind, e.max_staleness) * tokens / \
         self._phase_tokens
     delta = remote.decode(self.plans[p], payload)
-    record = {"merge": self.stats["merges"], "learner": learner, "fragment": p,
+    # the merge's index: every Δ (merged or dropped) is one record of the round log
+    record = {"merge": len(self.stats["rounds"]), "learner": learner, "fragment": p,
               "base_version": base, "staleness": stale, "rounds_behind": behind,
               "weight": weight, "tokens": int(tokens),
               "bytes": remote.payload_bytes(payload), "step": int(step), "time": time.time()}
-    self.stats["merges"] += 1
     if weight > 0:
       if e.log_deltas:
         folder = self.dir / "merges"
@@ -304,8 +305,6 @@ class Syncer:
                                  "accepted": [learner] if weight > 0 else [], "behind": [stale],
                                  "grace_waited_s": 0.0})
     self.stats["learner_steps"][str(learner)] = int(step)
-    if step >= options.local_steps(self.config, learner)[1]:
-      self.stats["finished"] = sorted(set(self.stats["finished"]) | {learner})
     self.step = max(self.step, int(step))
     with (self.dir / MERGE_LOG).open("a") as f:
       f.write(json.dumps(record) + "\n")
@@ -460,15 +459,17 @@ def replay(run_dir) -> dict:
   names = options.plan_names(tx)
   consumed = {n: ph for ph in tx.phases for n in tx.consumes(ph)}
   sends = {n: ph for ph in tx.phases for n in tx.plans(ph)}
+  # per plan: its tree's structure, and its outer step compiled at the first merge
+  structures = {n: jax.tree.structure(jax.eval_shape(lambda n=n: tx.local(shared, params,
+                                                                          sends[n])[n]))
+                for n in names}
   programs = {}
   merges = [json.loads(l) for l in (folder / MERGE_LOG).read_text().splitlines()]
   for m in (m for m in merges if m["weight"] > 0):
     with np.load(folder / "merges" / f"{m['merge']}.npz") as z:
       leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
     name = names[m["fragment"]]
-    like = jax.eval_shape(lambda n=name: tx.local(shared, params, sends[n])[n])
-    delta = jax.tree.unflatten(jax.tree.structure(like), leaves)
-    mean = weighted(delta, m["weight"])
+    mean = weighted(jax.tree.unflatten(structures[name], leaves), m["weight"])
     if name not in programs:
       programs[name] = outer_step_program(tx, name, consumed[name], shared, params, mean)
     shared = host(programs[name](shared, params, mean))
