@@ -531,7 +531,7 @@ def test_asynchronous_with_a_buffer_barrier_and_equal_speeds_equals_the_spmd_run
   buffer), both from the same φ; φ after each buffer equals synchronous DiLoCo's after its round,
   within the elastic equivalence bound (the two merges sum Δ_0/2 + Δ_1/2 in arrival order where
   the round takes their mean). The merge log replays φ bit for bit on this process."""
-  from lowcomm_jax.elastic import syncer  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.elastic import merge_log, syncer  # pylint: disable=g-import-not-at-top
   config = _async_config(**{"elastic.buffer_barrier": True, "elastic.staleness": "none"})
   summary = elastic_run(config, tmp_path / "elastic")
   # synchronous DiLoCo: every round's mean through Nesterov (momentum every outer step), the run
@@ -551,7 +551,7 @@ def test_asynchronous_with_a_buffer_barrier_and_equal_speeds_equals_the_spmd_run
       bound = 8 * np.finfo(np.float32).eps * float(np.abs(b).max()) * steps[r]
       assert float(np.abs(np.asarray(a, np.float32) - b).max()) <= bound, r
   assert summary["goodput"] == 1.0
-  replayed = syncer.replay(tmp_path / "elastic")
+  replayed = merge_log.replay(tmp_path / "elastic")
   assert replayed["merges"] == 4
   for a, b in zip(jax.tree.leaves(replayed["phi"]), jax.tree.leaves(replayed["saved"])):
     np.testing.assert_array_equal(a, b)
@@ -569,7 +569,7 @@ def test_asynchronous_learners_of_different_speeds_merge_stale_deltas_by_the_rul
   is its Δ's staleness s (merges into φ since its base version), r = ⌊s / 2⌋ rounds behind, and
   its weight 1/(1 + r) × its tokens over the learners' mean phase ((5 + 1)/2 steps); each
   learner's sends all merged; the log replays φ bit for bit."""
-  from lowcomm_jax.elastic import syncer  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.elastic import merge_log, syncer  # pylint: disable=g-import-not-at-top
   config = _async_config(**{"elastic.speeds": "1,0.25", "elastic.local_steps": "by_speed",
                             "elastic.staleness": "inverse"})
   summary = elastic_run(config, tmp_path / "elastic")
@@ -588,6 +588,6 @@ def test_asynchronous_learners_of_different_speeds_merge_stale_deltas_by_the_rul
   assert summary["tokens_merged"] == 12 * tokens
   # both learners' first Δ start from φ_0: the one merged second is stale whatever the timing
   assert max(m["staleness"] for m in merges) >= 1
-  replayed = syncer.replay(tmp_path / "elastic")
+  replayed = merge_log.replay(tmp_path / "elastic")
   for a, b in zip(jax.tree.leaves(replayed["phi"]), jax.tree.leaves(replayed["saved"])):
     np.testing.assert_array_equal(a, b)

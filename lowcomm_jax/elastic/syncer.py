@@ -30,8 +30,8 @@ mean phase (H_i steps each), it goes through the outer optimizer at once (with
 goes on from φ as it is then (with `elastic.buffer_barrier`, once the momentum step closing its
 buffer of N ran). Every merge (or drop) is a line of the merge log, syncer/merges.jsonl: learner,
 fragment, base version, version, staleness, rounds behind, weight, tokens, bytes; with
-`elastic.log_deltas` the merged Δ beside it (syncer/merges/<n>.npz), from which `replay` rebuilds
-φ on one process.
+`elastic.log_deltas` the merged Δ beside it (syncer/merges/<n>.npz), from which
+`merge_log.replay` rebuilds φ on one process.
 
 Membership: the run's learners are `elastic.num_learners` at its start (or its resume with another
 count), plus those the driver adds (`add`: the next unused index) less those it removes (`remove`),
@@ -54,7 +54,7 @@ from lowcomm_jax.elastic import grace as grace_lib, options
 from lowcomm_jax.optim import staleness as staleness_lib
 from lowcomm_jax.train import faults as faults_lib
 
-MERGE_LOG = "merges.jsonl"  # under <workdir>/syncer/
+MERGE_LOG = "merges.jsonl"  # under <workdir>/syncer/; read back by `merge_log.replay`
 
 
 def host(tree):
@@ -436,42 +436,3 @@ def outer_step_program(tx, name: str, phase, shared, params, mean):
   def outer_step(shared, params, mean):
     return tx.apply(shared, params, {name: mean}, phase)[1]
   return jax.jit(outer_step).lower(shared, params, mean).compile()
-
-
-def replay(run_dir) -> dict:
-  """φ of an asynchronous run with `elastic.log_deltas`, rebuilt on this process from φ_0 and its
-  merge log (each logged Δ through the same outer step program, in the log's order). Reads the
-  run, writes nothing. Returns {"phi": the rebuilt φ, "saved": the syncer's latest φ, "merges":
-  merges replayed}."""
-  from lowcomm_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
-  run_dir = pathlib.Path(run_dir)
-  c = ml_collections.ConfigDict(json.loads((run_dir / "config.json").read_text())["config"])
-  folder = run_dir / "syncer"
-  saved = checkpoint.sealed_steps(folder / "checkpoints")
-  if 1 not in saved:
-    raise ValueError(f"{folder}: the first save (φ_0) is no longer kept: replay needs "
-                     "checkpoint.keep large enough to keep it")
-  first, last = (host(checkpoint.read_step(folder, step)["phi"]) for step in (1, max(saved)))
-  params = first
-  algorithm = options.outer_algorithm(c, params)
-  tx = algorithm.tx
-  shared = host(plan_lib.shared_part(tx.state_axes, tx.init(params)))
-  names = options.plan_names(tx)
-  consumed = {n: ph for ph in tx.phases for n in tx.consumes(ph)}
-  sends = {n: ph for ph in tx.phases for n in tx.plans(ph)}
-  # per plan: its tree's structure, and its outer step compiled at the first merge
-  structures = {n: jax.tree.structure(jax.eval_shape(lambda n=n: tx.local(shared, params,
-                                                                          sends[n])[n]))
-                for n in names}
-  programs = {}
-  merges = [json.loads(l) for l in (folder / MERGE_LOG).read_text().splitlines()]
-  for m in (m for m in merges if m["weight"] > 0):
-    with np.load(folder / "merges" / f"{m['merge']}.npz") as z:
-      leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
-    name = names[m["fragment"]]
-    mean = weighted(jax.tree.unflatten(structures[name], leaves), m["weight"])
-    if name not in programs:
-      programs[name] = outer_step_program(tx, name, consumed[name], shared, params, mean)
-    shared = host(programs[name](shared, params, mean))
-  return {"phi": host(algorithm.eval_params(None, shared)), "saved": last,
-          "merges": sum(m["weight"] > 0 for m in merges)}
