@@ -10,7 +10,7 @@ Rows (each through the Trainer, M replicas on this process, every row the same t
   1-inner-step overlap  Streaming DiLoCo with one fragment, τ = 1 (α = 0)
   naive delay           outer.naive_delay: τ = H, the previous outer step's mean applied as it is
   eager                 outer.eager: τ = H, each worker's own fresh Δ in place of its stale share
-  (eager 2-outer-steps, τ = 2H, is not implemented: two means in flight per fragment)
+  eager 2-outer-steps   outer.eager with τ = 2H: each mean lands two outer steps late
 
 With --lower_outer_lr=η, the naive delay and eager again at that outer learning rate (the paper's
 "naive + lower outer LR" row; the others keep 0.7); --rows picks rows by name, and a run directory
@@ -68,7 +68,9 @@ def rows(sync_every: int, lower_lr: float = 0.0) -> dict[str, dict]:
          "1-inner-step overlap": {**h, "algorithm": "streaming_diloco", "outer.num_fragments": 1,
                                   "outer.overlap_steps": 1},
          "naive delay": {**late, "outer.naive_delay": True},
-         "eager": {**late, "outer.eager": True}}
+         "eager": {**late, "outer.eager": True},
+         "eager 2-outer-steps": {**h, "algorithm": "diloco", "outer.overlap_steps": 2 * sync_every,
+                                 "outer.eager": True}}
   if lower_lr:
     lower = {"outer_optimizer.learning_rate": lower_lr}
     out[f"naive delay (η {lower_lr})"] = {**out["naive delay"], **lower}

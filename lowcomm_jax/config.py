@@ -184,12 +184,13 @@ def default_config() -> ml_collections.ConfigDict:
       overlap_anchor="send",
       merge_alpha=0.0,  # α: θ ← α·θ_local + (1−α)·θ_global when a fragment is applied
       # Eager outer updates (docs/algorithms.md §1.7; diloco and streaming_diloco): needs
-      # overlap_steps = sync_every (τ = H), so each fragment's mean overlaps a whole outer phase
-      # (P fragments in flight at a time when P > 1); at every sync step each worker runs the
-      # outer step at once on its own φ with its fresh Δ in place of its share of the mean
+      # overlap_steps = sync_every (τ = H) or twice it (τ = 2H), so each fragment's mean overlaps
+      # one or two whole outer phases (P or 2P means in flight at a time); at every sync step each
+      # worker runs the outer step at once on its own φ with its fresh Δ in place of its share of
+      # the mean
       eager=False,
-      # The naive delay (the eager paper's baseline): τ = H as eager, but each worker applies the
-      # landed mean of the previous outer step as it is and restarts from that φ (no proxy)
+      # The naive delay (the eager paper's baseline): τ = H or 2H as eager, but each worker
+      # applies the landed mean as it is and restarts from that φ (no proxy)
       naive_delay=False,
       # none (float32 all-reduce) | e3m0 | e2m1 | int4 | int8 | bf16 | fp32 (compressed mean)
       codec="none",

@@ -280,6 +280,29 @@ def max_abs_diff(a, b) -> float:
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+def assert_states_within(actual, expected, num_steps: int, terms_per_step: int,
+                         what: str = "state") -> None:
+  """Two Trainer states of float32 trajectories that round apart (two carriers, two layouts):
+  every leaf within `trajectory_error_bound` at its own scale, except the trees of outer gradients
+  (the comm state's in-flight means and error-feedback residuals, eager's own Δ). A Δ = φ − θ
+  carries the rounding of φ and θ, so it is bounded at the parameters' scale, not at its own."""
+  bound = lambda x: trajectory_error_bound(x, num_steps, terms_per_step) if np.size(x) else 0
+
+  def split(state):
+    opt = state.opt_state
+    if not hasattr(opt, "comm"):
+      return state, ()
+    deltas = (opt.comm.in_flight, opt.comm.residuals, getattr(opt, "own_deltas", ()))
+    rest = opt._replace(comm=opt.comm._replace(in_flight={}, residuals={}))
+    if hasattr(opt, "own_deltas"):
+      rest = rest._replace(own_deltas=())
+    return state._replace(opt_state=rest), deltas
+
+  (rest_a, deltas_a), (rest_b, deltas_b) = split(actual), split(expected)
+  assert_trees_within(rest_a, rest_b, bound, what)
+  assert_trees_within(deltas_a, deltas_b, bound(expected.params), f"{what} (outer gradients)")
+
+
 def single_process(tmp_path, num_replicas: int, changes: dict, config_file: str = "diloco.py"):
   c = make_config(config_file, {**COMMON, "num_replicas": num_replicas, "mesh.replica": 1,
                                 "mesh.data": 1, **changes})

@@ -121,11 +121,11 @@ CONFIG_CASES = [
     ({**STREAMING, "outer.overlap_steps": 3}, "outer.overlap_steps", "smaller than H/P"),
     ({**STREAMING, "outer.merge_alpha": 1.5}, "outer.merge_alpha", "[0, 1]"),
     ({**STREAMING, "outer.fragment_pattern": "random"}, "fragment_pattern", "strided"),
-    # eager outer updates: τ = H only, no error feedback, DiLoCo and Streaming DiLoCo only
+    # eager outer updates: τ = H or 2H only, no error feedback, DiLoCo and Streaming DiLoCo only
     ({**STREAMING, "outer.eager": True}, "outer.eager",
-     "outer.overlap_steps (τ) = outer.sync_every (H = 6)"),
+     "outer.overlap_steps (τ) = outer.sync_every (H = 6) or 2H = 12"),
     ({**DILOCO, "outer.eager": True}, "outer.num_fragments/overlap_steps",
-     "1/outer.sync_every/0/'' for algorithm=diloco with outer.eager or naive_delay"),
+     "1/outer.sync_every or twice it/0/'' for algorithm=diloco with outer.eager or naive_delay"),
     ({**DILOCO, "outer.eager": True, "outer.overlap_steps": 4, "outer.codec": "int8",
       "outer.error_feedback": True}, "outer.eager", "False with outer.error_feedback"),
     ({**SPARSELOCO, "outer.eager": True}, "outer.eager/naive_delay",
@@ -133,7 +133,7 @@ CONFIG_CASES = [
     ({**DILOCO, "outer.eager": True, "outer.naive_delay": True, "outer.overlap_steps": 4},
      "outer.naive_delay", "False with outer.eager or outer.error_feedback"),
     ({**DILOCO, "outer.naive_delay": True}, "outer.num_fragments/overlap_steps",
-     "1/outer.sync_every/0/'' for algorithm=diloco with outer.eager or naive_delay"),
+     "1/outer.sync_every or twice it/0/'' for algorithm=diloco with outer.eager or naive_delay"),
     ({**NOLOCO, "num_replicas": 1, "noloco.group_size": 1}, "num_replicas", ">= 2"),
     ({**NOLOCO, "num_replicas": 4, "noloco.group_size": 3}, "noloco.group_size", "divisor of"),
     ({**NOLOCO, "num_replicas": 4, "mesh.replica": 2}, "mesh.replica", "num_replicas=4"),

@@ -73,15 +73,7 @@ def _assert_close(a, b, exact: bool = False):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   else:
-    bound = lambda x: (testing.trajectory_error_bound(x, NUM_STEPS, TERMS_PER_STEP)
-                       if np.size(x) else 0)
-    # A residual (Δ minus its encoding) carries Δ's rounding, at the scale of the parameters
-    # Δ = φ − θ came from, not at its own: bounded at the parameters' scale.
-    residuals = lambda state: state.opt_state.comm.residuals
-    without = lambda state: state._replace(opt_state=state.opt_state._replace(
-        comm=state.opt_state.comm._replace(residuals={})))
-    testing.assert_trees_within(without(b), without(a), bound, "state")
-    testing.assert_trees_within(residuals(b), residuals(a), bound(a.params), "residuals")
+    testing.assert_states_within(b, a, NUM_STEPS, TERMS_PER_STEP)
 
 
 # Streaming DiLoCo at τ = 2 on each layout (the runs the tests below read too), SparseLoCo at τ = 1

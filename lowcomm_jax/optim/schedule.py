@@ -20,9 +20,12 @@ Where the overlap sits around the nominal sync step n_p = offset_p + kH
 `apply` is `send` with every offset moved τ steps earlier (the row's `offset`
 is always the step whose parameters are sent); with τ = 0 both are the same.
 
-Eager (`outer.eager`, docs/algorithms.md §1.7): τ = H, so fragment p's mean lands at its next sync
-step; every sync step (the first included, before anything has landed) receives and runs p's outer
-step, with the worker's own fresh Δ_p standing in for its share of the mean.
+Eager (`outer.eager`, docs/algorithms.md §1.7): τ = D·H with D = 1 or 2 outer steps in flight, so
+fragment p's mean lands D sync steps after it was sent; every sync step (the first included, before
+anything has landed) receives and runs p's outer step, with the worker's own fresh Δ_p standing in
+for its share of the mean. With D = 2 two means of p are in flight at once: fragment p has D lanes,
+lane j holding the sends of p's outer steps k with k % D = j. A phase names lanes as slots
+q = p + F·j (F fragments); with D = 1 the slot is the fragment.
 """
 
 from __future__ import annotations
@@ -42,15 +45,31 @@ class FragmentSchedule(NamedTuple):
   offset: np.ndarray  # int[F], in [1, H]: the first step whose parameters fragment p sends
   delay: np.ndarray  # int[F]
   alpha: np.ndarray  # float[F]
-  eager: np.ndarray  # bool[F]: every sync step runs the outer step with the eager proxy (τ = H)
+  eager: np.ndarray  # bool[F]: every sync step runs the outer step with the eager proxy (τ = D·H)
 
   @property
   def num_fragments(self) -> int:
     return len(self.period)
 
+  @property
+  def lanes(self) -> int:
+    """D: the outer steps of one fragment in flight at once (τ // H with eager, else 1)."""
+    return max(1, int((self.delay // self.period)[self.eager].max(initial=1)))
+
+  @property
+  def num_slots(self) -> int:
+    """F·D: the slots a phase names (fragment p's lane j is slot p + F·j)."""
+    return self.num_fragments * self.lanes
+
+  @property
+  def cycle(self) -> int:
+    """Steps after which the phases repeat: D·H."""
+    return int(self.period.max()) * self.lanes
+
 
 class Phase(NamedTuple):
-  """What one step's program does: fragments whose reduce starts, fragments that get applied."""
+  """What one step's program does: slots (fragments, or with D > 1 a fragment's lane) whose reduce
+  starts, slots whose mean gets applied."""
 
   send: tuple[int, ...] = ()
   receive: tuple[int, ...] = ()
@@ -85,10 +104,10 @@ def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered,
                                  num_fragments=num_fragments if staggered else 1)
   stride = sync_every // num_fragments if staggered else sync_every
   if eager:
-    if overlap_steps != sync_every:
+    if overlap_steps not in (sync_every, 2 * sync_every):
       raise ValueError(f"outer.eager needs outer.overlap_steps (τ) = outer.sync_every (H = "
-                       f"{sync_every}): a fragment's mean lands at its next sync step; got "
-                       f"τ={overlap_steps}")
+                       f"{sync_every}) or 2H = {2 * sync_every}: a fragment's mean lands one or "
+                       f"two sync steps later; got τ={overlap_steps}")
     if overlap_anchor != "send":
       raise ValueError("outer.eager needs outer.overlap_anchor='send' (its outer step runs at the "
                        "sync step that sends)")
@@ -108,33 +127,39 @@ def _schedule(num_fragments, sync_every, overlap_steps, merge_alpha, staggered,
   return FragmentSchedule(*rows)
 
 
-def _synced_after(schedule: FragmentSchedule, p: int, t: int) -> bool:
-  return t >= schedule.offset[p] and (t - schedule.offset[p]) % schedule.period[p] == 0
+def _synced_after(schedule: FragmentSchedule, q: int, t: int) -> bool:
+  """Whether slot q (fragment p = q % F, lane j = q // F) syncs after step t: p's sync steps
+  offset_p + k·H with k % D = j."""
+  p, j = q % schedule.num_fragments, q // schedule.num_fragments
+  first, every = schedule.offset[p] + j * schedule.period[p], schedule.period[p] * schedule.lanes
+  return t >= first and (t - first) % every == 0
 
 
 def phase_at(schedule: FragmentSchedule, step: int) -> Phase:
   """The phase of inner step `step` (1-based): read on the host to pick the compiled program."""
   send, receive = [], []
-  for p in range(schedule.num_fragments):
+  for q in range(schedule.num_slots):
+    p = q % schedule.num_fragments
     tau = int(schedule.delay[p])
-    if _synced_after(schedule, p, step - 1 if tau else step):
-      send.append(p)
-    if _synced_after(schedule, p, step if schedule.eager[p] else step - tau):
-      receive.append(p)
+    if _synced_after(schedule, q, step - 1 if tau else step):
+      send.append(q)
+    if _synced_after(schedule, q, step if schedule.eager[p] else step - tau):
+      receive.append(q)
   return Phase(tuple(send), tuple(receive))
 
 
 def phase_table(schedule: FragmentSchedule) -> tuple[list[Phase], np.ndarray, int]:
   """All distinct phases, and a lookup from step to phase index.
 
-  After step S0 = max(offset) + max(delay) + 1 the phases repeat with period H, so a
-  table of S0 + H − 1 entries and `index(s) = s if s < S0 else S0 + (s − S0) % H`
-  cover every step with a bounded number of programs.
+  After step S0 = max(offset) + max(delay) + 1 the phases repeat with period C = D·H
+  (`FragmentSchedule.cycle`), so a table of S0 + C − 1 entries and
+  `index(s) = s if s < S0 else S0 + (s − S0) % C` cover every step with a bounded number of
+  programs.
 
   Returns:
-    (phases, table, s0) where table[s − 1] is the phase index of step s < S0 + H.
+    (phases, table, s0) where table[s − 1] is the phase index of step s < S0 + C.
   """
-  period = int(schedule.period.max())
+  period = schedule.cycle
   s0 = int(schedule.offset.max() + schedule.delay.max()) + 1
   phases, table = [], []
   for s in range(1, s0 + period):
@@ -147,6 +172,7 @@ def phase_table(schedule: FragmentSchedule) -> tuple[list[Phase], np.ndarray, in
 
 def without_delayed(delay, phase: Phase) -> Phase:
   """`phase` without the overlapped (τ ≥ 1) fragments' sends and merges: what a step's program runs
-  when the outer-communication thread carries those (`train.overlap`)."""
-  return Phase(tuple(p for p in phase.send if not delay[p]),
-               tuple(p for p in phase.receive if not delay[p]))
+  when the outer-communication thread carries those (`train.overlap`). `delay` is per fragment;
+  slot q is fragment q % F's."""
+  kept = lambda slots: tuple(q for q in slots if not delay[q % len(delay)])
+  return Phase(kept(phase.send), kept(phase.receive))

@@ -53,8 +53,9 @@ class StreamingDiLoCoState(NamedTuple):
   outer_states: tuple  # per fragment: the outer optimizer's state of φ_p (its sub-tree)
   comm: comm.CommState  # by plan name "fragment p": the mean in flight (τ ≥ 1), the residual
   nonfinite: jax.Array  # int32[F]: outer steps refused because the averaged Δ held NaN or inf
-  # eager only, per replica: per fragment the worker's own Δ_p of its last outer step (what it
-  # sends next, and what it takes out of the mean of that send when it lands); () otherwise
+  # eager only, per replica: per slot (fragment p's lane j, `schedule.py`) the worker's own Δ_p of
+  # the last outer step sent in that lane (what it sends next, and what it takes out of the mean of
+  # that send when it lands); () otherwise
   own_deltas: tuple = ()
 
 
@@ -119,10 +120,13 @@ class StreamingDiLoCo:
       self._set_state_axes()
     self.phases, self._table, self._s0 = schedule_lib.phase_table(schedule)
     kind = "mean" if self.codec is None else self.plan_kind
-    # fragment p's plan; stochastic rounding keys fold the fragment in (seed p)
-    self._plans = [comm.Plan(kind, self.codec, int(schedule.delay[p]), self.error_feedback,
-                             self.feedback_decay, self.codec_kernels, seed=p)
-                   for p in range(schedule.num_fragments)]
+    # slot q's plan (fragment p = q % F, lane j = q // F); stochastic rounding keys fold the
+    # fragment in (seed p)
+    f = schedule.num_fragments
+    self._plans = [comm.Plan(kind, self.codec, int(schedule.delay[q % f]), self.error_feedback,
+                             self.feedback_decay, self.codec_kernels, seed=q % f)
+                   for q in range(schedule.num_slots)]
+    self._slots = {self.slot_name(q): q for q in range(schedule.num_slots)}
 
   plan_kind = "compressed_mean"  # how a fragment's Δ travels when a codec is set
   feedback_decay = 1.0  # β: e ← β·e + Δ before encoding
@@ -131,13 +135,18 @@ class StreamingDiLoCo:
   def plan_name(p: int) -> str:
     return f"fragment {p}"
 
+  def slot_name(self, q: int) -> str:
+    """Slot q's plan name: fragment p's (`plan_name`) for lane 0, "fragment p, lane j" else."""
+    p, j = q % self.schedule.num_fragments, q // self.schedule.num_fragments
+    return self.plan_name(p) + (f", lane {j}" if j else "")
+
   # -- the outer step as plans (`comm.plan.OuterStep`) -------------------------------------------
   def plans(self, phase) -> dict:
     """{"fragment p": its Plan} for the fragments whose Δ_p this phase's program sends."""
-    return {self.plan_name(p): self._plans[p] for p in phase.send}
+    return {self.slot_name(q): self._plans[q] for q in phase.send}
 
   def consumes(self, phase) -> tuple:
-    return tuple(self.plan_name(p) for p in phase.receive)
+    return tuple(self.slot_name(q) for q in phase.receive)
 
   def without_delayed(self, phase) -> schedule_lib.Phase:
     """`phase` without its overlapped (τ ≥ 1) sends and merges (the communication thread's)."""
@@ -147,7 +156,7 @@ class StreamingDiLoCo:
     """Δ_p = φ_p − θ_p of every fragment p this phase sends, from `params`; eager: the worker's Δ_p
     kept by its last outer step (φ_p and θ_p have moved since)."""
     if self.eager:
-      return {self.plan_name(p): state.own_deltas[p] for p in phase.send}
+      return {self.slot_name(q): state.own_deltas[q] for q in phase.send}
     frags = self.fragments(params)
     return {self.plan_name(p): self.outer_gradient(frags[p], state.outer_params, params)
             for p in phase.send}
@@ -157,25 +166,27 @@ class StreamingDiLoCo:
     Δ_p by plan name); elementwise, no collective."""
     del phase
     frags = self.fragments(params)
-    means = {int(name.split()[-1]): mean for name, mean in incoming.items()}
+    means = {self._slots[name]: mean for name, mean in incoming.items()}  # by slot
     if self.eager:
       means, state = self._eager_proxies(frags, means, state, params)
+    f = self.schedule.num_fragments
+    means = {q % f: mean for q, mean in means.items()}  # by fragment: one lane lands at a time
     local, outer_params, outer_states, nonfinite = self._merge(
         frags, means, params, state.outer_params, state.outer_states, state.nonfinite)
     return local, state._replace(outer_params=outer_params, outer_states=outer_states,
                                  nonfinite=nonfinite)
 
   def _eager_proxies(self, frags, means: dict, state, params):
-    """(the proxy Δ̃_p = mean_p − Δ_p'/M + Δ_p/M of each fragment in `means`, the state keeping
-    the fresh Δ_p): mean_p, landed now, holds every worker's Δ of the previous outer step; this
-    worker's own share Δ_p'/M of it was applied then, so it is replaced by its fresh Δ_p
-    (docs/algorithms.md §1.7)."""
+    """(the proxy Δ̃_p = mean_p − Δ_p'/M + Δ_p/M of each slot in `means`, the state keeping the
+    fresh Δ_p in that slot): mean_p, landed now, holds every worker's Δ of the outer step D steps
+    back (the slot's last send); this worker's own share Δ_p'/M of it was applied then, so it is
+    replaced by its fresh Δ_p (docs/algorithms.md §1.7)."""
     if self.num_replicas is None and not self.naive_delay:
       raise ValueError("outer.eager needs the number of workers M: call init_replicated(params, M)")
     own = list(state.own_deltas)
     proxies = {}
-    for p, mean in means.items():
-      fresh = self.outer_gradient(frags[p], state.outer_params, params)
+    for p, mean in means.items():  # p: the slot
+      fresh = self.outer_gradient(frags[p % len(frags)], state.outer_params, params)
       if self.naive_delay:  # the previous outer step's mean, one outer step late, as it is
         proxies[p] = mean
       else:
@@ -218,9 +229,11 @@ class StreamingDiLoCo:
     zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
     outer_states = tuple(self.outer.init(t) for t in sub_trees)
     names = [self.plan_name(p) for p in range(len(sub_trees))]
-    in_flight = {n: zeros(t) for n, t, tau in zip(names, sub_trees, self.schedule.delay) if tau}
+    slots = [(self.slot_name(q), sub_trees[q % len(sub_trees)])
+             for q in range(self.schedule.num_slots)]
+    in_flight = {n: zeros(t) for n, t in slots if self._plans[self._slots[n]].delay}
     residuals = {n: zeros(t) for n, t in zip(names, sub_trees)} if self.error_feedback else {}
-    own_deltas = tuple(zeros(t) for t in sub_trees) if self.eager else ()
+    own_deltas = tuple(zeros(t) for _, t in slots) if self.eager else ()
     return StreamingDiLoCoState(jnp.zeros((), jnp.int32), self.inner.init(params), outer_params,
                                 outer_states, comm.CommState(in_flight, residuals),
                                 jnp.zeros((len(sub_trees),), jnp.int32), own_deltas)
@@ -241,7 +254,7 @@ class StreamingDiLoCo:
     if phase is not None:
       return self._apply(schedule_lib.Phase(*phase), grads, state, params, **extra_args)
     s = state.count + 1
-    index = jnp.where(s < self._s0, s, self._s0 + (s - self._s0) % int(self.schedule.period[0]))
+    index = jnp.where(s < self._s0, s, self._s0 + (s - self._s0) % self.schedule.cycle)
     branch = jnp.asarray(self._table)[index - 1]
     branches = [functools.partial(self._apply, ph, **extra_args) for ph in self.phases]
     return jax.lax.switch(branch, branches, grads, state, params)
@@ -344,13 +357,13 @@ def streaming_diloco(inner: optax.GradientTransformation,
       (the Pallas kernels; interpreted on CPU, bit-identical to the reference), "pallas_mosaic_gpu"
       / "pallas_triton" ("pallas" with that GPU kernel) or "auto" (Pallas where the platform
       compiles them, GPU/TPU; the reference elsewhere); see `codecs.kernel_options`.
-    eager: eager outer updates (arXiv 2502.12996, docs/algorithms.md §1.7): needs τ = H; each
-      fragment's mean overlaps a whole outer phase while every worker runs its outer step at once
-      with a proxy of its own fresh Δ and the others' Δ of the previous outer step; φ and the outer
-      states are then per worker (`state_axes` 0).
-    naive_delay: the eager paper's baseline on the same schedule (τ = H): at every sync step each
-      worker applies the mean that landed, the previous outer step's, as it is (its fresh Δ is only
-      sent), and restarts from that φ.
+    eager: eager outer updates (arXiv 2502.12996, docs/algorithms.md §1.7): needs τ = D·H with
+      D = 1 or 2; each fragment's mean overlaps D whole outer phases while every worker runs its
+      outer step at once with a proxy of its own fresh Δ and the others' Δ of D outer steps back;
+      φ and the outer states are then per worker (`state_axes` 0).
+    naive_delay: the eager paper's baseline on the same schedule (τ = D·H): at every sync step each
+      worker applies the mean that landed, D outer steps late, as it is (its fresh Δ is only sent),
+      and restarts from that φ.
   """
   outer = outer if outer is not None else outer_nesterov()
   schedule, resolve = schedule_and_fragments(sync_every, fragments, overlap_steps, merge_alpha,

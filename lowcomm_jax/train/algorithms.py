@@ -187,7 +187,8 @@ def _check_outer_values(c) -> None:
 
 
 def _one_outer_step_late(o) -> bool:
-  """Eager updates and the naive delay both apply a fragment's mean one outer step late (τ = H)."""
+  """Eager updates and the naive delay both apply a fragment's mean D = 1 or 2 outer steps late
+  (τ = D·H)."""
   return bool(o.eager or o.naive_delay)
 
 
@@ -258,12 +259,12 @@ def check_every_section(c: ml_collections.ConfigDict) -> None:
 def _check_diloco(c) -> None:
   """Vanilla DiLoCo: Streaming DiLoCo with one fragment, τ = 0, α = 0 (docs/algorithms.md §1.1)."""
   o = c.outer
-  late = _one_outer_step_late(o)  # eager or naively delayed DiLoCo overlaps a whole outer phase
-  tau = o.sync_every if late else 0
-  checks.require(o.num_fragments == 1 and o.overlap_steps == tau and o.merge_alpha == 0.0
+  late = _one_outer_step_late(o)  # eager or naively delayed DiLoCo overlaps whole outer phases
+  taus = (o.sync_every, 2 * o.sync_every) if late else (0,)
+  checks.require(o.num_fragments == 1 and o.overlap_steps in taus and o.merge_alpha == 0.0
                  and not o.fragment_rules,
                  "outer.num_fragments/overlap_steps/merge_alpha/fragment_rules",
-                 f"1/{'outer.sync_every' if late else 0}/0/'' for algorithm=diloco "
+                 f"1/{'outer.sync_every or twice it' if late else 0}/0/'' for algorithm=diloco "
                  f"{'with outer.eager or naive_delay ' if late else ''}"
                  "(use algorithm=streaming_diloco)",
                  (o.num_fragments, o.overlap_steps, o.merge_alpha, o.fragment_rules))
