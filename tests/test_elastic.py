@@ -164,6 +164,56 @@ def test_streaming_diloco_with_no_faults_and_full_quorum_equals_its_spmd_run(ray
   assert summary["rounds"] == [2, 2, 1]
 
 
+def test_eager_two_outer_steps_late_through_the_syncer_equals_its_spmd_run(ray_cluster, tmp_path):
+  """Eager DiLoCo with τ = 2H (H = 5, 20 steps) on the remote carrier: each learner keeps its own
+  φ_m and runs its outer step at every sync step with its proxy, the mean of each lane landing
+  through the syncer two sync steps after it was sent (lane 0 sent with steps 6 and 16, lane 1
+  with 11; lane 0's first mean enters the proxy at step 15, whose Δ is sent with 16). Every mean
+  the syncer merged equals the SPMD run's in-flight mean of that send, so each learner's Δ_m, and
+  with it its φ_m, equals replica m's; the syncer's φ is DiLoCo's outer step on those means in
+  turn (`options.syncer_algorithm`), within the elastic equivalence bound."""
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.train import algorithms, hooks, trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  config = _config(**{"num_steps": 20, "outer.overlap_steps": 10, "outer.eager": True,
+                      "checkpoint.keep": 6})
+  summary = elastic.run(config, tmp_path / "elastic")
+  assert summary["rounds"] == [2, 1]  # "fragment 0" (lane 0), "fragment 0, lane 1"
+  # inline: the in-flight buffer holds each mean from its send step on
+  trainer = trainer_lib.Trainer(config_lib.override(options.spmd_config(config), {
+      "outer.overlap_executor": "inline"}), tmp_path / "spmd")
+  tx = trainer.algorithm.tx
+
+  class Sent(hooks.Hook):
+    means: list = []  # (step, the mean of the send made in that step)
+
+    def after_step(self, step, phase, state, metrics):
+      for name in tx.plans(phase):
+        self.means.append((step, jax.device_get(state.opt_state.comm.in_flight[name])))
+      return state
+
+  trainer.run(hooks=[Sent()])
+  assert [step for step, _ in Sent.means] == [6, 11, 16]
+  outer = algorithms.make_outer_optimizer(config.outer_optimizer)
+  phi = jax.tree.map(lambda x: np.asarray(x, np.float32), trainer.init_params())
+  outer_state, expected = outer.init(phi), []
+  for _, mean in Sent.means:
+    updates, outer_state = outer.update(mean, outer_state, phi)
+    phi = optax.apply_updates(phi, updates)
+    expected.append(phi)
+  rounds = _syncer_globals(tmp_path / "elastic")
+  assert len(rounds) == 3
+  for r, (ours, theirs) in enumerate(zip(rounds, expected)):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+      b = np.asarray(b, np.float32)
+      bound = 8 * np.finfo(np.float32).eps * float(np.abs(b).max()) * Sent.means[r][0]
+      assert float(np.abs(np.asarray(a, np.float32) - b).max()) <= bound, r
+  # not vacuous: the last mean holds the landed mean's proxy (far from the first's)
+  first, last = (jax.tree.leaves(m) for _, m in (Sent.means[0], Sent.means[2]))
+  assert any(not np.allclose(a, b) for a, b in zip(first, last))
+
+
 def test_bad_input_is_refused_before_anything_starts(tmp_path):
   from lowcomm_jax import elastic  # pylint: disable=g-import-not-at-top
   cases = {
@@ -186,6 +236,8 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
        "outer_optimizer.momentum_every must be 1 unless outer_optimizer.name=nesterov"),
       ({**asynchronous, "elastic.max_staleness": -1},
        "elastic.max_staleness must be an integer >= 0"),
+      ({**asynchronous, "outer.eager": True, "outer.overlap_steps": 5},
+       "outer.eager must be False with elastic.asynchronous=True"),
   ]
   for i, (changes, message) in enumerate([({k: v}, m) for k, (v, m) in cases.items()] + combined):
     workdir = tmp_path / f"case{i}"

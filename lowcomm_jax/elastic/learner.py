@@ -69,6 +69,8 @@ class Learner:
     self.trainer = Trainer(options.learner_config(c, learner), self.dir / "model")
     self.num_steps = options.local_steps(c, learner)[1]  # its own with elastic.local_steps
     self.tx = self.trainer.algorithm.tx
+    if getattr(self.tx, "eager", False):  # the proxy's 1/M: M learners, not this one replica
+      self.tx.eager_workers = options.num_learners(c)
     self.names = options.plan_names(self.tx)
     self.faults = faults_lib.parse(c.elastic.faults, c.elastic.num_learners)
     progress = self.dir / "progress.json"
@@ -180,7 +182,10 @@ class Learner:
     shardings = jax.tree.map(lambda x: x.sharding, state)
     params = jax.tree.map(lambda g, x: np.asarray(g, x.dtype)[None], joined["phi"], state.params)
     own = jax.device_get(state.opt_state) if opt_state is None else opt_state
-    opt_state = plan_lib.with_shared(self.tx.state_axes, own, joined["shared"])
+    if getattr(self.tx, "eager", False):
+      opt_state = eager_state(own, joined["shared"])
+    else:
+      opt_state = plan_lib.with_shared(self.tx.state_axes, own, joined["shared"])
     self.latest = jax.device_put(TrainState(params, opt_state, jnp.asarray(step, jnp.int32)),
                                  shardings)
     return self.latest
@@ -194,6 +199,18 @@ class Learner:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(self.progress))
     tmp.replace(path)
+
+
+def eager_state(own, shared):
+  """An eager learner's optimizer state (one replica) going on from the syncer's φ and outer state
+  (`options.syncer_algorithm`'s shared part): its φ_m ← φ, nothing of its own in flight (its kept
+  Δ and the in-flight means zero, so its next proxy takes no old share out), its inner state."""
+  one = lambda tree: jax.tree.map(lambda x: np.asarray(x)[None], tree)
+  zeros = lambda tree: jax.tree.map(np.zeros_like, tree)
+  return own._replace(count=shared.count, outer_params=one(shared.outer_params),
+                      outer_states=one(shared.outer_states), nonfinite=one(shared.nonfinite),
+                      own_deltas=zeros(own.own_deltas),
+                      comm=own.comm._replace(in_flight=zeros(own.comm.in_flight)))
 
 
 class Link:

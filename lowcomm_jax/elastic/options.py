@@ -113,13 +113,27 @@ def outer_algorithm(config, abstract_params=None):
   return algorithms.make_algorithm(spmd_config(config), num_learners(config), abstract_params)
 
 
+def syncer_algorithm(config, abstract_params=None):
+  """The algorithm of the syncer's φ: the SPMD run's, or with eager outer updates (or the naive
+  delay) DiLoCo's outer step on the same fragments with τ = 0. Eager workers each keep their own
+  φ_m; the syncer steps one φ with every closed round's mean in turn, the φ that every worker's
+  φ_m differs from only by its own latest share (docs/algorithms.md §1.7). It is what a
+  (re)joining learner starts from and what the run evaluates."""
+  o = config.outer
+  if o.eager or o.naive_delay:
+    config = _derived(config, {"outer.eager": False, "outer.naive_delay": False,
+                               "outer.overlap_steps": 0})
+  return outer_algorithm(config, abstract_params)
+
+
 def plan_names(tx) -> list[str]:
-  """The names of the algorithm's plans in natural order ("fragment 0", "fragment 1", …): plan p
-  of the syncer's rounds."""
+  """The names of the algorithm's plans in natural order ("fragment 0", "fragment 0, lane 1",
+  "fragment 1", …): plan p of the syncer's rounds."""
   names = []
   for phase in tx.phases:
     names += [n for n in tx.plans(phase) if n not in names]
-  return sorted(names, key=lambda n: [int(t) if t.isdigit() else t for t in n.split()])
+  return sorted(names, key=lambda n: [int(t) if t.isdigit() else t
+                                      for t in n.replace(",", " ").split()])
 
 
 def check(config) -> run_config.RunConfig:
@@ -145,12 +159,12 @@ def check(config) -> run_config.RunConfig:
   checks.require(run.outer.codec_rounding == "nearest", "outer.codec_rounding",
                  "nearest for an elastic run (stochastic rounding keys follow the SPMD step count)",
                  run.outer.codec_rounding)
-  for key in ("eager", "naive_delay"):
-    checks.require(not run.outer[key], f"outer.{key}",
-                   "False for an elastic run (the syncer steps φ with the round's own mean)",
-                   run.outer[key])
   e = run.elastic
   if e.asynchronous:
+    for key in ("eager", "naive_delay"):
+      checks.require(not run.outer[key], f"outer.{key}",
+                     "False with elastic.asynchronous=True (each Δ is merged as it arrives)",
+                     run.outer[key])
     # (DiLoCo has τ = 0: the learner goes on from the φ its Δ was merged into)
     checks.require(run.algorithm == "diloco", "algorithm",
                    "diloco for elastic.asynchronous=True (one fragment, merged as it arrives)",

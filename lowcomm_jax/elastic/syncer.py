@@ -16,6 +16,8 @@ copy of the state's shared part (φ, the outer optimizer state: `comm.plan.share
 step every learner runs on the same mean, saves φ, the shared state and the counters (orbax,
 through the Trainer's `Checkpointer`, before anyone is answered) and answers every waiting learner
 with the mean. The syncer's φ is what a (re)joining learner starts from and what is evaluated.
+With eager outer updates every learner steps its own φ_m, and the syncer's φ is DiLoCo's outer
+step on each closed round's mean in turn (`options.syncer_algorithm`).
 
 A Δ_p computed from an older φ_p than the open round's (its learner missed rounds) is late:
 `elastic.late=drop` drops it, `weight` merges it with weight tokens · staleness_weight^(rounds
@@ -74,22 +76,29 @@ class Syncer:
     # one device is enough: φ's evaluation and the outer steps (the syncer holds no accelerator)
     self.trainer = Trainer(options.evaluation_config(c), self.dir / "model", jax.devices()[:1])
     self.params = host(self.trainer.init_params())
-    self.algorithm = options.outer_algorithm(c, self.params)
+    # the learners' algorithm (its plans are the rounds), and φ's (the same but with eager
+    # updates: DiLoCo's outer step, `options.syncer_algorithm`)
+    eager = bool(c.outer.eager or c.outer.naive_delay)
+    self.algorithm = options.syncer_algorithm(c, self.params)
     self.tx = tx = self.algorithm.tx
-    self.names = options.plan_names(tx)
+    run = options.outer_algorithm(c, self.params) if eager else self.algorithm
+    self.names = options.plan_names(run.tx)
     self.num_fragments = len(self.names)
-    sends = {n: ph for ph in tx.phases for n in tx.plans(ph)}
-    self.plans = [tx.plans(sends[n])[n] for n in self.names]
+    self.plans = [run.tx.plans(ph)[n] for n in self.names
+                  for ph in [next(ph for ph in run.tx.phases if n in run.tx.plans(ph))]]
     self.final_rounds = [
-        sum(n in tx.plans(self.algorithm.phase_at(s)) for s in range(1, c.num_steps + 1))
+        sum(n in run.tx.plans(run.phase_at(s)) for s in range(1, c.num_steps + 1))
         for n in self.names]
+    # plan p's outer step on φ: its fragment's (an eager plan is one lane of a fragment)
+    own = [tx.plan_name(run.tx.fragment_of(n)) for n in self.names] if eager else self.names
+    sends = {n: ph for ph in tx.phases for n in tx.plans(ph)}
     self.quorum = options.quorum(c)
     # φ and the outer optimizer state: what every learner's state holds the same
     self.shared = host(plan_lib.shared_part(tx.state_axes, tx.init(self.params)))
     self._treedef = jax.tree.structure(self.shared)
     # each plan's tree, as `local` takes it (its shapes)
     self.shapes = [jax.eval_shape(lambda n=n: tx.local(self.shared, self.params, sends[n])[n])
-                   for n in self.names]
+                   for n in own]
     self.rounds = [0] * self.num_fragments  # asynchronous: per plan, Δ merged into φ (version)
     self.step = 0  # the latest step a closed round merged
     self.live: set[int] = set()
@@ -135,7 +144,7 @@ class Syncer:
 
     self._outer_steps = [outer_step_program(tx, n, consumed[n], self.shared, self.params,
                                             self.zeros(p))
-                         for p, n in enumerate(self.names)]
+                         for p, n in enumerate(own)]
     self._buffer_closed = {}  # asynchronous, barrier: (p, version) -> Event set when φ_p got there
     self.faults = faults_lib.SyncerFaults(
         self.run_dir, faults_lib.parse(c.elastic.faults, c.elastic.num_learners))

@@ -94,6 +94,9 @@ class StreamingDiLoCo:
     if isinstance(schedule, schedule_lib.FragmentSchedule):
       self._set_schedule(schedule)
     self.num_replicas = None  # M, set by `init_replicated` (the eager proxy's 1/M)
+    # the eager proxy's M where the replicas here are not all the workers (an elastic learner is
+    # one replica of elastic.num_learners); None: `num_replicas`
+    self.eager_workers = None
     # with the eager schedule (τ = H): the landed mean applied as it is, no proxy (the baseline)
     self.naive_delay = bool(naive_delay)
     self._set_state_axes()
@@ -134,6 +137,10 @@ class StreamingDiLoCo:
   @staticmethod
   def plan_name(p: int) -> str:
     return f"fragment {p}"
+
+  def fragment_of(self, name: str) -> int:
+    """The fragment p of plan `name` (a slot's: lane j of p)."""
+    return self._slots[name] % self.schedule.num_fragments
 
   def slot_name(self, q: int) -> str:
     """Slot q's plan name: fragment p's (`plan_name`) for lane 0, "fragment p, lane j" else."""
@@ -181,7 +188,8 @@ class StreamingDiLoCo:
     fresh Δ_p in that slot): mean_p, landed now, holds every worker's Δ of the outer step D steps
     back (the slot's last send); this worker's own share Δ_p'/M of it was applied then, so it is
     replaced by its fresh Δ_p (docs/algorithms.md §1.7)."""
-    if self.num_replicas is None and not self.naive_delay:
+    workers = self.eager_workers or self.num_replicas
+    if workers is None and not self.naive_delay:
       raise ValueError("outer.eager needs the number of workers M: call init_replicated(params, M)")
     own = list(state.own_deltas)
     proxies = {}
@@ -190,7 +198,7 @@ class StreamingDiLoCo:
       if self.naive_delay:  # the previous outer step's mean, one outer step late, as it is
         proxies[p] = mean
       else:
-        inv_m = 1.0 / self.num_replicas
+        inv_m = 1.0 / workers
         proxies[p] = jax.tree.map(lambda a, o, f: a - inv_m * o + inv_m * f, mean, own[p], fresh)
       own[p] = fresh
     return proxies, state._replace(own_deltas=tuple(own))

@@ -278,7 +278,9 @@ class Remote(Carrier):
   program (from the parameters it wrote) and waited for at once; one of τ ≥ 1 is sent before the
   step's program (from the parameters entering it) and waited for after step s + τ. The step's
   program runs without any plan (`program_phase`). A consumption whose send this loop never made
-  (the learner joined after it) is left out.
+  (the learner joined after it) is left out, except with eager outer updates: every sync step runs
+  the worker's outer step, on the in-flight buffer (zeros before the first mean lands or after a
+  rejoin) where no reply is due.
 
   A reply may say the syncer did not take the learner's Δ as sent (`link.receive` raises
   `Rejoin`): the replies still in flight are dropped and the state is the one `link.rejoin(state,
@@ -315,11 +317,16 @@ class Remote(Carrier):
     sends = {n: p for n, p in self.tx.plans(phase).items() if not p.delay}
     if sends:
       state = self._send(step, phase, sends, state)
-    due = tuple(n for n in self.tx.consumes(phase) if n in self._handles)
+    # eager: every sync step runs its outer step, on the in-flight buffer where no reply is due
+    # (zeros before the first mean lands, or after a rejoin)
+    held = state.opt_state.comm.in_flight if getattr(self.tx, "eager", False) else {}
+    due = tuple(n for n in self.tx.consumes(phase) if n in self._handles or n in held)
     if not due:
       return state
     try:
-      incoming = {n: self.link.receive(self._handles.pop(n)) for n in due}
+      # (a held buffer as a host copy: the state's own buffers are donated to the program)
+      incoming = {n: self.link.receive(self._handles.pop(n)) if n in self._handles else
+                  jax.device_get(held[n]) for n in due}
     except Rejoin:
       return self._rejoin(state, step)
     params, opt_state = self._apply_program(phase, due, state)(state.params, state.opt_state,
