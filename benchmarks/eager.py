@@ -13,8 +13,11 @@ Rows (each through the Trainer, M replicas on this process, every row the same t
   eager 2-outer-steps   outer.eager with τ = 2H: each mean lands two outer steps late
 
 With --lower_outer_lr=η, the naive delay and eager again at that outer learning rate (the paper's
-"naive + lower outer LR" row; the others keep 0.7); --rows picks rows by name, and a run directory
-already finished in --workdir is read back, not trained again.
+"naive + lower outer LR" row; the others keep 0.7); --rows picks rows by name, --replicas the values
+of M and --seeds the seeds. A run directory already finished in --workdir is read back, not trained
+again; with --records, each finished run's row (a small JSON file per run) is kept in that folder
+and read back instead of training, so that a long table is assembled over several invocations and
+the files can be kept beside the results.
 
 Per row: the final eval loss (mean over seeds, each seed listed), bytes sent per worker, and on each
 link the simulated wall time of the whole run and its compute utilization: the run's ledger on the
@@ -52,6 +55,8 @@ _LOWER_LR = flags.DEFINE_float("lower_outer_lr", 0.0, "If > 0: the naive delay a
                                "again at this outer learning rate (the others use 0.7).")
 _ROWS = flags.DEFINE_list("rows", [], "Only these rows (default: every row).")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Folder of the runs (default: a temporary one).")
+_RECORDS = flags.DEFINE_string("records", "", "Folder of one JSON record per finished run, read "
+                               "back instead of training ('' for none).")
 _OUT = flags.DEFINE_string("out", str(RESULTS / "eager.json"), "JSON output path.")
 _PLOT = flags.DEFINE_string("plot", str(RESULTS / "eager.png"), "Plot path ('' for none).")
 
@@ -175,8 +180,15 @@ def main(argv):
       if _ROWS.value and name not in _ROWS.value:
         continue
       for seed in range(_SEEDS.value):
-        work = base / f"m{m}" / f"{name.replace(' ', '_')}_seed{seed}"
-        runs.append(train(task, name, changes, m, seed, work))
+        run_name = f"{name.replace(' ', '_')}_seed{seed}"
+        record = pathlib.Path(_RECORDS.value) / f"m{m}_{run_name}.json" if _RECORDS.value else None
+        if record is not None and record.is_file():
+          runs.append(json.loads(record.read_text()))
+        else:
+          runs.append(train(task, name, changes, m, seed, base / f"m{m}" / run_name))
+          if record is not None:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps(runs[-1]) + "\n")
         print(f"M = {m}, {name}, seed {seed}: eval loss {runs[-1]['final_eval_loss']:.4f}",
               flush=True)
   lines = summarize(runs)
