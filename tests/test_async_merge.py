@@ -87,3 +87,32 @@ def test_declared_speeds_and_the_local_steps_they_give():
                                                            (8, 80)]
   learner = options.learner_config(c, 3)
   assert (learner.outer.sync_every, learner.num_steps, learner.num_replicas) == (8, 80, 1)
+
+
+def test_an_eager_learner_goes_on_from_the_syncers_phi_with_nothing_of_its_own_in_flight():
+  """`learner.eager_state`: a (re)joining eager learner (τ = 2H: two lanes) takes φ and the outer
+  state of the syncer's algorithm (DiLoCo's, τ = 0) as its own φ_m, keeps its inner state, and
+  holds no kept Δ and no in-flight mean (its next proxy takes no old share out)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from lowcomm_jax.comm import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.elastic import learner  # pylint: disable=g-import-not-at-top
+  params = {"w": np.arange(4, dtype=np.float32), "b": np.ones(2, np.float32)}
+  eager = optim.streaming_diloco(optax.adam(0.1), sync_every=3, overlap_steps=6, eager=True)
+  _, own = eager.init_replicated(params, 1)
+  own = jax.tree.map(lambda x: np.asarray(x) + 1.0, jax.device_get(own))  # a learner mid-run
+  syncer = optim.streaming_diloco(optax.adam(0.1), sync_every=3)
+  phi = jax.tree.map(lambda x: 2.0 * x, params)
+  shared = plan_lib.shared_part(syncer.state_axes, syncer.init(phi))
+  state = learner.eager_state(own, shared)
+  assert jax.tree.structure(state) == jax.tree.structure(own)
+  for a, b in zip(jax.tree.leaves(state.outer_params), jax.tree.leaves(phi), strict=True):
+    np.testing.assert_array_equal(a, np.asarray(b)[None])
+  assert all(not np.any(x) for x in jax.tree.leaves((state.own_deltas, state.comm.in_flight)))
+  assert sorted(state.comm.in_flight) == ["fragment 0", "fragment 0, lane 1"]
+  for a, b in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(own.inner_state)):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves(state.outer_states),
+                  jax.tree.leaves(jax.tree.map(lambda x: np.asarray(x)[None],
+                                               shared.outer_states))):
+    np.testing.assert_array_equal(a, b)
