@@ -21,6 +21,9 @@ one link, one **beats** the other when its mean time is lower by more than 2 sta
 the difference (√(se₁² + se₂²), the standard error of each mean over its seeds); otherwise they
 **tie** (and always with one seed). A run that never reaches the target has no time.
 
+An entry's hyperparameters come from a recorded sweep at a scale (benchmarks/sweep.py: the grid and
+every point's result in benchmarks/entries/<entry>.sweep_<scale>.json beside the entry).
+
 Outputs: bench_<scale>.json (every run: curve, steps to target, per-link time, bytes per worker),
 bench_<scale>.md (the table and the papers' claims), the same Markdown between the markers
 `<!-- bench:<scale> -->` and `<!-- /bench:<scale> -->` in the results README when it has them, and
@@ -246,10 +249,11 @@ def link_times(events: list, step_seconds: float, steps: int) -> dict:
   return out
 
 
-def run_one(task: Task, name: str, seed: int, workdir: pathlib.Path, devices=None) -> dict:
+def run_one(task: Task, name: str, seed: int, workdir: pathlib.Path, devices=None,
+            changes: dict | None = None) -> dict:
   """Trains one (entry, seed) (resuming its workdir) on `devices` (default: every device) and
-  scores it on every link."""
-  changes = load_entry(name).changes(task)
+  scores it on every link; `changes` in place of the entry's own (a sweep's point)."""
+  changes = load_entry(name).changes(task) if changes is None else changes
   devices = devices or jax.devices()
   trainer = Trainer(make_config(task, changes, seed, len(devices)), workdir, devices=devices)
   final = hooks.FinalState()
@@ -261,19 +265,20 @@ def run_one(task: Task, name: str, seed: int, workdir: pathlib.Path, devices=Non
   if summary.get("complete_before_start", False):
     return record(task, name, seed, trainer, workdir, trainer.abstract_state(),
                   {"devices": trainer.mesh.size, "device_kind": None,
-                   "train_seconds": summary["wall_time_s"], "complete_before_start": True})
+                   "train_seconds": summary["wall_time_s"], "complete_before_start": True},
+                  changes)
   return record(task, name, seed, trainer, workdir, final.state,
                 {"devices": trainer.mesh.size, "device_kind": devices[0].device_kind,
-                 "train_seconds": seconds, "complete_before_start": False})
+                 "train_seconds": seconds, "complete_before_start": False}, changes)
 
 
 def record(task: Task, name: str, seed: int, trainer, workdir: pathlib.Path, state,
-           ran_on: dict) -> dict:
+           ran_on: dict, changes: dict | None = None) -> dict:
   """One finished run's record: its curve and summary read from `workdir`, its ledger on the
   clock at every evaluation from `trainer` (a Trainer of the run's config; `state` concrete or
   abstract), and `ran_on`, the machine that trained it (the score does not depend on it; a
-  resumed run's seconds count only its last part)."""
-  changes = load_entry(name).changes(task)
+  resumed run's seconds count only its last part). `changes`: the run's (default: the entry's)."""
+  changes = load_entry(name).changes(task) if changes is None else changes
   summary = json.loads((workdir / "summary.json").read_text())
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   curve = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]

@@ -142,6 +142,33 @@ def test_beats_only_beyond_two_standard_errors(bench):
   assert bench.compare([1.0], [5.0]) == "tie"  # one seed: no standard error, no verdict
 
 
+def test_a_sweep_records_each_point_reads_the_entrys_own_from_the_bench_and_resumes(quick,
+                                                                                   tmp_path):
+  """benchmarks/sweep.py on diloco_m2 at the quick scale, outer momentum 0.5 (the entry's own) and
+  0.9: the first is bench.py's run read back, not trained; the second trains with that momentum;
+  the best point is the lower loss; a rerun trains nothing."""
+  sweep = testing.file_module(ROOT / "benchmarks" / "sweep.py", "sweep_benchmark")
+  _, results, _ = quick
+  grid = sweep.parse_grid("outer_optimizer.momentum=0.5,0.9")
+  assert grid == {"outer_optimizer.momentum": [0.5, 0.9]}
+  out = tmp_path / "diloco_m2.sweep_quick.json"
+  assert sweep.sweep("quick", "diloco_m2", grid, 1, tmp_path / "runs", out, results) == 1
+  record = json.loads(out.read_text())
+  benched = next(r for r in json.loads((results / "bench_quick.json").read_text())["runs"]
+                 if r["entry"] == "diloco_m2" and r["seed"] == 0)
+  rows = {r["point"]["outer_optimizer.momentum"]: r for r in record["runs"]}
+  assert rows[0.5]["final_eval_loss"] == benched["final_eval_loss"]
+  assert rows[0.5]["workdir"] == benched["workdir"]
+  trained = json.loads((pathlib.Path(rows[0.9]["workdir"]) / "config.json").read_text())
+  assert trained["config"]["outer_optimizer"]["momentum"] == 0.9
+  assert rows[0.9]["final_eval_loss"] != rows[0.5]["final_eval_loss"]
+  best = min(rows, key=lambda m: rows[m]["final_eval_loss"])
+  assert record["best"]["point"] == {"outer_optimizer.momentum": best}
+  assert sweep.sweep("quick", "diloco_m2", grid, 1, tmp_path / "runs", out, results) == 0
+  with pytest.raises(ValueError, match="unknown config key 'outer_optimizer.lr'"):
+    sweep.check(sweep.bench.TASKS["quick"], "diloco_m2", sweep.parse_grid("outer_optimizer.lr=1"))
+
+
 def test_a_bad_entry_is_refused_in_one_line_before_any_run(tmp_path):
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   proc = subprocess.run([sys.executable, str(PATH), "--entries=dp,diloco_m3",
