@@ -13,7 +13,8 @@ Rows (each through the Trainer, M replicas on this process, every row the same t
   eager 2-outer-steps   outer.eager with τ = 2H: each mean lands two outer steps late
 
 With --lower_outer_lr=η, the naive delay and eager again at that outer learning rate (the paper's
-"naive + lower outer LR" row; the others keep 0.7); --rows picks rows by name, --replicas the values
+"naive + lower outer LR" row; the others keep 0.7); --outer_momentum sets every row's outer
+momentum (0.9 by default, the paper's); --rows picks rows by name, --replicas the values
 of M and --seeds the seeds. A run directory already finished in --workdir is read back, not trained
 again; with --records, each finished run's row (a small JSON file per run) is kept in that folder
 and read back instead of training, so that a long table is assembled over several invocations and
@@ -53,6 +54,7 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 60, "Evaluation period in steps.")
 _LOWER_LR = flags.DEFINE_float("lower_outer_lr", 0.0, "If > 0: the naive delay and eager rows "
                                "again at this outer learning rate (the others use 0.7).")
+_MOMENTUM = flags.DEFINE_float("outer_momentum", 0.9, "Outer Nesterov momentum of every row.")
 _ROWS = flags.DEFINE_list("rows", [], "Only these rows (default: every row).")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Folder of the runs (default: a temporary one).")
 _RECORDS = flags.DEFINE_string("records", "", "Folder of one JSON record per finished run, read "
@@ -64,10 +66,10 @@ LINKS = {"100 Mbit/s": "100Mbit,0s", "1 Gbit/s": "1Gbit,0s", "10 Gbit/s": "10Gbi
 PRICED_AS = "sdl_1b"
 
 
-def rows(sync_every: int, lower_lr: float = 0.0) -> dict[str, dict]:
+def rows(sync_every: int, lower_lr: float = 0.0, momentum: float = 0.9) -> dict[str, dict]:
   """Each row's config changes (besides M); with `lower_lr`, the naive delay and eager again at
-  that outer learning rate (the paper's "naive + lower outer LR")."""
-  h = {"outer.sync_every": sync_every}
+  that outer learning rate (the paper's "naive + lower outer LR"); `momentum`: every row's."""
+  h = {"outer.sync_every": sync_every, "outer_optimizer.momentum": momentum}
   late = {**h, "algorithm": "diloco", "outer.overlap_steps": sync_every}
   out = {"no overlap": {**h, "algorithm": "diloco"},
          "1-inner-step overlap": {**h, "algorithm": "streaming_diloco", "outer.num_fragments": 1,
@@ -176,11 +178,12 @@ def main(argv):
   base = pathlib.Path(_WORKDIR.value or tempfile.mkdtemp(prefix="eager-bench-"))
   runs = []
   for m in (int(x) for x in _REPLICAS.value):
-    for name, changes in rows(task.sync_every, _LOWER_LR.value).items():
+    for name, changes in rows(task.sync_every, _LOWER_LR.value, _MOMENTUM.value).items():
       if _ROWS.value and name not in _ROWS.value:
         continue
       for seed in range(_SEEDS.value):
-        run_name = f"{name.replace(' ', '_')}_seed{seed}"
+        run_name = f"{name.replace(' ', '_')}_seed{seed}" + (
+            f"_momentum{_MOMENTUM.value}" if _MOMENTUM.value != 0.9 else "")
         record = pathlib.Path(_RECORDS.value) / f"m{m}_{run_name}.json" if _RECORDS.value else None
         if record is not None and record.is_file():
           runs.append(json.loads(record.read_text()))
@@ -194,6 +197,7 @@ def main(argv):
   lines = summarize(runs)
   out = {"date": datetime.date.today().isoformat(), "model": _MODEL.value, "steps": _STEPS.value,
          "sync_every": _SYNC_EVERY.value, "batch": _BATCH.value, "seq_len": _SEQ_LEN.value,
+         "outer_momentum": _MOMENTUM.value,
          "priced_as": f"{PRICED_AS} parameters, 0.1 s a step", "links": LINKS,
          "command": " ".join(["python", *sys.argv]), "rows": lines, "runs": runs}
   pathlib.Path(_OUT.value).write_text(json.dumps(out, indent=1) + "\n")
