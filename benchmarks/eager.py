@@ -23,7 +23,7 @@ the files can be kept beside the results.
 Per row: the final eval loss (mean over seeds, each seed listed), bytes sent per worker, and on each
 link the simulated wall time of the whole run and its compute utilization: the run's ledger on the
 virtual clock (`sim.clock.simulate_run`) with the compute time of the Streaming DiLoCo paper's 1B
-model (0.1 s a step, `sim.utilization.PAPER_WORKLOADS`) and its bytes scaled to the `sdl_1b`
+model (0.1 s a step, `sim.paper_tables.PAPER_WORKLOADS`) and its bytes scaled to the `sdl_1b`
 preset's parameter count, so that the figures say what these schedules cost at that size whatever
 model trained here. A plot: eval loss against simulated wall time, a panel per link.
 
@@ -98,10 +98,10 @@ def priced_on_links(events, num_params: int, steps: int) -> dict:
   """Per link: the clock's wall time of `steps` steps and its compute utilization, with the paper
   1B model's step time and the events' bytes scaled to `PRICED_AS`'s parameter count."""
   from lowcomm_jax import models  # pylint: disable=g-import-not-at-top
-  from lowcomm_jax.sim import clock, utilization  # pylint: disable=g-import-not-at-top
+  from lowcomm_jax.sim import clock, paper_tables  # pylint: disable=g-import-not-at-top
   scale = models.param_count(models.get_model_config(PRICED_AS)) / num_params
   scaled = [e._replace(payload_bytes=round(e.payload_bytes * scale)) for e in events]
-  step_seconds = utilization.PAPER_WORKLOADS["1B"].step_seconds
+  step_seconds = paper_tables.PAPER_WORKLOADS["1B"].step_seconds
   out = {}
   for link, spec in LINKS.items():
     timeline = clock.simulate_run(step_seconds, scaled, spec, num_steps=steps)

@@ -83,6 +83,39 @@ def test_per_layer_transfers_with_ready_and_needed_times():
   assert slow.step_start[1] == pytest.approx(2.25)
 
 
+def test_deadline_order_serves_the_transfer_needed_first():
+  # Step 0 (0.9 s) issues three 1 s transfers, ready at 0.5, 0.7 and 0.9 and
+  # needed 0.2, 0.1 and 0 s into step 1 (layers 2, 1, 0 of a 3-layer model).
+  # The first holds the link 0.5-1.5; then both others wait. FIFO serves the
+  # one issued first (1.5-2.5, then 2.5-3.5): step 1 waits for 3.5 - 0 = 3.5.
+  # Deadline serves the one needed first (1.5-2.5, then 2.5-3.5 for the one
+  # needed at 0.1): step 1 may start at max(2.5 - 0, 3.5 - 0.1) = 3.4.
+  transfers = [clock.Transfer(0, 1, 1.0, 0.5, 0.2), clock.Transfer(0, 1, 1.0, 0.7, 0.1),
+               clock.Transfer(0, 1, 1.0, 0.9, 0.0)]
+  fifo = clock.run_timeline(0.9, transfers, 2, order="fifo")
+  deadline = clock.run_timeline(0.9, transfers, 2, order="deadline")
+  assert fifo.step_start == [0.0, 3.5, 4.4]
+  assert deadline.step_start == pytest.approx([0.0, 3.4, 4.3])
+  assert deadline.comm_seconds == fifo.comm_seconds == 3.0
+
+
+def test_deadline_order_across_steps():
+  # Steps of 2 s. A 3 s sync issued at step 0 may overlap until step 3; a 1 s
+  # one issued at step 1 blocks step 2. The first holds the link 2-5 and is
+  # never interrupted, so the second runs 5-6 and step 2 starts at 6, in
+  # either order.
+  late = [clock.Transfer(0, 3, 3.0), clock.Transfer(1, 2, 1.0)]
+  for order in clock.LINK_ORDERS:
+    assert clock.run_timeline(2.0, late, 4, order=order).step_start[2] == 6.0
+  # Both issued at step 0, ready at 2 together: FIFO sends the first given
+  # (the long one, 2-5, then the short one 5-6: step 1 at 6, step 3 at 10);
+  # deadline sends the one step 1 needs (2-3, then 3-6: step 1 at 3, steps
+  # 2 and 3 at 5 and 7).
+  both = [clock.Transfer(0, 3, 3.0), clock.Transfer(0, 1, 1.0)]
+  assert clock.run_timeline(2.0, both, 4, order="fifo").step_start == [0, 6, 8, 10, 12]
+  assert clock.run_timeline(2.0, both, 4, order="deadline").step_start == [0, 3, 5, 7, 9]
+
+
 def test_bad_events():
   with pytest.raises(ValueError, match="consumed_step"):
     clock.simulate_run(1.0, [(2, 2, 1.0, "all_reduce", 2)], NET, num_steps=3)
@@ -92,3 +125,8 @@ def test_bad_events():
     clock.simulate_run(1.0, [(0, 1, 1.0, "broadcast", 2)], NET, num_steps=3)
   with pytest.raises(ValueError, match="num_steps"):
     clock.simulate_run(1.0, [], NET)
+  with pytest.raises(ValueError, match="order"):
+    clock.run_timeline(1.0, [], 2, order="lifo")
+  with pytest.raises(ValueError, match="deadline"):  # issued before it has used what it consumes
+    clock.run_timeline(1.0, [clock.Transfer(0, 1, 1.0, 0.2, 0.5),
+                             clock.Transfer(1, 2, 1.0, 0.1)], 3, order="deadline")

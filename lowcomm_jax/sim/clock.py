@@ -6,9 +6,14 @@ The model, chosen to be computable by hand:
 * A collective issued at step ``s`` becomes ready at the end of step ``s``'s
   compute (or, for the per-layer simulator, ``ready_after_s`` seconds after
   the step began). It then runs in the background on the worker's single
-  link. Collectives queue first-in first-out on that link: one starts at
-  ``max(ready, previous finish)`` and holds the link for its duration
-  (``network.collective_seconds``).
+  link, which serves one collective at a time and never interrupts one: a
+  collective starts when it is ready and the link is free, and holds the link
+  for its duration (``network.collective_seconds``). Which of several waiting
+  collectives goes first is the link's *order*: ``"fifo"`` (the default, the
+  order a program issues them: ``max(ready, previous finish)``) or
+  ``"deadline"`` (the one a step needs soonest: smallest consumed step, then
+  smallest ``needed_after_s``), which lets the first layers' reductions
+  overtake the others so the next forward can start under the rest.
 * A collective consumed at step ``k`` blocks the *start* of step ``k`` if it
   has not finished: ``start_k = max(end_{k-1}, finish of every collective
   with consumed_step <= k)``. Overlap τ means ``consumed_step = issued_step +
@@ -29,11 +34,13 @@ traffic; the collective's cost model (``network.py``) turns it into seconds.
 
 from __future__ import annotations
 
+import heapq
 from typing import Iterable, NamedTuple, Sequence
 
 from lowcomm_jax.sim import network as network_lib
 
-__all__ = ["CommEvent", "Transfer", "Timeline", "run_timeline", "simulate_run"]
+__all__ = ["CommEvent", "Transfer", "Timeline", "LINK_ORDERS", "run_timeline",
+           "simulate_run"]
 
 
 class CommEvent(NamedTuple):
@@ -119,74 +126,132 @@ def _step_times(step_seconds: "float | Sequence[float]",
   return times
 
 
+# How the link picks among waiting collectives (see the module docstring).
+LINK_ORDERS = ("fifo", "deadline")
+
+
 def run_timeline(step_seconds: "float | Sequence[float]",
                  transfers: Iterable[Transfer],
-                 num_steps: int | None = None) -> Timeline:
+                 num_steps: int | None = None,
+                 order: str = "fifo") -> Timeline:
   """Plays the clock over steps and already-priced transfers.
 
   Args:
     step_seconds: compute seconds per step (one number for all steps, or one
       per step).
     transfers: the collectives, in any order. Ties on the link (same ready
-      time) are served in the order given.
+      time, same priority) are served in the order given.
     num_steps: number of steps; required if ``step_seconds`` is a number.
+    order: ``"fifo"`` serves waiting transfers in issue order (issued step,
+      then ready time); ``"deadline"`` serves the one needed soonest
+      (consumed step, then ``needed_after_s``). Neither interrupts a transfer
+      once started.
 
   Returns:
     The ``Timeline``.
 
   Raises:
-    ValueError: on a transfer consumed at or before the step that issues it,
-      issued outside the run, or ready after its step's compute has ended.
+    ValueError: on an unknown ``order``; on a transfer consumed at or before
+      the step that issues it, issued outside the run, or ready after its
+      step's compute has ended; and, for ``"deadline"``, on a step that
+      issues a transfer before it has used every transfer it consumes (ready
+      earlier than another's ``needed_after_s``), which this engine does not
+      order.
   """
+  if order not in LINK_ORDERS:
+    raise ValueError(f"order: must be one of {', '.join(LINK_ORDERS)}, got {order!r}")
   times = _step_times(step_seconds, num_steps)
   n = len(times)
-  by_step: list[list[tuple[float, int, Transfer]]] = [[] for _ in range(n)]
-  for order, tr in enumerate(transfers):
-    if not 0 <= tr.issued_step < n:
-      raise ValueError(f"issued_step: {tr.issued_step} outside the run's "
-                       f"steps 0..{n - 1}")
-    if tr.consumed_step <= tr.issued_step:
+  by_step: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+  # Transfers consumed at each step (index n: at or after the end).
+  consumed_at: list[list[int]] = [[] for _ in range(n + 1)]
+  seconds, needed, priority = [], [], []
+  for index, tr in enumerate(transfers):
+    s = tr.issued_step
+    if not 0 <= s < n:
+      raise ValueError(f"issued_step: {s} outside the run's steps 0..{n - 1}")
+    if tr.consumed_step <= s:
       raise ValueError(f"consumed_step: must be > issued_step, got "
-                       f"{tr.consumed_step} <= {tr.issued_step}")
-    ready = times[tr.issued_step] if tr.ready_after_s is None else tr.ready_after_s
-    if not 0 <= ready <= times[tr.issued_step] * (1 + 1e-12):
+                       f"{tr.consumed_step} <= {s}")
+    ready = times[s] if tr.ready_after_s is None else tr.ready_after_s
+    if not 0 <= ready <= times[s] * (1 + 1e-12):
       raise ValueError(f"ready_after_s: {ready} outside the step's compute "
-                       f"[0, {times[tr.issued_step]}]")
-    by_step[tr.issued_step].append((ready, order, tr))
+                       f"[0, {times[s]}]")
+    ready = min(ready, times[s])
+    # Used from the start of the consumed step when that step is beyond the run.
+    need = tr.needed_after_s if tr.consumed_step < n else 0.0
+    by_step[s].append((ready, index))
+    consumed_at[min(tr.consumed_step, n)].append(index)
+    seconds.append(tr.seconds)
+    needed.append(need)
+    priority.append((s, ready, index) if order == "fifo" else
+                    (tr.consumed_step, need, s, ready, index))
+  for step in by_step:
+    step.sort()
+  if order == "deadline":
+    # The engine settles every transfer a step consumes before it releases
+    # that step's own transfers, so a step must not issue one before using
+    # all it consumes.
+    for s in range(n):
+      if by_step[s] and consumed_at[s] and (
+          by_step[s][0][0] < max(needed[i] for i in consumed_at[s])):
+        raise ValueError(f"order: 'deadline' needs step {s}'s transfers ready after "
+                         "every needed_after_s of the transfers it consumes")
 
-  # Latest finish among transfers consumed at each step (index n: at or after
-  # the end). Every transfer consumed at step k was issued before k, so it is
-  # in place when step k starts.
-  wait_until = [0.0] * (n + 1)
+  count = len(seconds)
+  finish: list[float | None] = [None] * count
+  ready_at = [0.0] * count
+  # Issued transfers in order of ready time (steps release theirs in time
+  # order), and a priority queue of those ready and waiting for the link.
+  issued: list[int] = []
+  next_issued = 0
+  waiting: list[tuple] = []
   link_free = 0.0
-  comm = 0.0
+
+  def serve_until(item: int) -> None:
+    """Runs the link, one transfer at a time, until ``item`` has finished."""
+    nonlocal link_free, next_issued
+    while finish[item] is None:
+      # Whatever is ready when the link frees up competes for it; if nothing
+      # is, the link idles until the next transfer is ready.
+      until = link_free
+      if not waiting:
+        until = max(until, ready_at[issued[next_issued]])
+      while next_issued < len(issued) and ready_at[issued[next_issued]] <= until:
+        chosen = issued[next_issued]
+        heapq.heappush(waiting, (priority[chosen], chosen))
+        next_issued += 1
+      _, chosen = heapq.heappop(waiting)
+      link_free = max(link_free, ready_at[chosen]) + seconds[chosen]
+      finish[chosen] = link_free
+
   starts, ends, stalls = [], [], []
   prev_end = 0.0
-  last_finish = 0.0
-  for s in range(n):
-    start = max(prev_end, wait_until[s])
+  for s in range(n + 1):
+    # A step may start once each transfer it consumes finishes by the time
+    # its compute reaches the point that uses it.
+    start = prev_end
+    for item in consumed_at[s]:
+      serve_until(item)
+      start = max(start, finish[item] - needed[item])
     starts.append(start)
+    if s == n:
+      break
     stalls.append(start - prev_end)
-    # FIFO: within a step by ready time; across steps by step order, which is
-    # time order because every transfer is ready before its step ends.
-    for ready, _, tr in sorted(by_step[s], key=lambda item: item[:2]):
-      begin = max(link_free, start + ready)
-      link_free = begin + tr.seconds
-      comm += tr.seconds
-      last_finish = max(last_finish, link_free)
-      slot = min(tr.consumed_step, n)
-      needed = tr.needed_after_s if tr.consumed_step < n else 0.0
-      wait_until[slot] = max(wait_until[slot], link_free - needed)
+    for ready, item in by_step[s]:
+      ready_at[item] = start + ready
+      issued.append(item)
     prev_end = start + times[s]
     ends.append(prev_end)
-  starts.append(max(prev_end, wait_until[n]))
+  for item in range(count):
+    serve_until(item)
   return Timeline(
-      wall_seconds=max(prev_end, last_finish),
+      wall_seconds=max([prev_end] + finish),
       compute_seconds=sum(times),
       step_start=starts,
       step_end=ends,
       stall_seconds=stalls,
-      comm_seconds=comm,
+      comm_seconds=sum(seconds),
   )
 
 
