@@ -430,7 +430,7 @@ def evaluate(config, trainer, phi, like) -> tuple:
   batches = pipeline.eval_batches(splits.eval, c.data.seq_len, c.eval.batch_size,
                                   c.eval.num_batches)
   params = jax.tree.map(lambda x, p: np.asarray(x).astype(p.dtype), phi, like)
-  loss = jax.jit(lambda p, b: loss_lib.lm_loss(trainer.graphdef, p, b))
+  loss = loss_lib.jitted_loss(trainer.graphdef)
   return float(np.mean([float(loss(params, b)) for b in batches])), splits
 
 

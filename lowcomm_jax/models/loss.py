@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,6 +19,26 @@ def lm_loss(graphdef, params, batch_BxT1, path=None) -> jax.Array:
   """Loss of the model on windows [B, T + 1]: inputs are the first T tokens, targets the last T."""
   model = nnx.merge(graphdef, params)
   return cross_entropy(model(batch_BxT1[:, :-1], path=path), batch_BxT1[:, 1:])
+
+
+# The model's loss and its gradient as jitted functions, one object per model (`graphdef`): every
+# step program of a run (one per phase: sync or not, which fragment is due), its eval program and
+# every other run of the same model call the same function, so JAX traces the model's forward and
+# backward once per model, batch shape and mesh, and each program takes the traced jaxpr (vmapped
+# over the replicas, or inside a `shard_map`) from JAX's caches; XLA inlines the call when it
+# compiles, so the compiled programs are those of the model written inline.
+
+
+@functools.lru_cache(maxsize=16)
+def jitted_loss(graphdef):
+  """`(params, batch) -> lm_loss` of the model `graphdef`, jitted once per model."""
+  return jax.jit(functools.partial(lm_loss, graphdef))
+
+
+@functools.lru_cache(maxsize=16)
+def jitted_loss_and_grads(graphdef):
+  """`(params, batch) -> (lm_loss, its gradient)` of the model `graphdef`, jitted once per model."""
+  return jax.jit(jax.value_and_grad(functools.partial(lm_loss, graphdef)))
 
 
 def accumulate(loss_and_grads, steps: int):

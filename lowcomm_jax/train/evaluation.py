@@ -13,7 +13,6 @@ import pathlib
 import sys
 from typing import Sequence
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -72,7 +71,7 @@ def evaluate_corpora(workdir, corpora: Sequence[str], changes: dict | None = Non
       print(note, file=sys.stderr, flush=True)
   model_cfg, params = checkpoint.read_eval_params(workdir)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: llama.Decoder(model_cfg, nnx.Rngs(0))), nnx.Param)
-  loss_fn = jax.jit(lambda p, b: loss_lib.lm_loss(graphdef, p, b))
+  loss_fn = loss_lib.jitted_loss(graphdef)
   results = []
   for c in configs:
     splits = pipeline.splits_of(c)

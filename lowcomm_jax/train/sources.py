@@ -51,8 +51,8 @@ class ReplicaGradients:
 
   def __init__(self, graphdef, algorithm, mesh, loss_and_grads=None, accumulation_steps: int = 1):
     self.graphdef, self.algorithm, self.mesh = graphdef, algorithm, mesh
-    self.loss_and_grads = loss_lib.accumulate(loss_and_grads or jax.value_and_grad(
-        lambda p, batch: loss_lib.lm_loss(graphdef, p, batch)), accumulation_steps)
+    self.loss_and_grads = loss_lib.accumulate(
+        loss_and_grads or loss_lib.jitted_loss_and_grads(graphdef), accumulation_steps)
 
   def route_at(self, step: int):
     return None

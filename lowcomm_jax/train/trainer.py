@@ -287,12 +287,13 @@ class Trainer:
     Without a global model (NoLoCo), "eval_loss" is the replicas' mean slow weights and
     "eval_loss_replica_<i>" each replica's own current weights θ_i.
     """
-    graphdef, algorithm, source = self.graphdef, self.algorithm, self.source
+    algorithm, source = self.algorithm, self.source
+    loss = loss_lib.jitted_loss(self.graphdef)
 
     def eval_loss(state, batch):
-      losses = {"eval_loss": loss_lib.lm_loss(graphdef, source.eval_params(state), batch)}
+      losses = {"eval_loss": loss(source.eval_params(state), batch)}
       if algorithm.eval_replicas:
-        per_replica = jax.vmap(lambda p: loss_lib.lm_loss(graphdef, p, batch))(
+        per_replica = jax.vmap(lambda p: loss(p, batch))(
             source.replica_params(state.params))
         losses.update(
           {f"eval_loss_replica_{i}": per_replica[i] for i in range(algorithm.num_replicas)}
