@@ -149,6 +149,7 @@ def skippipe_gradients(graphdef, algorithm, mesh, stage_paths, layers_per_stage:
   layer_paths = jnp.asarray(training.layer_order(stage_paths, layers_per_stage))
   num_mb = len(stage_paths)
 
+  @jax.jit  # one function for every phase's program: the model is traced once per run
   def loss_and_grads(params, batch_BxT1):
     microbatches = batch_BxT1.reshape(num_mb, -1, batch_BxT1.shape[-1])
     loss, grads, _ = training.summed_microbatch_grads(graphdef, params, microbatches, layer_paths)
