@@ -10,6 +10,10 @@ share them), the token budget (steps) and a target eval loss. An **entry** is a 
 new method is a new file. Every entry runs `seeds` times (seed 0, 1, ...), each run in its own
 workdir under --workdir/<scale>/; a finished run is written to
 benchmarks/results/bench_<scale>.json at once, so rerunning the command runs only what is missing.
+Each run records the identity of the text it trained on (`lowcomm_jax.data.corpora.corpus_identity`:
+`stdlib` is the running Python's standard library, so another Python reads other text); the
+command refuses to add runs to a results file holding runs on another corpus, or on one they did not
+record, since their losses do not compare.
 
 The score of a run on a link is the simulated wall time to the target: the run's own virtual clock
 (`lowcomm_jax.sim.clock`, its ledger's collectives with their overlap) over its first S steps,
@@ -51,6 +55,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-imp
 from absl import app, flags, logging
 
 from lowcomm_jax import config as config_lib, models
+from lowcomm_jax.data import corpora
 from lowcomm_jax.sim import clock
 from lowcomm_jax.train import Trainer, hooks
 
@@ -304,6 +309,8 @@ def record(task: Task, name: str, seed: int, trainer, workdir: pathlib.Path, sta
           "eval_curve": curve,
           "curve_links": {link: [t[link] for t in times_at] for link in LINKS},
           "ran_on": {**ran_on, "priced_sites": sites},
+          # the text it trained on (`stdlib` is the running Python's standard library)
+          "corpus_identity": json.loads((workdir / "config.json").read_text())["corpus_identity"],
           "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
@@ -505,6 +512,16 @@ def write_outputs(scale: str, task: Task, runs: dict, results_dir: pathlib.Path,
   return text
 
 
+def check_same_corpus(task: Task, runs: dict, out: pathlib.Path) -> None:
+  """Refuses (ValueError, one line) to add runs to `out` when a run in it trained on other text
+  than the task's corpus reads here, or on text it did not record: their losses do not compare."""
+  here = corpora.corpus_identity(task.corpus)
+  other = sorted({r.get("corpus_identity") or "unrecorded" for r in runs.values()} - {here})
+  if other:
+    raise ValueError(f"--results_dir: {out} holds runs on another corpus ({', '.join(other)}; "
+                     f"{task.corpus!r} here is {here}): give another --results_dir")
+
+
 def _refuse(message: str) -> None:
   print(message, file=sys.stderr)
   sys.exit(2)
@@ -518,6 +535,7 @@ def bench(scale: str, chosen: list[str], seeds: int, workdir: pathlib.Path,
   out = results_dir / f"bench_{scale}.json"
   runs = {_key(r["entry"], r["seed"]): r
           for r in (json.loads(out.read_text())["runs"] if out.exists() else [])}
+  check_same_corpus(task, runs, out)
   command = f"python benchmarks/bench.py --scale={scale}"
   ran = 0
   for name in chosen:
@@ -562,8 +580,13 @@ def main(argv, flag: dict):
     _refuse(f"--entries: no entry {', '.join(map(repr, unknown))}; allowed: {', '.join(known)}")
   if seeds < 0:
     _refuse(f"--seeds: must be >= 0 (0: the task's), got {seeds}")
-  bench(scale, chosen, seeds or TASKS[scale].seeds, pathlib.Path(flag["workdir"].value),
-        pathlib.Path(flag["results_dir"].value))
+  try:
+    bench(scale, chosen, seeds or TASKS[scale].seeds, pathlib.Path(flag["workdir"].value),
+          pathlib.Path(flag["results_dir"].value))
+  except ValueError as error:
+    if not str(error).startswith("--results_dir: "):
+      raise
+    _refuse(str(error))
 
 
 if __name__ == "__main__":

@@ -179,3 +179,26 @@ def test_a_bad_entry_is_refused_in_one_line_before_any_run(tmp_path):
   assert proc.stderr.startswith("--entries: no entry 'diloco_m3'; allowed: ")
   assert "diloco_m2" in proc.stderr and "Traceback" not in proc.stderr
   assert list(tmp_path.iterdir()) == []
+
+
+def test_runs_on_another_corpus_are_not_mixed_into_a_results_file(bench, quick, tmp_path):
+  """A results file whose runs trained on other text (another Python's stdlib) or did not record
+  theirs is refused before any run, in one line naming --results_dir, and left as it was."""
+  _, results, _ = quick
+  here = json.loads((results / "bench_quick.json").read_text())
+  assert {r["corpus_identity"] for r in here["runs"]} == {
+      bench.corpora.corpus_identity(bench.TASKS["quick"].corpus)}
+  for identity in ("0123456789abcdef", None):
+    other = tmp_path / str(identity)
+    other.mkdir()
+    runs = [{**r, "corpus_identity": identity} for r in here["runs"]]
+    (other / "bench_quick.json").write_text(json.dumps({**here, "runs": runs}))
+    before = (other / "bench_quick.json").read_text()
+    with pytest.raises(ValueError) as refused:
+      bench.bench("quick", ["dp", "diloco_m2", "diloco_m4"], 1, tmp_path / "runs", other)
+    message = str(refused.value)
+    assert message.startswith("--results_dir: ") and "\n" not in message, message
+    assert (identity or "unrecorded") in message
+    assert (other / "bench_quick.json").read_text() == before
+    assert sorted(p.name for p in other.iterdir()) == ["bench_quick.json"]
+  assert not (tmp_path / "runs").exists()
