@@ -310,7 +310,7 @@ def record(task: Task, name: str, seed: int, trainer, workdir: pathlib.Path, sta
           "curve_links": {link: [t[link] for t in times_at] for link in LINKS},
           "ran_on": {**ran_on, "priced_sites": sites},
           # the text it trained on (`stdlib` is the running Python's standard library)
-          "corpus_identity": json.loads((workdir / "config.json").read_text())["corpus_identity"],
+          "corpus_identity": trainer.corpus_identity,
           "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
@@ -512,13 +512,17 @@ def write_outputs(scale: str, task: Task, runs: dict, results_dir: pathlib.Path,
   return text
 
 
+class MixedCorpus(ValueError):
+  """A results file's runs trained on other text than the task's corpus here (one line)."""
+
+
 def check_same_corpus(task: Task, runs: dict, out: pathlib.Path) -> None:
-  """Refuses (ValueError, one line) to add runs to `out` when a run in it trained on other text
+  """Refuses (MixedCorpus) to add runs to `out` when a run in it trained on other text
   than the task's corpus reads here, or on text it did not record: their losses do not compare."""
   here = corpora.corpus_identity(task.corpus)
   other = sorted({r.get("corpus_identity") or "unrecorded" for r in runs.values()} - {here})
   if other:
-    raise ValueError(f"--results_dir: {out} holds runs on another corpus ({', '.join(other)}; "
+    raise MixedCorpus(f"--results_dir: {out} holds runs on another corpus ({', '.join(other)}; "
                      f"{task.corpus!r} here is {here}): give another --results_dir")
 
 
@@ -583,9 +587,7 @@ def main(argv, flag: dict):
   try:
     bench(scale, chosen, seeds or TASKS[scale].seeds, pathlib.Path(flag["workdir"].value),
           pathlib.Path(flag["results_dir"].value))
-  except ValueError as error:
-    if not str(error).startswith("--results_dir: "):
-      raise
+  except MixedCorpus as error:
     _refuse(str(error))
 
 

@@ -90,12 +90,13 @@ def test_trainer_logs_the_formula_and_a_peak_measured_under_load_keeps_it_at_mos
   # On a machine loaded by others the staller itself may be scheduled late and let this process
   # run longer than 2 ms of every 202: the measurement is repeated until the stall took hold (the
   # wall-clock rate under half the CPU-second rate), at most 10 times.
+  stall_held = lambda peak: peak.flops_per_second < 0.5 * peak.flops_per_cpu_second
   for _ in range(10):
     mfu.host_peak.cache_clear()
     measured = _stalled(mfu.host_peak)
-    if measured.flops_per_second < 0.5 * measured.flops_per_cpu_second:
+    if stall_held(measured):
       break
-  assert measured.flops_per_second < 0.5 * measured.flops_per_cpu_second  # the stall was real
+  assert stall_held(measured)  # the stall was real
   # ... and it did not change the FLOPs per CPU-second (a wide margin: this machine is shared)
   assert 0.5 < measured.flops_per_cpu_second / mfu.measure_host_peak().flops_per_cpu_second < 2
   c = tiny_config(num_steps=9, log_every=3,
