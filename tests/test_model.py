@@ -1,6 +1,5 @@
 """The decoder: shapes, parameter count and FLOPs against hand counts, and the path forward."""
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -144,35 +143,6 @@ def test_layer_loop_choice_and_bad_value():
     models.get_model_config("small", layer_loop="unrolled")
 
 
-def _autodiff_attention(q, k, v):
-  """The attention as plain autodiff sees it: the reference for the hand-written backward."""
-  return llama._attention_fwd(q, k, v)[0]  # pylint: disable=protected-access
-
-
-def test_attention_backward_equals_autodiff():
-  q, k, v, d_out = (jax.random.normal(jax.random.key(i), (2, 3, 16, 8)) for i in range(4))
-  _, vjp_hand = jax.vjp(llama.causal_attention, q, k, v)
-  _, vjp_auto = jax.vjp(_autodiff_attention, q, k, v)
-  for hand, auto in zip(vjp_hand(d_out), vjp_auto(d_out)):
-    # the backward sums S (dV, dK) or S then K (dQ) more products of the forward's magnitudes
-    testing.assert_within(hand, auto, testing.attention_error_bound(q, k, 16, auto) * 16)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_backward_keeps_one_attention_matrix_per_layer(dtype):
-  # The residuals the forward hands to the backward are the leaves of the vjp function. Each layer
-  # keeps one [B, H, T, T] array, the probabilities in the compute dtype (autodiff of the same
-  # forward kept four: the causal mask, the float32 scores, exponentials and probabilities).
-  cfg = models.get_model_config("tiny", num_layers=3, dtype=dtype, layer_loop="unroll")
-  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
-  b, t = 2, 24
-  tokens = jnp.zeros((b, t), jnp.int32)
-  _, vjp = jax.vjp(lambda p: nnx.merge(graphdef, p)(tokens), params)
-  square = [r for r in jax.tree.leaves(vjp) if r.shape == (b, cfg.num_heads, t, t)]
-  assert len(square) == cfg.num_layers
-  assert {r.dtype for r in square} == {jnp.dtype(dtype)}
-
-
 def test_rotary_tables_are_constants_of_the_compiled_step():
   # Traced, the tables' cos and sin were fused into every rotary fusion and evaluated per element
   # of q and k; computed at trace time they are constants, and the step has no cosine or sine.
@@ -190,47 +160,6 @@ def test_rotary_tables_are_constants_of_the_compiled_step():
   bound = testing.operation_error_bound(angles, 3) + testing.operation_error_bound(1.0, 4)
   testing.assert_within(cos, np.cos(angles), bound, "cos")
   testing.assert_within(sin, np.sin(angles), bound, "sin")
-
-
-def _rms_norm_formula(x, scale, eps=1e-5):
-  """RMSNorm as written before its hand-written backward: the reference, differentiated by
-  autodiff."""
-  x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale).astype(
-    x.dtype
-  )
-
-
-@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, None), (jnp.bfloat16, 1e-2)])
-def test_rms_norm_equals_the_formula_with_its_gradients(dtype, rtol):
-  x = (3 * jax.random.normal(jax.random.key(1), (2, 16, 24))).astype(dtype)
-  scale = 1 + 0.1 * jax.random.normal(jax.random.key(2), (24,))
-  out, vjp_hand = jax.vjp(lambda x, s: llama.rms_norm(1e-5, x, s), x, scale)
-  expected, vjp_auto = jax.vjp(_rms_norm_formula, x, scale)
-  assert out.dtype == dtype
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
-  d_out = jax.random.normal(jax.random.key(3), out.shape).astype(dtype)
-  for hand, auto in zip(vjp_hand(d_out), vjp_auto(d_out)):
-    assert hand.shape == auto.shape and hand.dtype == auto.dtype
-    hand, auto = np.asarray(hand, np.float32), np.asarray(auto, np.float32)
-    # float32: dx sums a row of 24, d_scale sums 2·16 rows of those, at the leaf's scale; bfloat16:
-    # rtol of its scale, 2.5 bfloat16 ulps (2⁻⁸), relative and so independent of the CPU.
-    bound = (testing.sum_error_bound(np.max(np.abs(auto)), 24 + 32) if dtype == jnp.float32
-             else rtol * np.max(np.abs(auto)))
-    testing.assert_within(hand, auto, bound)
-
-
-def test_rms_norm_gradient_writes_fewer_activation_sized_arrays_than_autodiff():
-  # Autodiff wrote the normalised x̂ in the forward and dY · scale in the backward (for a row sum);
-  # the hand-written backward writes one product, and takes the row sum as a matrix-vector product.
-  x = jax.random.normal(jax.random.key(0), (4, 64, 32))
-  scale, w = jnp.ones((32,)), jax.random.normal(jax.random.key(2), (32, 48))
-  def activation_sized_fusions(norm):
-    grad = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.tanh(norm(x, s) @ w)), argnums=(0, 1)))
-    entry = grad.lower(x, scale).compile().as_text().split("\nENTRY")[1]
-    return len(re.findall(r"= f32\[(?:1,)?(?:4,64|256),32\]\{[\d,]+\} fusion\(", entry))
-  plain = activation_sized_fusions(_rms_norm_formula)
-  assert activation_sized_fusions(lambda x, s: llama.rms_norm(1e-5, x, s)) < plain
 
 
 def _swiglu_separate_matmuls(mlp, x):
@@ -254,83 +183,3 @@ def test_swiglu_with_one_gate_up_matmul_equals_separate_matmuls():
   # over d_ff = 64 (forward or back), so within the sum bound of 96 terms of its leaf's scale.
   for a, b in zip(jax.tree.leaves((out_new, grads_new)), jax.tree.leaves((out_old, grads_old))):
     testing.assert_within(a, b, testing.sum_error_bound(np.max(np.abs(np.asarray(b))), 32 + 64))
-
-
-def test_gated_silu_backward_equals_autodiff():
-  gate_up, d_hidden = (
-    jax.random.normal(jax.random.key(7), (3, 5, 2, 8)),
-    jax.random.normal(jax.random.key(8), (3, 5, 8)),
-  )
-  autodiff = lambda a: jax.nn.silu(a[..., 0, :]) * a[..., 1, :]
-  a, b, d = (np.asarray(x, np.float64) for x in (gate_up[..., 0, :], gate_up[..., 1, :], d_hidden))
-  sigmoid = 1 / (1 + np.exp(-a))
-  # silu(a)·b: exp, add, divide and two products, each a relative rounding of the value (exp's own
-  # few ulps included in 8).
-  testing.assert_within(llama.gated_silu(gate_up), autodiff(gate_up),
-                        testing.operation_error_bound(np.abs(a * sigmoid * b), 8), "forward")
-  hand = jax.vjp(llama.gated_silu, gate_up)[1](d_hidden)[0]
-  # d_gate = d·b·σ(a)·(1 + a·(1 − σ(a))), d_up = d·silu(a): at most 10 roundings of terms bounded
-  # by the magnitudes below (the sum 1 + a·(1 − σ) bounded term by term).
-  magnitude = np.stack([np.abs(d * b) * sigmoid * (1 + np.abs(a) * (1 - sigmoid)),
-                        np.abs(d * a) * sigmoid], axis=-2)
-  testing.assert_within(hand, jax.vjp(autodiff, gate_up)[1](d_hidden)[0],
-                        testing.operation_error_bound(magnitude, 10), "backward")
-
-
-@pytest.mark.parametrize("spec, x_shape, w_shape", [
-    ("btd,dgf->btgf", (2, 16, 8), (8, 2, 12)),  # the SwiGLU's gate‖up
-    ("btd,dv->btv", (2, 16, 8), (8, 20)),  # the head
-    ("btd,dhk->bhtk", (2, 16, 8), (8, 2, 4)),  # q, k, v
-])
-def test_project_equals_einsum_with_its_gradients(spec, x_shape, w_shape):
-  x, w = (
-    jax.random.normal(jax.random.key(1), x_shape),
-    jax.random.normal(jax.random.key(2), w_shape),
-  )
-  out, vjp_hand = jax.vjp(lambda x, w: llama.project(spec, x, w), x, w)
-  expected, vjp_auto = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)
-  np.testing.assert_array_equal(out, expected)
-  d_out = jax.random.normal(jax.random.key(3), out.shape)
-  # The two sum the same products in other orders (which order differs between CPUs): each gradient
-  # within the float32 bound of its own contraction, dx = einsum(out, w -> x), dw = einsum(x, out ->
-  # w).
-  x_in, w_in, out_letters = *spec.split("->")[0].split(","), spec.split("->")[1]
-  bounds = (testing.einsum_error_bound(f"{out_letters},{w_in}->{x_in}", d_out, w),
-            testing.einsum_error_bound(f"{x_in},{out_letters}->{w_in}", x, d_out))
-  for hand, auto, bound, name in zip(vjp_hand(d_out), vjp_auto(d_out), bounds, ("dx", "dw")):
-    testing.assert_within(hand, auto, bound, name)
-
-
-def test_weight_gradients_copy_the_input_once_not_the_wider_output_gradient():
-  # XLA's CPU matmul takes each operand with its contracted axis minor: autodiff's weight gradient
-  # dot(dY, x) made it copy the gate‖up cotangent [tokens, 2F] and the logits' cotangent
-  # [tokens, V] transposed; llama.project's dot(x, dY) copies the input [D, tokens] instead.
-  cfg = models.get_model_config("tiny", layer_loop="unroll")  # D = 32, 2F = 128, V = 256
-  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
-  b, t = 3, 16
-  tokens = jnp.zeros((b, t), jnp.int32)
-  step = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))
-  hlo = step.lower(params).compile().as_text()
-  assert f"f32[{2 * cfg.d_ff},{b * t}]" not in hlo and f"f32[{cfg.vocab_size},{b * t}]" not in hlo
-  assert f"f32[{cfg.d_model},{b * t}]" in hlo
-  # q, k, v: XLA's forward already copies x to [D, tokens]; the weight gradients reuse that copy
-  # instead of transposing x again for each of the three (autodiff's order).
-  entry = hlo[hlo.index("\nENTRY"):]
-  own_copies = [line for line in entry.splitlines() if f"= f32[{cfg.d_model},{b * t}]" in line
-                and "fusion(" in line and "transpose(jvp(btd,dhk->bhtk))/transpose" in line]
-  assert not own_copies
-
-
-def test_attention_backward_writes_no_constant_of_the_score_shape():
-  # The backward's 1/√K scale applied to dS [B, H, T, S]: XLA's CPU matmul fusion took the constant
-  # as an operand of that shape, materialised (a fusion of the constant alone) every step. Applied
-  # to dQ and dK it fuses into their consumers.
-  cfg = models.get_model_config("tiny", layer_loop="unroll")
-  graphdef, params = nnx.split(llama.Decoder(cfg, nnx.Rngs(0)), nnx.Param)
-  b, t = 4, 64
-  tokens = jnp.zeros((b, t), jnp.int32)
-  step = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))
-  hlo = step.lower(params).compile().as_text()
-  entry = hlo[hlo.index("\nENTRY"):]
-  materialised = re.findall(r"= (f32\[[\d,]*\])\{[\d,]*\} fusion\(%constant[.\d]*\)", entry)
-  assert f"f32[{b},{cfg.num_heads},{t},{t}]" not in materialised

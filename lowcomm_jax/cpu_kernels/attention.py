@@ -11,11 +11,11 @@ backward, each working one (batch, head) slice at a time in cache:
   backward  P = exp(S − L) recomputed, dP = dO·vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O)) / √K,
             dQ = dS·k, dK = dSᵀ·q, dV = Pᵀ·dO
 
-(the same formulas as `llama.causal_attention`'s hand-written backward, with L saved instead of
-P). The arithmetic is the same up to float32 rounding (sums in another order; the outputs and
-gradients agree with the XLA path to ~1e-6 relative, tests/test_cpu_kernels.py). Operands are
-[B, T, H, K] (the projections' layout: no transposed copies around the calls). float32 only,
-head_dim 16, 32, 64 or 128, any T (padded to a multiple of 4 here), CPU only.
+(softmax attention's vector-Jacobian product, with L saved instead of P). The arithmetic is the same
+up to float32 rounding (sums in another order; the outputs and gradients agree with the XLA path to
+~1e-6 relative, tests/test_cpu_kernels.py). Operands are [B, T, H, K] (the projections' layout: no
+transposed copies around the calls). float32 only, head_dim 16, 32, 64 or 128, any T (padded to a
+multiple of 4 here), CPU only.
 
 The kernel is compiled on first use into a private per-user cache and verified before it is loaded
 (`cpu_kernels/build.py`: no `-ffast-math`, so NaN propagates as in the XLA path; the cache key

@@ -8,11 +8,8 @@ a layer gives that layer no gradient; a path that swaps two layers runs them
 swapped. The default (no path) runs the stacked blocks in order, unrolled or
 scanned as `ModelConfig.layer_loop` says.
 
-The hand-written backwards of `rms_norm`, `project`, `gated_silu` and `causal_attention` were
-shaped by XLA:CPU's fusions; they apply only where the program is lowered for CPU
-(`jax.lax.platform_dependent`, decided at lowering, so a program traced here and lowered for cuda or
-tpu gets plain autodiff of the same forward). `ModelConfig.remat` wraps each block in
-`jax.checkpoint`.
+Gradients are autodiff's on every platform, so a program traced and tested on CPU is the one
+lowered for cuda or tpu. `ModelConfig.remat` wraps each block in `jax.checkpoint`.
 
 Every parameter carries `logical_axes` metadata (names such as "embed",
 "mlp", "heads", "vocab"); `lowcomm_jax.sharding` maps them to mesh axes.
@@ -38,12 +35,6 @@ def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], std: flo
   return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), logical_axes=axes)
 
 
-def cpu_tuned(tuned, plain):
-  """`tuned` (a hand-written VJP for XLA:CPU) where the program is lowered for CPU, `plain`
-  (autodiff of the same forward) on every other platform. Both compute the same forward."""
-  return lambda *args: jax.lax.platform_dependent(*args, cpu=tuned, default=plain)
-
-
 class RMSNorm(nnx.Module):
   """x / rms(x) · scale, computed in float32."""
 
@@ -52,52 +43,15 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x_BxTxD):
-    return cpu_tuned(
-      functools.partial(rms_norm, self.eps), functools.partial(_rms_norm_plain, self.eps)
-    )(x_BxTxD, self.scale[...])
+    return rms_norm(self.eps, x_BxTxD, self.scale[...])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def rms_norm(eps: float, x, scale):
   """x · r · scale with r = 1 / √(mean(x²) + eps) over the last axis, in float32, cast back to x's
-  dtype.
-
-  The backward is written by hand so that no [tokens, D] array is written for it in the forward
-  and one in the backward: autodiff saved the normalised x̂ = x · r (one [tokens, D] write per norm
-  in the forward) and its backward wrote dY · scale for a row-sum reduction. Here the forward
-  saves r ([tokens]) besides x; with h = dY · r (the one array the backward writes):
-  d scale = Σ_tokens h · x, dx = h · scale − x · r² · mean_D(h · x · scale), the mean taken as a
-  matrix-vector product with scale. Same formula as autodiff's up to the order of the products
-  and of the sums (rounding).
-  """
-  return _rms_norm_fwd(eps, x, scale)[0]
-
-
-def _rms_norm_fwd(eps, x, scale):
+  dtype."""
   x32 = x.astype(jnp.float32)
-  inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
-  return (x32 * inv_rms[..., None] * scale).astype(x.dtype), (x, inv_rms, scale)
-
-
-def _rms_norm_bwd(eps, saved, d_out):
-  del eps
-  x, inv_rms, scale = saved
-  x32, inv_rms = x.astype(jnp.float32), inv_rms[..., None]
-  # XLA's CPU reductions neither fused r broadcast over D nor a [D] vector broadcast over the
-  # tokens: summing x̂ · dY or x · dY · scale made it write x̂ or dY · scale too. h · x reads
-  # only full-size arrays, and the row sum with scale is a matrix-vector product.
-  h = d_out.astype(jnp.float32) * inv_rms
-  d_scale = jnp.sum(h * x32, axis=tuple(range(x.ndim - 1)))
-  mean_hxs = jnp.einsum("...d,d->...", h * x32, scale)[..., None] / x.shape[-1]
-  d_x = h * scale - x32 * (inv_rms * inv_rms * mean_hxs)
-  return d_x.astype(x.dtype), d_scale.astype(scale.dtype)
-
-
-rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
-
-
-def _rms_norm_plain(eps, x, scale):
-  return _rms_norm_fwd(eps, x, scale)[0]
+  inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * inv_rms * scale).astype(x.dtype)
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
@@ -135,90 +89,16 @@ def _causal_softmax(q_BxHxTxK, k_BxHxSxK):
   return jax.nn.softmax(jnp.where(causal_TxS, scores_BxHxTxS, -1e30), axis=-1)
 
 
-@jax.custom_vjp
 def causal_attention(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK):
-  """softmax(q·kᵀ / √K, causal) · v, heads before time; probabilities in the inputs' dtype.
-
-  The backward is written by hand so that it keeps ONE [B, H, T, S] tensor, the probabilities P in
-  the compute dtype: autodiff of the same forward saved both the float32 scores and the cast
-  probabilities, and moved both through memory again in the backward. With dO the output's
-  cotangent: dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(P ⊙ dP)) (the softmax's vector-Jacobian
-  product, in float32), dQ = (dS·K) / √K, dK = (dSᵀ·Q) / √K.
-  """
-  return _attention_fwd(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK)[0]
-
-
-def _attention_fwd(q, k, v):
-  probs = _causal_softmax(q, k).astype(v.dtype)
-  return jnp.einsum("bhts,bhsk->bhtk", probs, v), (q, k, v, probs)
-
-
-def _attention_bwd(saved, d_out_BxHxTxK):
-  q, k, v, probs = saved
-  dt = v.dtype
-  d_v = jnp.einsum("bhts,bhtk->bhsk", probs, d_out_BxHxTxK.astype(dt))
-  d_probs = jnp.einsum("bhtk,bhsk->bhts", d_out_BxHxTxK.astype(dt), v).astype(jnp.float32)
-  p32 = probs.astype(jnp.float32)
-  d_scores = (p32 * (d_probs - jnp.sum(p32 * d_probs, axis=-1, keepdims=True))).astype(dt)
-  # 1/√K applied to dQ and dK ([B, H, T, K]) rather than to dS ([B, H, T, S]): there XLA's CPU
-  # matmul fusion took the constant as a materialised [B, H, T, S] operand, written every step.
-  scale = q.shape[-1] ** 0.5
-  d_q = jnp.einsum("bhts,bhsk->bhtk", d_scores, k) / scale
-  d_k = jnp.einsum("bhts,bhtk->bhsk", d_scores, q) / scale
-  return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
-
-
-causal_attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-def _attention_plain(q, k, v):
-  return _attention_fwd(q, k, v)[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def project(spec: str, x, w):
-  """jnp.einsum(spec, x, w) for an activation x and a weight w ("btd,dgf->btgf").
-
-  The backward is written by hand for the weight gradient's operand order: autodiff computes it as
-  dot(dY, x) over the token axes and transposes the small result, and XLA's CPU matmul, which takes
-  each operand with its contracted axis minor, then copies the whole cotangent dY transposed
-  ([2F, tokens] for the SwiGLU's gate‖up). einsum(x, dY) copies x transposed instead ([D, tokens],
-  6× smaller there) and writes the gradient straight in w's layout. Same products and sums (the
-  `small` model's first steps are bit-identical); the input gradient is autodiff's. Used where the
-  output is wider than the input (gate‖up, the head), and for q, k, v, whose forward XLA computes
-  transposed from the same [D, tokens] copy of x, which the three weight gradients then share
-  (autodiff's order made each copy its own). For a narrower output (w_down) autodiff's order
-  already copies the smaller operand.
-  """
-  return jnp.einsum(spec, x, w)
-
-
-def _project_fwd(spec, x, w):
-  return jnp.einsum(spec, x, w), (x, w)
-
-
-def _project_bwd(spec, saved, d_out):
-  x, w = saved
-  # autodiff's input gradient (jnp.einsum would contract the weight's axes in another order, and
-  # XLA then copies both operands in that order)
-  d_x = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)[1](d_out)[0]
-  x_axes, rest = spec.split(",")
-  w_axes, out_axes = rest.split("->")
-  return d_x, jnp.einsum(f"{x_axes},{out_axes}->{w_axes}", x, d_out).astype(w.dtype)
-
-
-project.defvjp(_project_fwd, _project_bwd)
-
-
-def projection(spec: str, x, w):
-  """jnp.einsum(spec, x, w): `project`'s hand-written backward on CPU, autodiff elsewhere."""
-  return cpu_tuned(functools.partial(project, spec), functools.partial(jnp.einsum, spec))(x, w)
+  """softmax(q·kᵀ / √K, causal) · v, heads before time; probabilities in the inputs' dtype."""
+  probs_BxHxTxS = _causal_softmax(q_BxHxTxK, k_BxHxSxK).astype(v_BxHxSxK.dtype)
+  return jnp.einsum("bhts,bhsk->bhtk", probs_BxHxTxS, v_BxHxSxK)
 
 
 def head_logits(x_BxTxD, head_DxV, dtype):
   """The output head's float32 logits from the final norm's output (the Decoder and SkipPipe's
-  pipeline stages share it, so both take `project`'s weight gradient)."""
-  return projection("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype)).astype(jnp.float32)
+  pipeline stages share it)."""
+  return jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype)).astype(jnp.float32)
 
 
 class Attention(nnx.Module):
@@ -242,7 +122,7 @@ class Attention(nnx.Module):
     # (nor their gradients): the XLA path's batched matmuls batch over [B, H, T, K]; the CPU kernel
     # and jax.nn.dot_product_attention read the projections' own [B, T, H, K].
     heads = "bthk" if time_first else "bhtk"
-    project_heads = lambda w: projection(f"btd,dhk->{heads}", x_BxTxD, w[...].astype(dt))
+    project_heads = lambda w: jnp.einsum(f"btd,dhk->{heads}", x_BxTxD, w[...].astype(dt))
     cos, sin = (
       (cos[None, :, None], sin[None, :, None]) if time_first else (cos[None, None], sin[None, None])
     )
@@ -254,44 +134,15 @@ class Attention(nnx.Module):
     elif self.attention == "dot_product":
       attend = dot_product_attention
     else:
-      attend = cpu_tuned(causal_attention, _attention_plain)
+      attend = causal_attention
     out = attend(q, k, project_heads(self.wv))
     return jnp.einsum(f"{heads},hkd->btd", out, self.wo[...].astype(dt))
 
 
-@jax.custom_vjp
 def gated_silu(gate_up_Nx2xF):
-  """silu(gate) · up for gate, up = gate_up[..., 0, :], gate_up[..., 1, :].
-
-  The backward is written by hand so that it writes the cotangent of the [..., 2, F] input in one
-  fusion: autodiff through the split wrote each half, concatenated them and then wrote the whole
-  again transposed for the weight-gradient matmul. With s = sigmoid(gate) and dH the output's
-  cotangent: d gate = dH · up · s · (1 + gate · (1 − s)), d up = dH · gate · s.
-  """
-  return _gated_silu_fwd(gate_up_Nx2xF)[0]
-
-
-def _gated_silu_fwd(gate_up):
-  gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
-  return gate * jax.nn.sigmoid(gate) * up, gate_up
-
-
-def _gated_silu_bwd(gate_up, d_hidden):
-  # The barrier keeps XLA from sharing sigmoid(gate) with the forward: shared, it was written out
-  # to memory between two forward fusions and read back in the backward; recomputing it here is
-  # cheaper than that traffic.
-  gate_up = jax.lax.optimization_barrier(gate_up)
-  gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
-  s = jax.nn.sigmoid(gate)
-  d_gate = d_hidden * up * s * (1 + gate * (1 - s))
-  return (jnp.stack([d_gate, d_hidden * gate * s], axis=-2),)
-
-
-gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
-
-
-def _gated_silu_plain(gate_up):
-  return _gated_silu_fwd(gate_up)[0]
+  """silu(gate) · up for gate, up = gate_up[..., 0, :], gate_up[..., 1, :]."""
+  gate, up = gate_up_Nx2xF[..., 0, :], gate_up_Nx2xF[..., 1, :]
+  return gate * jax.nn.sigmoid(gate) * up
 
 
 class SwiGLU(nnx.Module):
@@ -300,7 +151,7 @@ class SwiGLU(nnx.Module):
   gate and up are one matmul against the two weights stacked on a new axis ([D, 2, F]: the same
   sharding along F as each weight): one [B·T, 2F] product and, in the backward, one input-gradient
   matmul and one weight-gradient matmul for both, instead of two each and a sum: fewer, larger
-  matmuls, cheaper on CPU (benchmarks/results/README.md, 2026-11-23, pass 2); the same arithmetic
+  matmuls (benchmarks/results/README.md, 2026-11-23, pass 2); the same arithmetic
   per output element.
   """
 
@@ -314,8 +165,8 @@ class SwiGLU(nnx.Module):
   def __call__(self, x_BxTxD):
     dt = self.dtype
     w_Dx2xF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)
-    gate_up_BxTx2xF = projection("btd,dgf->btgf", x_BxTxD, w_Dx2xF)
-    return cpu_tuned(gated_silu, _gated_silu_plain)(gate_up_BxTx2xF) @ self.w_down[...].astype(dt)
+    gate_up_BxTx2xF = jnp.einsum("btd,dgf->btgf", x_BxTxD, w_Dx2xF)
+    return gated_silu(gate_up_BxTx2xF) @ self.w_down[...].astype(dt)
 
 
 class Block(nnx.Module):
