@@ -19,6 +19,7 @@ collective is; the syncer's reply (the mean, float32) is `reply_bytes`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -59,6 +60,14 @@ def payload_bytes(tree) -> int:
              math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled(codec, method: str, static_argnums: tuple = ()):
+  """`codec.<method>` under `jax.jit`, one per codec: a leaf's encoding or decoding is then one
+  program compiled once per leaf shape (cached by jit), not each of its ops dispatched and compiled
+  on its own, and it computes what the plan's collective computes inside the SPMD step."""
+  return jax.jit(getattr(codec, method), static_argnums=static_argnums)
+
+
 def encode(plan: Plan, name: str, tree: Any, residual: Any = None):
   """(payload, new residual or None): `tree` (float32 leaves) as the syncer receives it.
 
@@ -77,11 +86,11 @@ def encode(plan: Plan, name: str, tree: Any, residual: Any = None):
   if residual is not None:
     tree = jax.tree.map(lambda x, e: x + plan.feedback_decay * e, tree, residual)
   if plan.kind == "compressed_mean":
-    payload = jax.tree.map(
-        lambda x: jax.tree.map(np.asarray, plan.codec.encode(jnp.asarray(x, jnp.float32))), tree)
+    payload = jax.tree.map(lambda x: jax.tree.map(np.asarray, _compiled(plan.codec, "encode")(
+        jnp.asarray(x, jnp.float32))), tree)
   else:
-    payload = jax.tree.map(lambda x: SparseLeaf(*jax.tree.map(np.asarray, plan.codec.encode(
-        jnp.asarray(x, jnp.float32))), tuple(np.shape(x))), tree)
+    payload = jax.tree.map(lambda x: SparseLeaf(*jax.tree.map(np.asarray, _compiled(
+        plan.codec, "encode")(jnp.asarray(x, jnp.float32))), tuple(np.shape(x))), tree)
   new_residual = None
   if residual is not None:
     new_residual = jax.tree.map(lambda x, d: np.asarray(x, np.float32) - d, tree,
@@ -99,9 +108,9 @@ def decode(plan: Plan, payload: Any):
   if plan.kind == "mean":
     return payload
   if plan.kind == "compressed_mean":
-    return jax.tree.map(lambda e: np.asarray(plan.codec.decode(jax.tree.map(jnp.asarray, e))),
-                        payload, is_leaf=_is_encoded)
-  return jax.tree.map(lambda e: np.asarray(plan.codec.decode(
+    return jax.tree.map(lambda e: np.asarray(_compiled(plan.codec, "decode")(
+        jax.tree.map(jnp.asarray, e))), payload, is_leaf=_is_encoded)
+  return jax.tree.map(lambda e: np.asarray(_compiled(plan.codec, "decode", (3,))(
       jnp.asarray(e.indices), jnp.asarray(e.codes), jnp.asarray(e.scales), e.shape)),
                       payload, is_leaf=_is_encoded)
 
