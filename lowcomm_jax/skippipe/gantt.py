@@ -1,4 +1,5 @@
-"""Gantt charts and topology maps of SkipPipe iterations (matplotlib).
+"""Gantt charts and topology maps of SkipPipe iterations (matplotlib, imported when one is drawn:
+it takes most of a second to import, and every config check imports this package).
 
 One row per node (grouped by stage), one bar per task: forward, loss and
 backward in different shades, the micro-batch id written on wide bars, and
@@ -8,8 +9,6 @@ backward. Gaps are idle time.
 
 from __future__ import annotations
 
-import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 
 _COLORS = {"F": "#4c72b0", "L": "#dd8452", "B": "#55a868"}
@@ -32,6 +31,7 @@ def plot_gantt(topology, placement, result, *, title: str = "", ax=None,
   Returns:
     The matplotlib Figure.
   """
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   tasks = getattr(result, "tasks", result)
   rows = [int(n) for nodes in placement for n in nodes]
   row_of = {node: i for i, node in enumerate(rows)}
@@ -82,6 +82,7 @@ def plot_gantt(topology, placement, result, *, title: str = "", ax=None,
 
 def save_gantt(path, topology, placement, result, **kwargs) -> str:
   """Writes `plot_gantt(...)` to a PNG file and returns its path."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   figure = plot_gantt(topology, placement, result, **kwargs)
   figure.savefig(path, dpi=120, bbox_inches="tight")
   plt.close(figure)
@@ -90,10 +91,12 @@ def save_gantt(path, topology, placement, result, **kwargs) -> str:
 
 def plot_link_costs(topology, *, ax=None, title: str = "link cost (s)"):
   """Heat map of the per-hop link cost between every pair of nodes."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib.colors import LogNorm  # pylint: disable=g-import-not-at-top
   if ax is None:
     _, ax = plt.subplots(figsize=(7, 6))
   image = ax.imshow(topology.link_cost_s, cmap="viridis",
-                    norm=matplotlib.colors.LogNorm(
+                    norm=LogNorm(
                         vmin=max(topology.link_cost_s[topology.link_cost_s > 0]
                                  .min(), 1e-3),
                         vmax=topology.link_cost_s.max()))
@@ -110,6 +113,7 @@ def plot_link_costs(topology, *, ax=None, title: str = "link cost (s)"):
 def plot_placement(topology, placement, schedule=None, *, ax=None,
                    title: str = "stages and paths"):
   """Nodes as dots in stage columns; optional schedule paths as lines."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   if ax is None:
     _, ax = plt.subplots(figsize=(8, 4))
   position = {}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from lowcomm_jax.skippipe.topology import Topology
 
@@ -103,6 +102,9 @@ def order_for_pipelines(topology: Topology, placement) -> list[np.ndarray]:
   S-1 for the loss). The full-pipeline baseline (DT-FM) runs its
   micro-batches down these chains.
   """
+  # imported here, not with the module: scipy.optimize takes about half a second to import, and
+  # every config check imports this package
+  from scipy.optimize import linear_sum_assignment  # pylint: disable=g-import-not-at-top
   link = topology.link_cost_s
   placement = [np.asarray(nodes, np.int64) for nodes in placement]
   if len(placement) == 1:
