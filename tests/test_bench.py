@@ -133,13 +133,14 @@ def test_a_complete_workdir_is_scored_again_without_training_or_writing(bench, q
 
 def test_beats_only_beyond_two_standard_errors(bench):
   # Means 1.0 and 2.0, standard errors 0.1/√3 each: the margin 2·√(2/300) = 0.163 < 1.
-  assert bench.compare([0.9, 1.0, 1.1], [1.9, 2.0, 2.1]) == "beats"
-  assert bench.compare([1.9, 2.0, 2.1], [0.9, 1.0, 1.1]) == "loses"
+  assert bench.bench_report.compare([0.9, 1.0, 1.1], [1.9, 2.0, 2.1]) == "beats"
+  assert bench.bench_report.compare([1.9, 2.0, 2.1], [0.9, 1.0, 1.1]) == "loses"
   # Means 1.0 and 1.3, standard errors 0.2/√3 each: margin 2·√(0.08/3) = 0.327 > 0.3.
-  assert bench.compare([0.8, 1.0, 1.2], [1.1, 1.3, 1.5]) == "tie"
+  assert bench.bench_report.compare([0.8, 1.0, 1.2], [1.1, 1.3, 1.5]) == "tie"
   # ... and with spread 0.18 the margin is 0.294 < 0.3.
-  assert bench.compare([0.82, 1.0, 1.18], [1.12, 1.3, 1.48]) == "beats"
-  assert bench.compare([1.0], [5.0]) == "tie"  # one seed: no standard error, no verdict
+  assert bench.bench_report.compare([0.82, 1.0, 1.18], [1.12, 1.3, 1.48]) == "beats"
+  # one seed: no standard error, no verdict
+  assert bench.bench_report.compare([1.0], [5.0]) == "tie"
 
 
 def test_a_sweep_records_each_point_reads_the_entrys_own_from_the_bench_and_resumes(quick,
