@@ -22,7 +22,6 @@ import json
 import pathlib
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -77,11 +76,14 @@ def main(argv):
   if _ROUNDS.value < 1 or _STEPS.value < 1:
     raise ValueError(f"--rounds and --steps: each must be >= 1, got {_ROUNDS.value} and "
                      f"{_STEPS.value}")
+  if _MODEL.value not in models.PRESETS:
+    raise ValueError(f"--model: {_MODEL.value!r} is not a preset; allowed: "
+                     f"{', '.join(sorted(models.PRESETS))}")
+  old = old_llama(_REV.value)  # a revision git lacks is refused before anything computes
   cfg = models.get_model_config(_MODEL.value)
   tokens = jax.random.randint(jax.random.key(0), (_BATCH.value, _SEQ_LEN.value + 1), 0,
                               cfg.vocab_size)
-  variants = {"old": grad_step(old_llama(_REV.value), cfg, tokens),
-              "new": grad_step(llama, cfg, tokens)}
+  variants = {"old": grad_step(old, cfg, tokens), "new": grad_step(llama, cfg, tokens)}
   first = {name: jax.block_until_ready(step(params)) for name, (step, params) in variants.items()}
   grad_diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(b)))
                   for a, b in zip(jax.tree.leaves(first["old"][1]),
@@ -105,7 +107,6 @@ def main(argv):
   print(text)
   if _OUT.value:
     pathlib.Path(_OUT.value).write_text(text + "\n")
-  sys.stdout.flush()
 
 
 if __name__ == "__main__":
