@@ -33,7 +33,9 @@ RUNTIME_KEYS = ("stop_at_step", "log_every", "eval.every", "eval.num_batches", "
                 "elastic.staleness_weight", "elastic.faults", "elastic.faults_per_hour",
                 "elastic.address", "elastic.max_restarts", "elastic.learner_cpus",
                 "elastic.learner_gpus", "elastic.timeout_s", "elastic.speeds",
-                "elastic.staleness", "elastic.max_staleness")
+                "elastic.staleness", "elastic.max_staleness", "elastic.heloco_keep",
+                "elastic.heloco_shrink", "elastic.heloco_max_shrink", "elastic.heloco_reorient",
+                "elastic.heloco_momentum_weight")
 
 
 # The keys of the `outer` section that were `diloco.<key>`, and those SparseLoCo read from its own
@@ -278,9 +280,18 @@ def default_config() -> ml_collections.ConfigDict:
       # algorithm=diloco with outer.overlap_steps = 0 only.
       asynchronous=False,
       # A Δ from φ s merges old is r = ⌊s / learners⌋ rounds behind. inverse: weight 1/(1 + r) |
-      # cutoff: 1 up to max_staleness rounds, dropped beyond | none: 1
+      # cutoff: 1 up to max_staleness rounds, dropped beyond | none: 1 | heloco: 1/(1 + r), and
+      # each Δ first aligned with the outer momentum m per parameter (HeLoCo, arXiv 2606.00271:
+      # kept if its cosine c with m is >= heloco_keep, its part along −m shrunk if c < 0, turned
+      # toward m if in between; needs outer_optimizer.name=nesterov with momentum > 0)
       staleness="inverse",
       max_staleness=1,  # S of staleness=cutoff (rounds), >= 0
+      heloco_keep=0.2,  # c_ok: a block with cosine >= this is kept as it is, in [-1, 1]
+      heloco_shrink=1.0,  # k_s: c < 0 shrinks the part along −m by β = min(k_s·(−c)·conf, β_max)
+      heloco_max_shrink=0.5,  # β_max, in [0, 1]
+      heloco_reorient=0.5,  # k_d: 0 <= c < c_ok turns Δ by λ = min(k_d·(1 − c)·conf, 1), >= 0
+      # κ: conf = ‖Δ‖ / (‖Δ‖ + κ·‖m‖): how much Δ weighs against the momentum buffer m, >= 0
+      heloco_momentum_weight=0.1,
       # True: a learner's answer waits until the momentum step that closes its buffer of N
       # (everyone then starts from the same φ: with N = num_learners, synchronous DiLoCo)
       buffer_barrier=False,

@@ -223,7 +223,8 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
                          "elastic.faults: unknown fault kind 'explode'"),
       "algorithm": ("noloco", "algorithm=noloco cannot run elastic: a syncer carries plans of "
                               "kind mean, compressed_mean, sparse_gather"),
-      "elastic.staleness": ("heloco", "elastic.staleness must be one of inverse, cutoff, none"),
+      "elastic.staleness": ("stalest", "elastic.staleness must be one of inverse, cutoff, none, "
+                                       "heloco"),
       "elastic.speeds": ("1,0", "elastic.speeds must be 2 numbers > 0"),
       "elastic.buffer_barrier": (True, "elastic.buffer_barrier must be False unless "
                                        "elastic.asynchronous=True"),
@@ -238,6 +239,12 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
        "elastic.max_staleness must be an integer >= 0"),
       ({**asynchronous, "outer.eager": True, "outer.overlap_steps": 5},
        "outer.eager must be False with elastic.asynchronous=True"),
+      ({"elastic.staleness": "heloco"},
+       "elastic.staleness must be inverse, cutoff or none unless elastic.asynchronous=True"),
+      ({**asynchronous, "elastic.staleness": "heloco", "outer_optimizer.momentum": 0.0},
+       "outer_optimizer.name/momentum must be nesterov/> 0 with elastic.staleness=heloco"),
+      ({**asynchronous, "elastic.staleness": "heloco", "elastic.heloco_keep": 1.5},
+       "elastic.heloco_keep must be a number in [-1, 1], got 1.5"),
   ]
   for i, (changes, message) in enumerate([({k: v}, m) for k, (v, m) in cases.items()] + combined):
     workdir = tmp_path / f"case{i}"

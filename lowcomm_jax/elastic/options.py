@@ -108,9 +108,25 @@ def evaluation_config(config):
 
 
 def outer_algorithm(config, abstract_params=None):
-  """The SPMD run's algorithm (`optim.replicated`: schedule, fragments, outer optimizer, plans)."""
+  """The SPMD run's algorithm (`optim.replicated`: schedule, fragments, outer optimizer, plans);
+  asynchronous with `elastic.staleness=heloco`, its outer optimizer aligns each Δ with its
+  momentum first (`merge_correction`)."""
   from lowcomm_jax.train import algorithms  # pylint: disable=g-import-not-at-top
-  return algorithms.make_algorithm(spmd_config(config), num_learners(config), abstract_params)
+  return algorithms.make_algorithm(spmd_config(config), num_learners(config), abstract_params,
+                                   merge_correction(config))
+
+
+def merge_correction(config):
+  """None, or with asynchronous learners under `elastic.staleness=heloco` the function wrapping
+  the syncer's outer optimizer in `optim.alignment.heloco` with the elastic.heloco_* values (its
+  state is the outer optimizer's own: the learners, the checkpoint and the replay see no
+  difference)."""
+  e = config.elastic
+  if not (e.asynchronous and e.staleness == "heloco"):
+    return None
+  from lowcomm_jax.optim import alignment  # pylint: disable=g-import-not-at-top
+  values = {name: e[f"heloco_{name}"] for name in alignment.RANGES}
+  return lambda outer: alignment.heloco(outer, **values)
 
 
 def syncer_algorithm(config, abstract_params=None):
@@ -169,7 +185,15 @@ def check(config) -> run_config.RunConfig:
     checks.require(run.algorithm == "diloco", "algorithm",
                    "diloco for elastic.asynchronous=True (one fragment, merged as it arrives)",
                    run.algorithm)
+    if e.staleness == "heloco":  # the outer momentum is the direction each Δ is aligned with
+      o = run.outer_optimizer
+      checks.require(o.name == "nesterov" and o.momentum > 0, "outer_optimizer.name/momentum",
+                     "nesterov/> 0 with elastic.staleness=heloco (the outer momentum is the "
+                     "direction it aligns each Δ with)", (o.name, o.momentum))
   else:
+    checks.require(e.staleness != "heloco", "elastic.staleness",
+                   "inverse, cutoff or none unless elastic.asynchronous=True (heloco aligns each "
+                   "Δ as it is merged)", e.staleness)
     for key, default in (("buffer_barrier", False), ("local_steps", "equal")):
       checks.require(e[key] == default, f"elastic.{key}",
                      f"{default} unless elastic.asynchronous=True (rounds need one H)", e[key])

@@ -9,6 +9,9 @@ docs/algorithms.md §1.8) weigh r:
   inverse   1 / (1 + r): a Δ counts less the more rounds it missed
   cutoff    1 up to S = `elastic.max_staleness` rounds, 0 (dropped) beyond
   none      1 whatever r (naive asynchronous merging)
+  heloco    1 / (1 + r), as inverse, and each Δ aligned block by block with the outer momentum
+            before the outer step (`optim.alignment.heloco`, which the elastic options wrap the
+            syncer's outer optimizer in)
 
 With every learner in step (r = 0: learners of one speed, a barrier, or one learner) every rule
 is 1.
@@ -16,7 +19,7 @@ is 1.
 
 from __future__ import annotations
 
-STALENESS_RULES = ("inverse", "cutoff", "none")
+STALENESS_RULES = ("inverse", "cutoff", "none", "heloco")
 
 
 def rounds_behind(staleness: int, num_learners: int) -> int:
@@ -31,7 +34,7 @@ def weight(rule: str, rounds: int, max_staleness: int = 0) -> float:
   """The factor of a Δ that is `rounds` rounds behind under `rule` (0: dropped)."""
   if rounds < 0:
     raise ValueError(f"rounds behind must be >= 0, got {rounds}")
-  if rule == "inverse":
+  if rule in ("inverse", "heloco"):
     return 1.0 / (1.0 + rounds)
   if rule == "cutoff":
     return 1.0 if rounds <= max_staleness else 0.0

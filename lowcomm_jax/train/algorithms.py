@@ -121,10 +121,11 @@ def _family(config, tx, num_replicas, abstract_params) -> replicated.DiLoCoFamil
   return replicated.DiLoCoFamily(config.algorithm, tx, num_replicas, names)
 
 
-def _diloco_family(config, inner, num_replicas, abstract_params):
+def _diloco_family(config, inner, num_replicas, abstract_params, outer_transform=None):
   o = config.outer
+  outer = make_outer_optimizer(config.outer_optimizer)
   tx = optim.streaming_diloco(
-      inner, make_outer_optimizer(config.outer_optimizer), **_schedule_arguments(o),
+      inner, outer_transform(outer) if outer_transform else outer, **_schedule_arguments(o),
       codec=_codec(o.codec, o.codec_block_size, o.codec_rounding), error_feedback=o.error_feedback,
       codec_kernels=o.codec_kernels, eager=o.eager, naive_delay=o.naive_delay)
   return _family(config, tx, num_replicas, abstract_params)
@@ -294,6 +295,12 @@ ALGORITHMS = {
 
 
 def make_algorithm(config: ml_collections.ConfigDict, num_replicas: int,
-                   abstract_params=None) -> replicated.ReplicatedAlgorithm:
+                   abstract_params=None, outer_transform=None) -> replicated.ReplicatedAlgorithm:
+  """The config's algorithm on `num_replicas` replicas. `outer_transform` (DiLoCo family only):
+  a function of the outer optimizer giving the one the algorithm steps with (the elastic syncer's
+  HeLoCo alignment, `elastic.options.outer_algorithm`)."""
   inner = inner_lib.make_optimizer(config.optimizer, config.num_steps)
-  return ALGORITHMS[config.algorithm].build(config, inner, num_replicas, abstract_params)
+  build = ALGORITHMS[config.algorithm].build
+  if outer_transform is None:
+    return build(config, inner, num_replicas, abstract_params)
+  return build(config, inner, num_replicas, abstract_params, outer_transform=outer_transform)

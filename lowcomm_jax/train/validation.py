@@ -18,7 +18,7 @@ import ml_collections
 from lowcomm_jax import checks, config as config_lib, mesh as mesh_lib, run_config, sharding
 from lowcomm_jax.data import corpora, files, pipeline, tokenizer as tokenizer_lib
 from lowcomm_jax.models import config as model_config, hf_llama
-from lowcomm_jax.optim import inner
+from lowcomm_jax.optim import alignment, inner
 from lowcomm_jax.optim.staleness import STALENESS_RULES
 from lowcomm_jax.sim import network
 from lowcomm_jax.train import algorithms, faults, sources
@@ -130,6 +130,7 @@ def _check_elastic_values(c) -> None:
   checks.require(e.staleness in STALENESS_RULES, "elastic.staleness",
                  f"one of {', '.join(STALENESS_RULES)}", e.staleness)
   checks.integer(c, "elastic.max_staleness", 0)
+  alignment.check_hyperparameters(c, "elastic.heloco_")
   checks.require(e.local_steps in ("equal", "by_speed"), "elastic.local_steps",
                  "one of equal, by_speed", e.local_steps)
 
