@@ -4,6 +4,7 @@ under each staleness rule, in real wall time on this machine.
 
   python benchmarks/async_learners.py                      # tiny, 4 learners at 1, 1, 1/2, 1/4
   python benchmarks/async_learners.py --steps=400 --variant=small
+  python benchmarks/async_learners.py --rules=inverse,heloco   # with HeLoCo's alignment
 
 Each row is one elastic run (lowcomm_jax.elastic.run, a local Ray on 127.0.0.1) of
 experiments/configs/elastic.py:<variant> with `--steps` steps, H = the variant's, learners slowed by
@@ -42,7 +43,7 @@ _STEPS = flags.DEFINE_integer("steps", 300, "Steps of the fastest learner (num_s
 _VARIANT = flags.DEFINE_enum("variant", "tiny", ["tiny", "small"], "experiments/configs/elastic.py")
 _SPEEDS = flags.DEFINE_string("speeds", "1,1,0.5,0.25", "elastic.speeds (one per learner).")
 _RULES = flags.DEFINE_list("rules", ["inverse", "cutoff", "none"], "Staleness rules of the "
-                           "asynchronous rows.")
+                           "asynchronous rows (elastic.staleness: inverse, cutoff, none, heloco).")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 3000.0, "elastic.timeout_s of each run.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Folder of the runs (default: a temporary one).")
 _OUT = flags.DEFINE_string("out", str(ROOT / "benchmarks" / "results" / "async_learners.json"),

@@ -28,10 +28,11 @@ Asynchronous learners (`elastic.asynchronous`, DiLoCo): no rounds. Each Δ is me
 arrives (`_merge`): weighted by the staleness rule (`optim.staleness`: s = merges into φ since the
 learner took its φ, ⌊s / L⌋ rounds behind with L members) and by its tokens against the learners'
 mean phase (H_i steps each), it goes through the outer optimizer at once (with
-`outer_optimizer.momentum_every` = N, Delayed Nesterov: momentum every N merges), and the learner
-goes on from φ as it is then (with `elastic.buffer_barrier`, once the momentum step closing its
-buffer of N ran). Every merge (or drop) is a line of the merge log, syncer/merges.jsonl: learner,
-fragment, base version, version, staleness, rounds behind, weight, tokens, bytes; with
+`outer_optimizer.momentum_every` = N, Delayed Nesterov: momentum every N merges; with
+`elastic.staleness=heloco` aligned first with its momentum, `options.merge_correction`), and the
+learner goes on from φ as it is then (with `elastic.buffer_barrier`, once the momentum step closing
+its buffer of N ran). Every merge (or drop) is a line of the merge log, syncer/merges.jsonl:
+learner, fragment, base version, version, staleness, rounds behind, weight, tokens, bytes; with
 `elastic.log_deltas` the merged Δ beside it (syncer/merges/<n>.npz), from which
 `merge_log.replay` rebuilds φ on one process.
 
