@@ -2,6 +2,8 @@
 oracle and against DiLoCo's outer step, the staleness rules, HeLoCo's alignment against a float64
 oracle (alone and before Delayed Nesterov), the declared speeds and the per-learner H they give."""
 
+from importlib import metadata
+
 import numpy as np
 import optax
 import pytest
@@ -261,30 +263,45 @@ def test_heloco_before_delayed_nesterov_equals_its_float64_oracle(every):
   assert float(np.abs(plain["kept"] - expected["kept"]).max()) < 1e-12
 
 
+# XLA's CPU compiler as a run has it, not as conftest.py sets it for the suite's speed: LLVM's
+# optimizations on (they contract a multiply and an add into one FMA where the fusion allows it)
+# and, where the flag exists (jaxlib 0.10), the fusion emitters
+_PRODUCTION_CPU = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False,
+                   **({"xla_cpu_use_fusion_emitters": True}
+                      if metadata.version("jaxlib").startswith("0.10.") else {})}
+
+
 def test_heloco_with_every_delta_aligned_is_delayed_nesterov_bit_for_bit():
   """Eight merges (N = 2) of outer gradients close to one direction: every block's cosine with the
   momentum, once there is one, is above c_ok, so φ and the state equal plain Delayed Nesterov's bit
-  for bit, each step compiled alike."""
+  for bit, each merge one program (the update and φ's step, as the syncer runs them) compiled as in
+  a run, on blocks large enough for vectorized code (where the outer optimizer's multiply-adds fused
+  with the correction would round otherwise)."""
   import jax  # pylint: disable=g-import-not-at-top
 
   from lowcomm_jax.optim import alignment  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(4)
-  phi = {"w": rng.normal(size=(6, 5)).astype(np.float32), "b": rng.normal(size=(5,))}
+  phi = {"w": rng.normal(size=(64, 33)).astype(np.float32), "b": rng.normal(size=(33,))}
   phi = {k: np.asarray(x, np.float32) for k, x in phi.items()}
   direction = {k: rng.normal(size=x.shape) for k, x in phi.items()}
   deltas = [{k: (x + 0.3 * rng.normal(size=x.shape)).astype(np.float32)
              for k, x in direction.items()} for _ in range(8)]
   results, plain_tx = [], optim.delayed_nesterov(LR, MU, 2)
   for tx in (alignment.heloco(plain_tx), plain_tx):
-    state, p, step, cosines = tx.init(phi), phi, jax.jit(tx.update), []
+
+    def merge(p, state, delta, tx=tx):
+      updates, state = tx.update(delta, state)
+      return optax.apply_updates(p, updates), state
+
+    state, p, cosines = tx.init(phi), phi, []
+    step = jax.jit(merge).lower(p, state, deltas[0]).compile(compiler_options=_PRODUCTION_CPU)
     for delta in deltas:
       for k in phi:
         b = np.asarray(state.momentum[k], np.float64).ravel()
         if b.any():
           d = np.asarray(delta[k], np.float64).ravel()
           cosines.append(d @ b / np.linalg.norm(d) / np.linalg.norm(b))
-      updates, state = step(delta, state)
-      p = optax.apply_updates(p, updates)
+      p, state = step(p, state, delta)
     results.append((p, state, cosines))
   (ours, our_state, cosines), (plain, plain_state, _) = results
   assert len(cosines) == 2 * 6 and min(cosines) >= alignment.DEFAULTS["keep"]  # the premise

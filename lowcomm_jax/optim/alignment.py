@@ -66,22 +66,29 @@ def align_block(delta, momentum, keep=DEFAULTS["keep"], shrink=DEFAULTS["shrink"
   """Δ̂_b of one block `delta` against the momentum `momentum` of the same shape (module doc),
   computed in float32, returned in `delta`'s dtype. keep = c_ok, shrink = k_s, max_shrink = β_max,
   reorient = k_d, momentum_weight = κ."""
-  d = jnp.asarray(delta, jnp.float32)
+  delta = jnp.asarray(delta)
+  d = delta.astype(jnp.float32)
   m = jnp.asarray(momentum, jnp.float32)
   norm_d, norm_m = jnp.sqrt(jnp.sum(d * d)), jnp.sqrt(jnp.sum(m * m))
   defined = (norm_d > 0) & (norm_m > 0)
   u = d / jnp.where(defined, norm_d, 1.0)
   v = m / jnp.where(defined, norm_m, 1.0)
   c = jnp.clip(jnp.sum(u * v), -1.0, 1.0)
-  conf = norm_d / (norm_d + momentum_weight * norm_m + eps)
-  beta = jnp.minimum(shrink * (-c) * conf, max_shrink)
-  shrunk = d - beta * c * norm_d * v
-  lam = jnp.minimum(reorient * (1.0 - c) * conf, 1.0)
-  turned = (1.0 - lam) * u + lam * v
-  reoriented = norm_d * turned / jnp.maximum(jnp.sqrt(jnp.sum(turned * turned)), eps)
-  corrected = jnp.where(c < 0, shrunk, reoriented)
-  # kept blocks are Δ_b itself, bit for bit (the select takes no arithmetic on them)
-  return jnp.where(~defined | (c >= keep), d, corrected).astype(jnp.asarray(delta).dtype)
+
+  def corrected(delta):
+    conf = norm_d / (norm_d + momentum_weight * norm_m + eps)
+    beta = jnp.minimum(shrink * (-c) * conf, max_shrink)
+    shrunk = d - beta * c * norm_d * v
+    lam = jnp.minimum(reorient * (1.0 - c) * conf, 1.0)
+    turned = (1.0 - lam) * u + lam * v
+    reoriented = norm_d * turned / jnp.maximum(jnp.sqrt(jnp.sum(turned * turned)), eps)
+    return jnp.where(c < 0, shrunk, reoriented).astype(delta.dtype)
+
+  # A kept block is Δ_b itself, and a branch of its own: what follows (the outer optimizer's
+  # arithmetic) then compiles as it does without the alignment, bit for bit (fused with the
+  # correction, XLA may contract its multiply-adds otherwise, a rounding apart). Under vmap with a
+  # batched Δ the cond is a select: the same values, bit identity not promised.
+  return jax.lax.cond(~defined | (c >= keep), lambda delta: delta, corrected, delta)
 
 
 def align(deltas, momenta, **hyperparameters):
