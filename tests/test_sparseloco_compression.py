@@ -249,6 +249,33 @@ def test_shard_map_equals_vmap_bit_for_bit():
     assert np.array_equal(residual[name], residual_R[name]), name
 
 
+def test_the_syncers_wire_format_equals_the_collective_bit_for_bit():
+  """An elastic run's exchange (`comm.remote`: each learner encodes with its residual, the syncer
+  decodes and averages) against `comm.sparse_mean` over a replica axis, two rounds, each learner's
+  residual carried from the first to the second: the same mean and residuals, bit for bit (β·e + Δ
+  is one rounding in both; the payloads, their levels and the worker-ordered sum are the same
+  float32 operations)."""
+  from lowcomm_jax.comm import remote  # pylint: disable=g-import-not-at-top
+  compressor = codecs.TopKCompressor(64, 8, 2)
+  plan = comm.Plan("sparse_gather", compressor, error_feedback=True, feedback_decay=DECAY)
+  x_R, e_R = _tree_R(seed=5)
+  second_R, _ = _tree_R(seed=6)
+  worker = lambda t, r: jax.tree.map(lambda a: np.asarray(a[r]), t)
+  residuals = [worker(e_R, r) for r in range(M)]
+  for x in (x_R, second_R):
+    mean_R, residual_R = jax.device_get(_vmapped_round(x, e_R, compressor))
+    sent = [remote.encode(plan, "outer", worker(x, r), residuals[r]) for r in range(M)]
+    mean = remote.mean([remote.decode(plan, payload) for payload, _ in sent], [1.0] * M)
+    residuals = [residual for _, residual in sent]
+    for name in x:
+      assert np.array_equal(mean[name], mean_R[name][0]), name
+      assert np.array_equal(np.stack([r[name] for r in residuals]), residual_R[name]), name
+    e_R = residual_R
+  # not vacuous: the second round's mean is not what its Δ alone would send (the residual counted)
+  alone = jax.device_get(_vmapped_round(second_R, jax.tree.map(np.zeros_like, e_R), compressor))
+  assert not np.array_equal(mean["w"], alone[0]["w"][0])
+
+
 _RESULT = re.compile(r"= (\w+)\[([\d,]*)\]")
 
 
